@@ -1,0 +1,54 @@
+"""The exceptions aioreduce raises. Every one that concerns a peer names its rank."""
+
+from __future__ import annotations
+
+from .wire.frame import ProtocolError
+
+
+class AioreduceError(Exception):
+    """Base class of aioreduce's own errors."""
+
+
+class PeerLost(AioreduceError, ConnectionError):
+    """The connection to a peer closed or broke (killed process, reset, dead host)."""
+
+    def __init__(self, rank: int, reason: str) -> None:
+        super().__init__(f"rank {rank}: {reason}")
+        self.rank = rank
+        self.reason = reason
+
+
+class RecvTimeout(AioreduceError, TimeoutError):
+    """A receive was not satisfied within its deadline."""
+
+    def __init__(self, rank: int, step: int, tag: int, timeout: float) -> None:
+        super().__init__(f"no frame from rank {rank} for step {step} tag {tag} "
+                         f"within {timeout:.3g} s")
+        self.rank, self.step, self.tag, self.timeout = rank, step, tag, timeout
+
+
+class AuthError(AioreduceError):
+    """A connection failed the shared-secret handshake."""
+
+
+class RendezvousError(AioreduceError):
+    """The job could not assemble: ranks missing, inconsistent world sizes, unreachable master."""
+
+    def __init__(self, message: str, missing: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.missing = missing or []
+
+
+class ConfigError(AioreduceError, ValueError):
+    """The environment or arguments do not describe a valid job."""
+
+
+__all__ = [
+    "AioreduceError",
+    "AuthError",
+    "ConfigError",
+    "PeerLost",
+    "ProtocolError",
+    "RecvTimeout",
+    "RendezvousError",
+]

@@ -1,0 +1,7 @@
+"""The asyncio layer: event loop, framed connections, the authenticated mesh, rendezvous."""
+
+from .loop import is_uvloop, loop_factory, run
+from .mesh import Mesh, MeshOptions
+from .rendezvous import barrier, rendezvous
+
+__all__ = ["Mesh", "MeshOptions", "barrier", "is_uvloop", "loop_factory", "rendezvous", "run"]

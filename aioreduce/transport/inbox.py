@@ -1,0 +1,197 @@
+"""Matching frames from one peer to the receives posted for them.
+
+A receive is posted for a key ``(step, tag)`` with a destination view. When a frame's header is
+parsed, the inbox decides where its payload goes:
+
+* a receive is posted for its key: straight into the caller's array (zero-copy);
+* its step is below the *floor* (the caller said those steps are over): scratch, discarded, so
+  a straggler's late frame is never mixed into a later step;
+* otherwise it arrived early. Small payloads (``stage_limit``) are staged in a fresh buffer and
+  copied on post. Large ones are *held back*: the connection stops reading, the bytes wait in the
+  kernel, and the post that matches them resumes the connection into the caller's array. So a
+  large frame is never received twice. To avoid a deadlock, a held frame is staged anyway as
+  soon as someone waits for a different key from the same peer (TCP delivers in order, so that
+  key can only come after it).
+
+When a peer's last connection closes, every receive waiting on it fails with :class:`PeerLost`
+naming the rank, and so does every later receive that is not already staged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import PeerLost
+from ..wire import DEFER, Frame, Header
+from ..wire.decoder import Destination
+
+if TYPE_CHECKING:
+    from .protocol import FrameProtocol
+
+log = logging.getLogger("aioreduce.transport")
+
+Key = tuple[int, int]  # (step, tag)
+NO_FLOOR = -(1 << 62)
+
+
+@dataclass(eq=False)
+class _Posted:
+    view: memoryview
+    dtype: str
+    future: asyncio.Future[Header]
+
+
+class Inbox:
+    """Receive matching for one source rank (all its connections)."""
+
+    def __init__(self, rank: int, stage_limit: int) -> None:
+        self.rank = rank
+        self.stage_limit = stage_limit
+        self.floor = NO_FLOOR
+        self.conns: set[FrameProtocol] = set()
+        self.lost: PeerLost | None = None
+        self.control: asyncio.Queue[dict[str, object] | None] = asyncio.Queue()
+        self._posted: dict[Key, _Posted] = {}
+        self._receiving: dict[FrameProtocol, tuple[Key, _Posted]] = {}
+        self._staged: dict[Key, tuple[Header, memoryview]] = {}
+        self._held: dict[FrameProtocol, Header] = {}
+
+    # -- the caller's side --------------------------------------------------------------------
+    def post(self, key: Key, view: memoryview, dtype: str) -> asyncio.Future[Header]:
+        """Post a receive of ``key`` into ``view``; the future resolves with the frame header."""
+        fut: asyncio.Future[Header] = asyncio.get_running_loop().create_future()
+        if key in self._posted:
+            raise RuntimeError(f"a receive from rank {self.rank} for step {key[0]} tag {key[1]} "
+                               "is already posted")
+        staged = self._staged.pop(key, None)
+        if staged is not None:
+            header, data = staged
+            err = self._mismatch(header, view, dtype)
+            if err:
+                fut.set_exception(ValueError(err))
+            else:
+                view[:] = data
+                fut.set_result(header)
+            return fut
+        if self.lost is not None and not self.conns:
+            fut.set_exception(self.lost)
+            return fut
+        posted = _Posted(view, dtype, fut)
+        self._posted[key] = posted
+        for conn, header in list(self._held.items()):
+            del self._held[conn]
+            if (header.step, header.tag) == key and self._posted.get(key) is posted:
+                del self._posted[key]
+                err = self._mismatch(header, view, dtype)
+                if err:
+                    fut.set_exception(ValueError(err))
+                    conn.resume_with(None)
+                else:
+                    self._receiving[conn] = (key, posted)
+                    conn.resume_with(view)
+            else:
+                conn.resume_with(self._stage_buffer(header))
+        return fut
+
+    def cancel(self, key: Key, fut: asyncio.Future[Header]) -> None:
+        """Withdraw a receive (timeout, cancellation): its buffer is never written again."""
+        posted = self._posted.get(key)
+        if posted is not None and posted.future is fut:
+            del self._posted[key]
+        for conn, (_k, p) in list(self._receiving.items()):
+            if p.future is fut:
+                conn.decoder.redirect_to_scratch()
+
+    def set_floor(self, step: int) -> None:
+        """Frames of steps below ``step`` are stale from now on: drop staged and held ones."""
+        self.floor = max(self.floor, step)
+        for key in [k for k in self._staged if k[0] < self.floor]:
+            del self._staged[key]
+        for conn, header in list(self._held.items()):
+            if header.step < self.floor:
+                del self._held[conn]
+                conn.resume_with(None)
+
+    # -- the connection's side (Router callbacks, via the mesh) --------------------------------
+    def choose(self, conn: FrameProtocol, header: Header) -> Destination:
+        key = (header.step, header.tag)
+        if header.step < self.floor:
+            return None
+        posted = self._posted.pop(key, None)
+        if posted is not None:
+            err = self._mismatch(header, posted.view, posted.dtype)
+            if err:
+                posted.future.set_exception(ValueError(err))
+                return None
+            self._receiving[conn] = (key, posted)
+            return posted.view
+        if header.payload_nbytes() <= self.stage_limit or self._posted:
+            return self._stage_buffer(header)
+        self._held[conn] = header
+        return DEFER
+
+    def delivered(self, conn: FrameProtocol, frame: Frame) -> None:
+        header = frame.header
+        key = (header.step, header.tag)
+        receiving = self._receiving.pop(conn, None)
+        if receiving is not None:
+            rkey, posted = receiving
+            assert rkey == key, "frames on one connection complete in order"
+            if frame.payload is not None and not posted.future.done():
+                posted.future.set_result(header)
+            return
+        if header.step < self.floor or (frame.payload is None and header.payload_nbytes()):
+            log.debug("dropped stale frame from rank %d step %d tag %d (floor %d)",
+                      self.rank, header.step, header.tag, self.floor)
+            return
+        payload = frame.payload if frame.payload is not None else memoryview(b"")
+        waiting = self._posted.pop(key, None)
+        if waiting is None:
+            if key in self._staged:
+                log.warning("rank %d sent step %d tag %d twice; keeping the newer frame",
+                            self.rank, header.step, header.tag)
+            self._staged[key] = (header, payload)
+            return
+        err = self._mismatch(header, waiting.view, waiting.dtype)
+        if err:
+            waiting.future.set_exception(ValueError(err))
+        else:
+            waiting.view[:] = payload
+            waiting.future.set_result(header)
+
+    def connection_closed(self, conn: FrameProtocol, reason: str) -> None:
+        self.conns.discard(conn)
+        self._held.pop(conn, None)
+        lost = PeerLost(self.rank, reason)
+        receiving = self._receiving.pop(conn, None)
+        if receiving is not None and not receiving[1].future.done():
+            receiving[1].future.set_exception(lost)
+        if self.conns:
+            return
+        self.lost = lost
+        for posted in self._posted.values():
+            if not posted.future.done():
+                posted.future.set_exception(lost)
+        self._posted.clear()
+        self.control.put_nowait(None)
+
+    def connection_added(self, conn: FrameProtocol) -> None:
+        self.conns.add(conn)
+        self.lost = None
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _stage_buffer(self, header: Header) -> memoryview:
+        return np.empty(header.payload_nbytes(), dtype=np.uint8).data
+
+    def _mismatch(self, header: Header, view: memoryview, dtype: str) -> str:
+        nbytes = header.payload_nbytes()
+        if nbytes != view.nbytes or (nbytes and header.dtype != dtype):
+            return (f"rank {self.rank} sent {header.dtype or 'no payload'} {list(header.shape)} "
+                    f"({nbytes} bytes) for step {header.step} tag {header.tag}, but the receive "
+                    f"buffer is {dtype} of {view.nbytes} bytes")
+        return ""

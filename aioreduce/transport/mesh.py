@@ -1,0 +1,274 @@
+"""The mesh: authenticated connections between the ranks of one job, opened on demand.
+
+Every node listens on one port. A connection is dialed by whichever side first needs to send
+and then serves both directions; receives match on (source rank, step, tag), so it does not
+matter which connection a frame comes in on. Each connection starts with the mutual handshake of
+:mod:`aioreduce.wire.handshake`; a peer that fails it is logged with its address and dropped,
+and the listener keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import AuthError, PeerLost, RecvTimeout
+from ..wire import Frame, Header, Kind, as_payload, byte_view, encode_frame
+from ..wire.decoder import Destination
+from ..wire.handshake import check, new_nonce, proof
+from .inbox import Inbox
+from .protocol import FrameProtocol
+
+log = logging.getLogger("aioreduce.transport")
+
+
+@dataclass(frozen=True)
+class MeshOptions:
+    """Limits and timeouts of a mesh. Defaults suit a cloud cluster."""
+
+    max_payload: int = 1 << 32  # bytes; larger frames are a protocol error
+    stage_limit: int = 1 << 20  # early frames up to this size are staged, larger held back
+    handshake_timeout: float = 10.0
+    connect_timeout: float = 30.0
+    user_timeout: float = 30.0  # TCP_USER_TIMEOUT: unacknowledged data this long = dead peer
+
+
+class Mesh:
+    """Connections, handshakes and receive matching for one rank (the Router of its conns)."""
+
+    def __init__(self, rank: int, world_size: int, secret: bytes, job: str,
+                 options: MeshOptions | None = None) -> None:
+        if not secret:
+            raise ValueError("a job secret is required")
+        self.rank = rank
+        self.world_size = world_size
+        self.job = job
+        self.options = options or MeshOptions()
+        self._secret = secret
+        self.addresses: dict[int, tuple[str, int]] = {}
+        self._inbox = {r: Inbox(r, self.options.stage_limit) for r in range(world_size)}
+        self._dial_locks: dict[int, asyncio.Lock] = {}
+        self._server: asyncio.Server | None = None
+        self._conns: set[FrameProtocol] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.refused = 0  # connections that failed the handshake (for tests and logs)
+
+    # -- listening ----------------------------------------------------------------------------
+    async def listen(self, host: str, port: int = 0) -> tuple[str, int]:
+        """Start accepting connections; return the bound (host, port)."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._incoming, host, port, backlog=1024,
+                                                reuse_address=True)
+        sockname = self._server.sockets[0].getsockname()
+        return sockname[0], sockname[1]
+
+    def _new_protocol(self) -> FrameProtocol:
+        conn = FrameProtocol(self.options.max_payload, self.options.user_timeout)
+        self._conns.add(conn)
+        conn.closed.add_done_callback(lambda _f: self._conns.discard(conn))
+        return conn
+
+    def _incoming(self) -> FrameProtocol:
+        conn = self._new_protocol()
+        task = asyncio.get_running_loop().create_task(self._accept(conn))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return conn
+
+    async def _accept(self, conn: FrameProtocol) -> None:
+        """Listener side of the handshake; never raises (a bad peer must not hurt the node)."""
+        try:
+            hello = await self._next_handshake(conn, Kind.HELLO)
+            job, rank, nonce_c = (hello.meta.get(k) for k in ("job", "rank", "nonce"))
+            if job != self.job:
+                raise AuthError(f"wrong job id {job!r}")
+            if not isinstance(rank, int) or not 0 <= rank < self.world_size or rank == self.rank:
+                raise AuthError(f"invalid rank {rank!r}")
+            if not isinstance(nonce_c, bytes):
+                raise AuthError("no nonce")
+            nonce_s = new_nonce()
+            mine = proof(self._secret, "listener", self.job, rank, nonce_c, nonce_s)
+            await conn.send(encode_frame(Header(Kind.CHALLENGE, src=self.rank,
+                                                meta={"nonce": nonce_s, "proof": mine})))
+            auth = await self._next_handshake(conn, Kind.AUTH)
+            theirs = proof(self._secret, "connector", self.job, rank, nonce_c, nonce_s)
+            if not check(theirs, auth.meta.get("proof")):
+                raise AuthError("wrong proof of the job secret")
+            self._attach(conn, rank)  # before WELCOME: data may follow it immediately
+            await conn.send(encode_frame(Header(Kind.WELCOME, src=self.rank)))
+        except (AuthError, TimeoutError, PeerLost, ConnectionError) as exc:
+            self.refused += 1
+            log.warning("refused connection from %s: %s", conn.peername,
+                        exc if str(exc) else type(exc).__name__)
+            conn.abort("handshake failed")
+        except Exception:  # defensive: log, drop the connection, keep serving
+            self.refused += 1
+            log.exception("handshake with %s failed unexpectedly", conn.peername)
+            conn.abort("handshake failed")
+
+    async def _next_handshake(self, conn: FrameProtocol, kind: Kind) -> Header:
+        get = asyncio.ensure_future(conn.handshake.get())
+        waits: set[asyncio.Future[Any]] = {get, conn.closed}
+        done, _ = await asyncio.wait(waits, timeout=self.options.handshake_timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if get not in done:
+            get.cancel()
+            if conn.closed.done():
+                raise PeerLost(-1, f"{conn.peername} closed during the handshake")
+            raise TimeoutError(f"no {kind.name} within {self.options.handshake_timeout} s")
+        header = get.result()
+        if header.kind is not kind:
+            raise AuthError(f"expected {kind.name}, got {header.kind.name}")
+        return header
+
+    def _attach(self, conn: FrameProtocol, rank: int) -> None:
+        conn.authenticated(rank, self)
+        self._inbox[rank].connection_added(conn)
+
+    # -- dialing ------------------------------------------------------------------------------
+    async def connect(self, rank: int, address: tuple[str, int] | None = None) -> FrameProtocol:
+        """A live authenticated connection to ``rank``, dialing it if there is none."""
+        live = self._live(rank)
+        if live is not None:
+            return live
+        lock = self._dial_locks.setdefault(rank, asyncio.Lock())
+        async with lock:
+            live = self._live(rank)
+            if live is not None:
+                return live
+            addr = address or self.addresses.get(rank)
+            if addr is None:
+                raise PeerLost(rank, "address unknown (rendezvous not done?)")
+            return await self._dial(rank, addr)
+
+    def _live(self, rank: int) -> FrameProtocol | None:
+        for conn in self._inbox[rank].conns:
+            if not conn.closed.done():
+                return conn
+        return None
+
+    async def _dial(self, rank: int, addr: tuple[str, int]) -> FrameProtocol:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.options.connect_timeout):
+                _t, conn = await loop.create_connection(self._new_protocol, addr[0], addr[1])
+        except (OSError, TimeoutError) as exc:
+            raise PeerLost(rank, f"cannot connect to {addr[0]}:{addr[1]}: {exc}") from None
+        try:
+            nonce_c = new_nonce()
+            await conn.send(encode_frame(Header(Kind.HELLO, src=self.rank, meta={
+                "job": self.job, "rank": self.rank, "nonce": nonce_c})))
+            challenge = await self._next_handshake(conn, Kind.CHALLENGE)
+            nonce_s = challenge.meta.get("nonce")
+            if not isinstance(nonce_s, bytes):
+                raise AuthError("no nonce")
+            expected = proof(self._secret, "listener", self.job, self.rank, nonce_c, nonce_s)
+            if not check(expected, challenge.meta.get("proof")):
+                raise AuthError(f"rank {rank} at {addr[0]}:{addr[1]} could not prove the job "
+                                "secret")
+            conn.arm(rank, self)
+            mine = proof(self._secret, "connector", self.job, self.rank, nonce_c, nonce_s)
+            await conn.send(encode_frame(Header(Kind.AUTH, src=self.rank, meta={"proof": mine})))
+            await self._next_handshake(conn, Kind.WELCOME)
+        except PeerLost:
+            conn.abort("handshake failed")
+            raise AuthError(f"rank {rank} at {addr[0]}:{addr[1]} refused our handshake "
+                            "(wrong secret or job id?)") from None
+        except (AuthError, TimeoutError) as exc:
+            conn.abort("handshake failed")
+            raise AuthError(f"handshake with rank {rank} at {addr[0]}:{addr[1]}: {exc}") from None
+        self._inbox[rank].connection_added(conn)
+        return conn
+
+    # -- data ---------------------------------------------------------------------------------
+    async def send(self, rank: int, array: np.ndarray, *, step: int, tag: int = 0) -> None:
+        """Send ``array`` to ``rank``; return when it may be modified again."""
+        self._check_rank(rank)
+        payload = as_payload(array)
+        conn = await self.connect(rank)
+        await conn.send(encode_frame(Header(Kind.DATA, step, tag, self.rank), payload))
+
+    async def recv_into(self, rank: int, out: np.ndarray, *, step: int, tag: int = 0,
+                        timeout: float | None = None) -> Header:
+        """Receive the frame (step, tag) from ``rank`` straight into ``out``."""
+        self._check_rank(rank)
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError("recv_into needs a writable C-contiguous array (receiving into a "
+                             "strided view would need a copy)")
+        inbox = self._inbox[rank]
+        key = (step, tag)
+        fut = inbox.post(key, byte_view(out), out.dtype.str)
+        try:
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(fut)
+        except TimeoutError:
+            inbox.cancel(key, fut)
+            raise RecvTimeout(rank, step, tag, timeout or 0.0) from None
+        except asyncio.CancelledError:
+            inbox.cancel(key, fut)
+            raise
+
+    def set_floor(self, step: int) -> None:
+        """Frames of steps below ``step`` from any peer are stale: drop them, now and later."""
+        for inbox in self._inbox.values():
+            inbox.set_floor(step)
+
+    # -- control messages (rendezvous, barriers) ----------------------------------------------
+    async def send_control(self, rank: int, meta: dict[str, object]) -> None:
+        conn = await self.connect(rank)
+        await conn.send(encode_frame(Header(Kind.CONTROL, src=self.rank, meta=meta)))
+
+    async def recv_control(self, rank: int, timeout: float | None = None) -> dict[str, object]:
+        inbox = self._inbox[rank]
+        if inbox.lost is not None and not inbox.conns and inbox.control.empty():
+            raise inbox.lost
+        async with asyncio.timeout(timeout):
+            msg = await inbox.control.get()
+        if msg is None:
+            raise inbox.lost or PeerLost(rank, "connection closed")
+        return msg
+
+    # -- Router -------------------------------------------------------------------------------
+    def choose(self, conn: FrameProtocol, header: Header) -> Destination:
+        assert conn.peer is not None
+        return self._inbox[conn.peer].choose(conn, header)
+
+    def delivered(self, conn: FrameProtocol, frame: Frame) -> None:
+        assert conn.peer is not None
+        if frame.header.kind is Kind.CONTROL:
+            self._inbox[conn.peer].control.put_nowait(frame.header.meta)
+        elif frame.header.kind is Kind.DATA:
+            self._inbox[conn.peer].delivered(conn, frame)
+        else:
+            conn.abort(f"unexpected {frame.header.kind.name} frame after the handshake")
+
+    def closed(self, conn: FrameProtocol, reason: str) -> None:
+        if conn.peer is not None:
+            self._inbox[conn.peer].connection_closed(conn, reason)
+
+    # -- teardown -----------------------------------------------------------------------------
+    async def close(self) -> None:
+        """Stop listening and close every connection (pending data is flushed by the kernel)."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        for conn in list(self._conns):
+            if conn.transport is not None:
+                conn.transport.close()
+        for conn in list(self._conns):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(conn.closed), 2.0)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size or rank == self.rank:
+            raise ValueError(f"rank {rank} is not a peer of rank {self.rank} "
+                             f"(world size {self.world_size})")

@@ -1,0 +1,106 @@
+"""Rendezvous through rank 0, and a barrier, over the mesh's control messages.
+
+Rank 0 listens on the rendezvous port. Every other rank dials it (retrying while rank 0 is not
+up yet), opens its own listener on the address its route to rank 0 uses (or on the configured
+one), and registers (rank, host, port). When everyone has registered, rank 0 sends the address
+table to all. A rank that never registers makes rank 0 fail with an error naming the missing
+ranks, and the others fail because rank 0 closes their connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from ..errors import AuthError, PeerLost, RendezvousError
+from .mesh import Mesh
+
+
+async def _gather_from(mesh: Mesh, ranks: list[int], op: str, deadline: float
+                       ) -> dict[int, dict[str, object]]:
+    """Receive one control message ``op`` from each of ``ranks`` before ``deadline``."""
+    tasks = {r: asyncio.ensure_future(mesh.recv_control(r)) for r in ranks}
+    try:
+        if tasks:
+            await asyncio.wait(tasks.values(), timeout=max(0.0, deadline - time.monotonic()))
+        missing = sorted(r for r, t in tasks.items() if not t.done() or t.exception())
+        if missing:
+            raise RendezvousError(f"rank {mesh.rank}: ranks {missing} did not reach {op} "
+                                  f"in time", missing=missing)
+        out = {r: t.result() for r, t in tasks.items()}
+        wrong = sorted(r for r, m in out.items() if m.get("op") != op)
+        if wrong:
+            raise RendezvousError(f"ranks {wrong} sent the wrong control message during {op}")
+        return out
+    finally:
+        for t in tasks.values():
+            t.cancel()
+
+
+async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | None,
+                     bind: str | None, timeout: float) -> None:
+    """Fill ``mesh.addresses`` for every rank. Rank 0 must already listen on ``master``."""
+    deadline = time.monotonic() + timeout
+    if mesh.rank == 0:
+        mesh.addresses[0] = (advertise or master[0], master[1])
+        others = list(range(1, mesh.world_size))
+        regs = await _gather_from(mesh, others, "register", deadline)
+        for r, msg in regs.items():
+            if msg.get("world") != mesh.world_size:
+                raise RendezvousError(f"rank {r} believes the world size is {msg.get('world')},"
+                                      f" rank 0 believes {mesh.world_size}")
+            host, port = msg.get("host"), msg.get("port")
+            if not isinstance(host, str) or not isinstance(port, int):
+                raise RendezvousError(f"rank {r} registered a malformed address")
+            mesh.addresses[r] = (host, port)
+        addresses = [list(mesh.addresses[r]) for r in range(mesh.world_size)]
+        await asyncio.gather(*(mesh.send_control(r, {"op": "table", "table": addresses})
+                               for r in others))
+        return
+
+    delay = 0.02
+    while True:
+        try:
+            conn = await mesh.connect(0, master)
+            break
+        except AuthError:
+            raise
+        except PeerLost as exc:
+            if time.monotonic() + delay > deadline:
+                raise RendezvousError(f"rank {mesh.rank}: cannot reach rank 0 at "
+                                      f"{master[0]}:{master[1]} within {timeout} s: {exc.reason}",
+                                      missing=[0]) from None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+    assert conn.transport is not None
+    local = conn.transport.get_extra_info("sockname")[0]
+    host, port = await mesh.listen(bind or advertise or local, 0)
+    await mesh.send_control(0, {"op": "register", "host": advertise or host, "port": port,
+                                "world": mesh.world_size})
+    msg = (await _gather_from(mesh, [0], "table", deadline))[0]
+    table = msg.get("table")
+    if not isinstance(table, list) or len(table) != mesh.world_size:
+        raise RendezvousError("rank 0 sent a malformed address table")
+    for r, entry in enumerate(table):
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
+                and isinstance(entry[1], int)):
+            raise RendezvousError(f"rank 0 sent a malformed address for rank {r}")
+        mesh.addresses[r] = (entry[0], entry[1])
+
+
+async def barrier(mesh: Mesh, timeout: float) -> None:
+    """Wait until every rank has reached the barrier (gathered at and released by rank 0)."""
+    deadline = time.monotonic() + timeout
+    if mesh.world_size == 1:
+        return
+    if mesh.rank == 0:
+        others = list(range(1, mesh.world_size))
+        await _gather_from(mesh, others, "barrier", deadline)
+        results = await asyncio.gather(*(mesh.send_control(r, {"op": "release"})
+                                         for r in others), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        return
+    await mesh.send_control(0, {"op": "barrier"})
+    await _gather_from(mesh, [0], "release", deadline)

@@ -1,0 +1,35 @@
+"""Socket options for data connections.
+
+TCP_NODELAY: small control frames must not wait for Nagle. Keepalive plus TCP_USER_TIMEOUT: a
+host that dies without closing its sockets is noticed in seconds instead of hanging a receive
+for the kernel's default of many minutes. Buffer sizes are left to Linux autotuning on purpose:
+setting SO_RCVBUF/SO_SNDBUF disables it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+
+KEEPALIVE_IDLE_S = 10
+KEEPALIVE_INTERVAL_S = 5
+KEEPALIVE_COUNT = 3
+USER_TIMEOUT_S = 30.0
+
+
+def tune(sock: socket.socket, user_timeout: float = USER_TIMEOUT_S) -> None:
+    """Apply aioreduce's TCP options to a connected data socket (best effort per option)."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    opts: list[tuple[int, int, int]] = [
+        (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),
+        (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+    ]
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                        ("TCP_KEEPCNT", KEEPALIVE_COUNT),
+                        ("TCP_USER_TIMEOUT", int(user_timeout * 1000))):
+        if hasattr(socket, name):
+            opts.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+    for level, opt, value in opts:
+        with contextlib.suppress(OSError):  # not every kernel knows every option
+            sock.setsockopt(level, opt, value)

@@ -1,0 +1,150 @@
+"""Frame layout and the send side: fixed prefix + msgpack header + raw payload.
+
+A frame on the wire is::
+
+    prefix   16 bytes, little-endian: magic b"AIOR", version u8, flags u8,
+             header length u16, payload length u64
+    header   msgpack map (see :class:`Header`)
+    payload  raw C-contiguous bytes of one numpy array (may be empty)
+
+The send side never concatenates: :func:`encode_frame` returns the prefix+header bytes and a
+memoryview of the array, to be handed to ``transport.writelines`` as they are.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+MAGIC = b"AIOR"
+VERSION = 1
+PREFIX = struct.Struct("<4sBBHQ")
+PREFIX_SIZE = PREFIX.size  # 16
+MAX_HEADER = 0xFFFF  # the prefix stores the header length in a u16
+DEFAULT_MAX_PAYLOAD = 1 << 32  # 4 GiB; nodes configure their own bound
+
+Buffer = bytes | bytearray | memoryview
+
+
+class ProtocolError(Exception):
+    """The peer sent something that is not a valid frame; the connection must be closed."""
+
+
+class Kind(enum.IntEnum):
+    """What a frame is for. Data frames carry arrays; the rest are control traffic."""
+
+    DATA = 0
+    HELLO = 1  # connector -> listener: job, rank, nonce
+    CHALLENGE = 2  # listener -> connector: nonce, proof of the secret
+    AUTH = 3  # connector -> listener: proof of the secret
+    WELCOME = 4  # listener -> connector: accepted
+    CONTROL = 5  # rendezvous and runtime messages (meta only, no payload)
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """The decoded msgpack header of one frame.
+
+    ``step`` and ``tag`` say which receive a data frame belongs to; ``src`` is the sender's rank.
+    ``dtype``/``shape`` describe the payload; ``meta`` carries small control data.
+    """
+
+    kind: Kind = Kind.DATA
+    step: int = 0
+    tag: int = 0
+    src: int = -1
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def payload_nbytes(self) -> int:
+        """Bytes the payload must have for this dtype and shape (0 without a dtype)."""
+        if not self.dtype:
+            return 0
+        return np.dtype(self.dtype).itemsize * math.prod(self.shape)
+
+    def to_bytes(self) -> bytes:
+        body: dict[str, Any] = {"kind": int(self.kind), "step": self.step, "tag": self.tag,
+                                "src": self.src}
+        if self.dtype:
+            body["dtype"] = self.dtype
+            body["shape"] = list(self.shape)
+        if self.meta:
+            body["meta"] = self.meta
+        out: bytes = msgpack.packb(body, use_bin_type=True)
+        return out
+
+    @classmethod
+    def from_bytes(cls, raw: Buffer) -> Header:
+        """Decode and validate a header; anything malformed is a :class:`ProtocolError`."""
+        try:
+            body = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise ProtocolError(f"undecodable header: {exc}") from None
+        if not isinstance(body, dict):
+            raise ProtocolError("header is not a map")
+        try:
+            kind = Kind(body["kind"])
+            step, tag, src = body["step"], body["tag"], body["src"]
+            dtype = body.get("dtype", "")
+            shape = tuple(body.get("shape", ()))
+            meta = body.get("meta", {})
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ProtocolError(f"malformed header: {exc!r}") from None
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (step, tag, src)):
+            raise ProtocolError("header step/tag/src must be integers")
+        if not isinstance(dtype, str) or not isinstance(meta, dict):
+            raise ProtocolError("header dtype/meta have the wrong type")
+        if not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ProtocolError("header shape must be non-negative integers")
+        if dtype:
+            try:
+                dt = np.dtype(dtype)
+            except TypeError:
+                raise ProtocolError(f"unknown dtype {dtype!r}") from None
+            if dt.hasobject:
+                raise ProtocolError("object dtypes cannot travel as raw bytes")
+        return cls(kind, step, tag, src, dtype, shape, meta)
+
+
+def as_payload(array: np.ndarray) -> np.ndarray:
+    """Return ``array`` as a C-contiguous array that can be sent as raw bytes.
+
+    Non-contiguous input is copied (documented, explicit); object arrays are refused.
+    """
+    if array.dtype.hasobject:
+        raise TypeError("object arrays cannot be sent as raw bytes")
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    return array
+
+
+def byte_view(array: np.ndarray) -> memoryview:
+    """A flat, writable-if-possible byte view of a C-contiguous array (works for size 0)."""
+    return array.reshape(-1).view(np.uint8).data
+
+
+def encode_frame(header: Header, payload: np.ndarray | None = None) -> list[Buffer]:
+    """Buffers to write for one frame: ``[prefix+header, payload view]``, no payload copy.
+
+    When ``payload`` is given, its dtype and shape are written into the header. The caller
+    must keep ``payload`` unchanged until the transport has sent it.
+    """
+    if payload is not None:
+        payload = as_payload(payload)
+        header = Header(header.kind, header.step, header.tag, header.src,
+                        payload.dtype.str, tuple(payload.shape), header.meta)
+    head = header.to_bytes()
+    if len(head) > MAX_HEADER:
+        raise ValueError(f"header of {len(head)} bytes exceeds {MAX_HEADER}")
+    nbytes = 0 if payload is None else payload.nbytes
+    prefix = PREFIX.pack(MAGIC, VERSION, 0, len(head), nbytes)
+    if payload is None or nbytes == 0:
+        return [prefix + head]
+    return [prefix + head, byte_view(payload)]

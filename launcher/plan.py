@@ -1,0 +1,91 @@
+"""Rank placement and the environment contract every rank receives.
+
+Each rank gets torchrun-compatible variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and aioreduce's own
+(``AIOREDUCE_RANK``, ``AIOREDUCE_WORLD_SIZE``, ``AIOREDUCE_LOCAL_RANK``,
+``AIOREDUCE_MASTER_ADDR``, ``AIOREDUCE_MASTER_PORT``, ``AIOREDUCE_JOB``, ``AIOREDUCE_SECRET``),
+plus ``PYTHONUNBUFFERED=1`` so Python output is not held back in pipes. Ranks fill a host's
+slots before moving on to the next host.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class HostSlots:
+    """One host of the job: where to reach it and how many ranks it runs."""
+
+    name: str
+    slots: int = 1
+    addr: str | None = None  # data-plane address if it differs from the SSH name
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """One rank: where it runs and the environment it gets."""
+
+    rank: int
+    host: HostSlots
+    node_rank: int
+    local_rank: int
+    env: dict[str, str] = field(repr=False)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """What is shared by all ranks of one job."""
+
+    master_addr: str
+    master_port: int  # for torch.distributed, if the program uses it
+    rendezvous_port: int  # aioreduce's own rendezvous
+    secret: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
+    job: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    user_env: dict[str, str] = field(default_factory=dict)
+
+
+def plan_ranks(hosts: list[HostSlots], job: JobConfig, np: int | None = None) -> list[RankSpec]:
+    """Assign ranks host by host (filling slots); ``np`` caps the total."""
+    total = sum(h.slots for h in hosts)
+    world = total if np is None else np
+    if world < 1:
+        raise ValueError("a job needs at least one rank")
+    if world > total:
+        raise ValueError(f"{world} ranks requested but the hosts have only {total} slots")
+    specs: list[RankSpec] = []
+    rank = 0
+    for node_rank, host in enumerate(hosts):
+        local_world = min(host.slots, world - rank)
+        for local_rank in range(local_world):
+            env = dict(job.user_env)
+            env.update({
+                "RANK": str(rank), "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world),
+                "NODE_RANK": str(node_rank), "GROUP_RANK": str(node_rank),
+                "MASTER_ADDR": job.master_addr, "MASTER_PORT": str(job.master_port),
+                "AIOREDUCE_RANK": str(rank), "AIOREDUCE_WORLD_SIZE": str(world),
+                "AIOREDUCE_LOCAL_RANK": str(local_rank),
+                "AIOREDUCE_MASTER_ADDR": job.master_addr,
+                "AIOREDUCE_MASTER_PORT": str(job.rendezvous_port),
+                "AIOREDUCE_JOB": job.job, "AIOREDUCE_SECRET": job.secret,
+                "PYTHONUNBUFFERED": "1",
+            })
+            if host.addr:
+                env["AIOREDUCE_ADDR"] = host.addr
+            specs.append(RankSpec(rank, host, node_rank, local_rank, env))
+            rank += 1
+        if rank == world:
+            break
+    return specs

@@ -1,0 +1,119 @@
+"""Watching a job's ranks: first failure stops everyone, Ctrl-C stops everyone.
+
+Policy (the same for local and remote ranks):
+
+* the first rank to exit non-zero decides the launcher's exit code; its last lines are shown
+  and every other rank is terminated;
+* termination is SIGTERM to each rank's process group, then SIGKILL after ``kill_timeout``;
+* SIGINT/SIGTERM to the launcher start the same termination; a second one escalates to SIGKILL
+  at once;
+* when the job is over, every rank's process group gets a final SIGKILL, so nothing a rank
+  started in the background outlives the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+from typing import Protocol
+
+from .output import RankOutput
+
+
+class RankHandle(Protocol):
+    """What the supervisor needs from a running rank, wherever it runs."""
+
+    rank: int
+    host: str
+    outputs: tuple[RankOutput, RankOutput]
+
+    async def wait(self) -> int: ...
+
+    def signal(self, sig: int) -> None: ...
+
+
+def _say(msg: str) -> None:
+    sys.stderr.write(f"aioreduce-launch: {msg}\n")
+    sys.stderr.flush()
+
+
+class Supervisor:
+    """Runs the failure and interrupt policy over a set of started ranks."""
+
+    def __init__(self, ranks: list[RankHandle], kill_timeout: float = 10.0) -> None:
+        self.ranks = ranks
+        self.kill_timeout = kill_timeout
+        self.first_failure: tuple[int, int] | None = None  # (rank, exit code)
+        self.interrupted: int | None = None  # signal number
+        self._stopping = False
+        self._kill_handle: asyncio.TimerHandle | None = None
+        self._wake = asyncio.Event()
+
+    def interrupt(self, signum: int) -> None:
+        """SIGINT/SIGTERM: terminate; a second one kills."""
+        if self.interrupted is not None or self._stopping:
+            _say("second interrupt: killing all ranks now")
+            self._signal_all(signal.SIGKILL)
+        else:
+            _say(f"got {signal.Signals(signum).name}; terminating all ranks "
+                 f"(again to kill at once)")
+            self.interrupted = signum
+            self.stop()
+        self._wake.set()
+
+    def stop(self) -> None:
+        """SIGTERM every rank now and SIGKILL them after the kill timeout."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._signal_all(signal.SIGTERM)
+        loop = asyncio.get_running_loop()
+        self._kill_handle = loop.call_later(self.kill_timeout, self._signal_all, signal.SIGKILL)
+
+    def _signal_all(self, sig: int) -> None:
+        for r in self.ranks:
+            r.signal(sig)
+
+    async def run(self) -> int:
+        """Wait for the job; return the launcher's exit code."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.interrupt, sig)
+        waits = {asyncio.ensure_future(r.wait()): r for r in self.ranks}
+        pending = set(waits)
+        try:
+            while pending:
+                wake = asyncio.ensure_future(self._wake.wait())
+                done, pending = await asyncio.wait(pending | {wake},
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                pending.discard(wake)
+                wake.cancel()
+                self._wake.clear()
+                for fut in done - {wake}:
+                    self._exited(waits[fut], fut.result())
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.remove_signal_handler(sig)
+            if self._kill_handle is not None:
+                self._kill_handle.cancel()
+            self._signal_all(signal.SIGKILL)  # reap whatever a rank left in its group
+        if self.first_failure is not None:
+            return self.first_failure[1]
+        if self.interrupted is not None:
+            return 128 + self.interrupted
+        return 0
+
+    def _exited(self, rank: RankHandle, code: int) -> None:
+        if code == 0 or self.first_failure is not None or self.interrupted is not None:
+            return
+        self.first_failure = (rank.rank, code)
+        _say(f"rank {rank.rank} on {rank.host} exited with code {code}; "
+             f"terminating the other ranks")
+        tail = list(rank.outputs[1].last_lines)[-10:] or list(rank.outputs[0].last_lines)[-10:]
+        for line in tail:
+            _say(f"  [{rank.rank}] {line}")
+        self.stop()

@@ -12,6 +12,10 @@ The rendezvous port is ``AIOREDUCE_MASTER_PORT``, else ``MASTER_PORT + 1`` (so t
 ``torch.distributed`` store on ``MASTER_PORT`` in the same job does not collide), else, under
 SLURM, a port derived from the job id. The job secret is never guessed: it comes from
 ``AIOREDUCE_SECRET`` or from the file named by ``AIOREDUCE_SECRET_FILE``.
+
+Optional: ``AIOREDUCE_ADDR`` (address peers dial), ``AIOREDUCE_BIND`` (address to listen on),
+``AIOREDUCE_TIMEOUT`` (rendezvous seconds, default 60), ``AIOREDUCE_MAX_FRAME`` (largest payload
+in bytes a node accepts), ``AIOREDUCE_JOB`` (job id, part of every handshake).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class NodeEnv:
     advertise_addr: str | None = None  # data-plane address peers should dial
     bind_addr: str | None = None  # address to listen on
     rendezvous_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT
+    max_frame: int | None = None  # largest payload accepted, bytes (None: the default)
     source: str = "aioreduce"
 
     def __post_init__(self) -> None:
@@ -146,9 +151,14 @@ def discover(environ: Mapping[str, str] | None = None) -> NodeEnv:
 
     job_var = _first(env, "AIOREDUCE_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
     job = job_var[1] if job_var else "default"
-    timeout = float(env.get("AIOREDUCE_TIMEOUT", DEFAULT_RENDEZVOUS_TIMEOUT))
+    try:
+        timeout = float(env.get("AIOREDUCE_TIMEOUT", DEFAULT_RENDEZVOUS_TIMEOUT))
+    except ValueError:
+        raise ConfigError(f"AIOREDUCE_TIMEOUT={env['AIOREDUCE_TIMEOUT']!r} is not a number"
+                          ) from None
+    max_frame = _int(env, "AIOREDUCE_MAX_FRAME") if env.get("AIOREDUCE_MAX_FRAME") else None
     return NodeEnv(rank=rank, world_size=world, master_addr=addr[1], master_port=port,
                    secret=_read_secret(env), job=job, local_rank=local_rank,
                    advertise_addr=env.get("AIOREDUCE_ADDR") or None,
                    bind_addr=env.get("AIOREDUCE_BIND") or None,
-                   rendezvous_timeout=timeout, source=source)
+                   rendezvous_timeout=timeout, max_frame=max_frame, source=source)

@@ -32,6 +32,8 @@ class Node:
     def __init__(self, env: NodeEnv, *, options: MeshOptions | None = None,
                  close_timeout: float = 10.0) -> None:
         self.env = env
+        if options is None and env.max_frame is not None:
+            options = MeshOptions(max_payload=env.max_frame)
         self.mesh = Mesh(env.rank, env.world_size, env.secret, env.job, options)
         self.close_timeout = close_timeout
         self._started = False

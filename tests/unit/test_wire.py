@@ -1,0 +1,201 @@
+"""Framing: round trips, any byte split, bounds and malformed input (no sockets)."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aioreduce.wire import (
+    DEFER,
+    PREFIX_SIZE,
+    FrameDecoder,
+    Header,
+    Kind,
+    ProtocolError,
+    byte_view,
+    encode_frame,
+)
+from aioreduce.wire.frame import MAGIC, PREFIX, VERSION
+from aioreduce.wire.handshake import check, new_nonce, proof
+
+DTYPES = ["<f4", "<f8", "<i8", "|u1", "<c16", "<f2", "|b1"]
+
+
+def wire_bytes(header: Header, payload: np.ndarray | None = None) -> bytes:
+    return b"".join(bytes(b) for b in encode_frame(header, payload))
+
+
+def collecting_decoder(max_payload: int = 1 << 30) -> tuple[FrameDecoder, list[np.ndarray]]:
+    """A decoder that allocates a fresh destination per frame and records them."""
+    dests: list[np.ndarray] = []
+
+    def choose(h: Header) -> memoryview:
+        buf = np.empty(h.payload_nbytes(), np.uint8)
+        dests.append(buf)
+        return byte_view(buf)
+
+    return FrameDecoder(choose, max_payload), dests
+
+
+def test_round_trip_dtypes_and_shapes() -> None:
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((3, 4)).astype(dt) for dt in DTYPES]
+    arrays += [np.zeros((0,), "<f4"), np.zeros((2, 0, 3), "<f8"), np.arange(7, dtype="<i4")[::2]]
+    stream = b"".join(wire_bytes(Header(step=i, tag=i % 3, src=5), a) for i, a in enumerate(arrays))
+    dec, _ = collecting_decoder()
+    frames = dec.receive_data(stream)
+    assert len(frames) == len(arrays)
+    for i, (frame, sent) in enumerate(zip(frames, arrays, strict=True)):
+        h = frame.header
+        assert (h.step, h.tag, h.src, h.kind) == (i, i % 3, 5, Kind.DATA)
+        assert frame.payload is not None
+        got = np.frombuffer(frame.payload, dtype=h.dtype).reshape(h.shape)
+        assert got.dtype == sent.dtype and got.shape == sent.shape
+        assert got.tobytes() == np.ascontiguousarray(sent).tobytes()
+
+
+def test_send_side_does_not_copy_the_payload() -> None:
+    a = np.arange(1 << 16, dtype=np.float32)
+    bufs = encode_frame(Header(), a)
+    assert len(bufs) == 2
+    view = bufs[1]
+    assert isinstance(view, memoryview)
+    a[0] = 42.0  # the view aliases the array
+    assert np.frombuffer(view, np.float32)[0] == 42.0
+
+
+def test_control_frame_without_payload() -> None:
+    dec, dests = collecting_decoder()
+    meta = {"op": "register", "host": "10.0.0.1", "port": 4000, "blob": b"\x00\x01"}
+    (frame,) = dec.receive_data(wire_bytes(Header(Kind.CONTROL, meta=meta)))
+    assert frame.header.meta == meta and not dests
+
+
+frames_strategy = st.lists(
+    st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 5), max_size=3),
+              st.integers(0, 2**40), st.integers(-3, 3)),
+    min_size=1, max_size=6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(frames_strategy, st.lists(st.integers(1, 400), min_size=1, max_size=50))
+def test_any_split_yields_the_same_frames(spec: list, cuts: list[int]) -> None:
+    rng = np.random.default_rng(1)
+    arrays = [rng.integers(0, 255, size=tuple(shape), dtype=np.uint8).view(np.uint8)
+              .astype(dt) for dt, shape, _s, _t in spec]
+    headers = [Header(step=s, tag=t, src=1) for _dt, _sh, s, t in spec]
+    stream = b"".join(wire_bytes(h, a) for h, a in zip(headers, arrays, strict=True))
+
+    whole, _ = collecting_decoder()
+    expected = [(f.header, bytes(f.payload or b"")) for f in whole.receive_data(stream)]
+
+    pieces, pos, i = [], 0, 0
+    while pos < len(stream):
+        n = cuts[i % len(cuts)]
+        pieces.append(stream[pos:pos + n])
+        pos += n
+        i += 1
+    split, _ = collecting_decoder()
+    got = []
+    for piece in pieces:
+        got += [(f.header, bytes(f.payload or b"")) for f in split.receive_data(piece)]
+    assert got == expected
+    assert len(got) == len(arrays)
+    assert not split.mid_frame
+
+
+def _raw(magic: bytes = MAGIC, version: int = VERSION, hlen: int | None = None,
+         plen: int = 0, header: bytes | None = None) -> bytes:
+    head = header if header is not None else Header().to_bytes()
+    return PREFIX.pack(magic, version, 0, len(head) if hlen is None else hlen, plen) + head
+
+
+@pytest.mark.parametrize("data, message", [
+    (_raw(magic=b"HTTP"), "bad magic"),
+    (_raw(version=9), "version"),
+    (_raw(hlen=0), "header length"),
+    (_raw(plen=1 << 31), "exceeds the limit"),
+    (_raw(header=b"\xc1\xc1\xc1"), "undecodable"),
+    (_raw(header=msgpack.packb([1, 2, 3])), "not a map"),
+    (_raw(header=msgpack.packb({"kind": 77, "step": 0, "tag": 0, "src": 0})), "malformed"),
+    (_raw(header=msgpack.packb({"kind": 0, "step": "x", "tag": 0, "src": 0})), "integers"),
+    (_raw(header=msgpack.packb({"kind": 0, "step": 0, "tag": 0, "src": 0, "dtype": "O",
+                                "shape": [1]}), plen=8), "object"),
+    (_raw(header=msgpack.packb({"kind": 0, "step": 0, "tag": 0, "src": 0, "dtype": "<f4",
+                                "shape": [3]}), plen=8), "does not match"),
+    (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "bad magic"),
+])
+def test_malformed_input_is_a_protocol_error(data: bytes, message: str) -> None:
+    dec, dests = collecting_decoder(max_payload=1 << 20)
+    with pytest.raises(ProtocolError, match=message):
+        dec.receive_data(data)
+    assert not dests  # nothing was allocated for a bad frame
+
+
+def test_payload_limit_applies_before_anything_is_allocated() -> None:
+    dec, dests = collecting_decoder(max_payload=0)  # as before authentication
+    with pytest.raises(ProtocolError, match="exceeds"):
+        dec.receive_data(wire_bytes(Header(), np.zeros(4, np.float32)))
+    assert not dests
+
+
+def test_defer_holds_the_frame_until_resume() -> None:
+    out = np.zeros(1000, np.float64)
+    dec = FrameDecoder(lambda h: DEFER, 1 << 20)
+    stream = wire_bytes(Header(step=2), np.arange(1000.0)) + wire_bytes(Header(step=3))
+    buf = dec.get_buffer()
+    n = min(len(buf), len(stream))
+    buf[:n] = stream[:n]
+    assert list(dec.buffer_updated(n)) == []
+    assert dec.waiting and dec.pending_header is not None and dec.pending_header.step == 2
+    assert len(dec.get_buffer()) == 0  # nothing more is read while waiting
+    frames = list(dec.resume(byte_view(out)))
+    rest = dec.receive_data(stream[n:])
+    assert [f.header.step for f in frames + rest] == [2, 3]
+    assert np.array_equal(out, np.arange(1000.0))
+
+
+def test_discarded_payload_goes_to_scratch_and_later_frames_survive() -> None:
+    dec = FrameDecoder(lambda h: None, 1 << 30)
+    big = np.ones(3 << 20, np.uint8)  # larger than the scratch buffer
+    frames = dec.receive_data(wire_bytes(Header(step=1), big) + wire_bytes(Header(step=2)))
+    assert [(f.header.step, f.payload is None) for f in frames] == [(1, True), (2, False)]
+
+
+def test_redirect_to_scratch_stops_writing_the_callers_buffer() -> None:
+    out = np.zeros(1 << 20, np.uint8)
+    dec = FrameDecoder(lambda h: byte_view(out), 1 << 30)
+    stream = wire_bytes(Header(), np.full(1 << 20, 7, np.uint8))
+    half = PREFIX_SIZE + 200_000
+    dec.receive_data(stream[:half])
+    written = int((out == 7).sum())
+    dec.redirect_to_scratch()
+    (frame,) = dec.receive_data(stream[half:])
+    assert frame.payload is None
+    assert int((out == 7).sum()) == written  # not one byte more
+
+
+def test_handshake_proofs_bind_role_rank_and_nonces() -> None:
+    s, nc, ns = b"secret", new_nonce(), new_nonce()
+    base = proof(s, "connector", "job", 3, nc, ns)
+    assert check(base, proof(s, "connector", "job", 3, nc, ns))
+    for other in (proof(b"other", "connector", "job", 3, nc, ns),
+                  proof(s, "listener", "job", 3, nc, ns),
+                  proof(s, "connector", "job2", 3, nc, ns),
+                  proof(s, "connector", "job", 4, nc, ns),
+                  proof(s, "connector", "job", 3, ns, nc)):
+        assert not check(base, other)
+    assert not check(base, "not bytes")
+    assert len(nc) == 32 and nc != ns
+
+
+def test_prefix_layout_is_stable() -> None:
+    raw = wire_bytes(Header(step=1), np.zeros(2, np.float32))
+    magic, version, flags, hlen, plen = struct.unpack_from("<4sBBHQ", raw)
+    assert (magic, version, flags, plen) == (b"AIOR", 1, 0, 8)
+    assert len(raw) == PREFIX_SIZE + hlen + 8

@@ -1,0 +1,77 @@
+"""Start real rank processes on 127.0.0.1 with the launcher's env contract, and clean up.
+
+Every process gets its own process group; :class:`Ranks` kills the groups it started (and only
+those) when the test ends, whatever happened.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from aioreduce_launch.plan import HostSlots, JobConfig, RankSpec, free_port, plan_ranks
+
+HERE = Path(__file__).parent
+RANKPROG = str(HERE / "rankprog.py")
+
+
+@dataclass
+class Done:
+    rank: int
+    returncode: int
+    out: str
+    err: str
+
+
+class Ranks:
+    """The processes of one test job."""
+
+    def __init__(self, n: int) -> None:
+        self.job = JobConfig(master_addr="127.0.0.1", master_port=free_port(),
+                             rendezvous_port=free_port())
+        self.specs: list[RankSpec] = plan_ranks([HostSlots("localhost", n)], self.job)
+        self.procs: dict[int, subprocess.Popen[str]] = {}
+
+    def env(self, rank: int, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.specs[rank].env)
+        env.update(extra)
+        return env
+
+    def start(self, rank: int, *args: str, **extra_env: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen([sys.executable, RANKPROG, *args], env=self.env(rank, **extra_env),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        self.procs[rank] = proc
+        return proc
+
+    def start_all(self, *args: str, **extra_env: str) -> None:
+        for rank in range(len(self.specs)):
+            self.start(rank, *args, **extra_env)
+
+    def wait(self, timeout: float = 60.0) -> dict[int, Done]:
+        """Wait for every started rank; on timeout kill them all and fail with their output."""
+        deadline = time.monotonic() + timeout
+        done: dict[int, Done] = {}
+        for rank, proc in self.procs.items():
+            try:
+                out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                outputs = {r: p.communicate() for r, p in self.procs.items()}
+                raise AssertionError(f"ranks still running after {timeout} s: {outputs}"
+                                     ) from None
+            done[rank] = Done(rank, proc.returncode, out, err)
+        return done
+
+    def kill(self) -> None:
+        for proc in self.procs.values():
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass

@@ -1,0 +1,157 @@
+"""Real processes on 127.0.0.1: exact delivery, authentication, bad input, dead peers, memory."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+
+from aioreduce.wire import FrameDecoder, Header, Kind, encode_frame
+from aioreduce.wire.frame import MAGIC, PREFIX, VERSION
+
+from .harness import Ranks
+
+pytestmark = pytest.mark.loopback
+
+
+def test_four_ranks_exchange_every_dtype_and_shape_intact(ranks) -> None:
+    job: Ranks = ranks(4)
+    job.start_all("exchange")
+    done = job.wait(120)
+    for d in done.values():
+        assert d.returncode == 0, d.err
+        assert "OK 33 arrays from 3 peers" in d.out  # 11 cases from each of 3 peers
+
+
+def _connect_with_retry(port: int, deadline: float) -> socket.socket:
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=5)
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _frame(header: Header) -> bytes:
+    return b"".join(bytes(b) for b in encode_frame(header))
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+INTRUDER = """
+import asyncio, sys
+import aioreduce as ar
+from aioreduce.transport import Mesh
+
+async def main():
+    mesh = Mesh(1, 3, b"not-the-secret", sys.argv[2])
+    try:
+        for _ in range(200):
+            try:
+                await mesh.connect(0, ("127.0.0.1", int(sys.argv[1])))
+                print("ACCEPTED"); return
+            except ar.PeerLost:
+                await asyncio.sleep(0.05)
+    except ar.AuthError as exc:
+        print("REFUSED", exc)
+    finally:
+        await mesh.close()
+ar.run(main())
+"""
+
+
+def test_wrong_secret_is_refused_while_the_job_proceeds(ranks) -> None:
+    job: Ranks = ranks(3)
+    job.start(0, "exchange")
+    intruder = subprocess.run([sys.executable, "-c", INTRUDER, str(job.job.rendezvous_port),
+                               job.job.job], capture_output=True, text=True, timeout=60)
+    # Authentication is mutual: the intruder's side sees that rank 0 does not share its secret.
+    assert intruder.stdout.startswith("REFUSED"), intruder.stdout + intruder.stderr
+    assert "could not prove the job secret" in intruder.stdout
+    # An intruder that ignores that and answers the challenge with a forged proof.
+    with _connect_with_retry(job.job.rendezvous_port, time.monotonic() + 30) as s:
+        s.sendall(_frame(Header(Kind.HELLO, src=1, meta={"job": job.job.job, "rank": 1,
+                                                         "nonce": b"n" * 32})))
+        dec = FrameDecoder(lambda h: None, 0)
+        frames = []
+        while not frames:
+            frames = dec.receive_data(s.recv(4096))
+        assert frames[0].header.kind is Kind.CHALLENGE
+        s.sendall(_frame(Header(Kind.AUTH, src=1, meta={"proof": b"x" * 32})))
+        rest = b""
+        try:
+            while chunk := s.recv(4096):
+                rest += chunk
+        except ConnectionResetError:
+            pass
+        assert not dec.receive_data(rest)  # closed without a WELCOME
+    job.start(1, "exchange")
+    job.start(2, "exchange")
+    done = job.wait(120)
+    assert all(d.returncode == 0 and "OK" in d.out for d in done.values()), done
+    assert "refused connection from 127.0.0.1" in done[0].err
+    assert "wrong proof of the job secret" in done[0].err
+
+
+def test_garbage_and_oversized_frames_close_only_that_connection(ranks) -> None:
+    job: Ranks = ranks(3)
+    job.start(0, "oversize", AIOREDUCE_MAX_FRAME=str(64 << 10))
+    deadline = time.monotonic() + 30
+    port = job.job.rendezvous_port
+    # 1. Not our protocol at all.
+    with _connect_with_retry(port, deadline) as s:
+        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _closed_by_peer(s)
+    # 2. A valid prefix announcing a payload before authenticating.
+    with _connect_with_retry(port, deadline) as s:
+        head = Header().to_bytes()
+        s.sendall(PREFIX.pack(MAGIC, VERSION, 0, len(head), 1 << 40) + head)
+        assert _closed_by_peer(s)
+    # 3. An authenticated rank that sends more than rank 0 accepts (rankprog: oversize).
+    job.start(1, "oversize")
+    job.start(2, "oversize")
+    done = job.wait(120)
+    assert all(d.returncode == 0 and "OK" in d.out for d in done.values()), done
+    err0 = done[0].err
+    assert "bad magic" in err0 and "unauthenticated peer" in err0
+    assert "protocol error from rank 1" in err0 and "exceeds the limit 65536" in err0
+
+
+def test_peer_killed_mid_frame_names_the_rank(ranks) -> None:
+    job: Ranks = ranks(2)
+    job.start_all("killed")
+    done = job.wait(90)
+    assert done[1].returncode == -9
+    assert done[0].returncode == 0, done[0].err
+    lost = [line for line in done[0].out.splitlines() if line.startswith("LOST after")]
+    assert lost and "rank 1" in lost[0]
+    assert float(lost[0].split()[2].rstrip("s:")) < 10.0  # noticed promptly, not a hang
+    assert "LOST again at once" in done[0].out
+
+
+@pytest.mark.parametrize("mode", ["posted", "early"])
+def test_receiving_64mib_allocates_no_second_buffer(ranks, mode: str) -> None:
+    job: Ranks = ranks(2)
+    job.start_all("memory", mode)
+    done = job.wait(90)
+    assert all(d.returncode == 0 for d in done.values()), done
+    report = json.loads(done[1].out.strip().splitlines()[-1])
+    assert report["intact"]
+    # A second 64 MiB buffer would show in both measures; staging and scratch are <= 1 MiB.
+    assert report["traced_peak_bytes"] < 8 << 20, report
+    assert report["maxrss_growth_bytes"] < 16 << 20, report

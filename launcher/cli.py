@@ -7,7 +7,6 @@ every output line with its rank, and applies the failure policy of :mod:`.superv
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shlex
 import sys

@@ -20,6 +20,7 @@ from .output import RankOutput
 from .plan import RankSpec
 
 _PR_SET_PDEATHSIG = 1
+OUTPUT_GRACE_S = 2.0
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -44,8 +45,8 @@ class LocalRank:
         self.proc = proc
         self.outputs = outputs
         assert proc.stdout is not None and proc.stderr is not None
-        self._pumps = [asyncio.ensure_future(self._pump(proc.stdout, outputs[0])),
-                       asyncio.ensure_future(self._pump(proc.stderr, outputs[1]))]
+        self._output = asyncio.gather(self._pump(proc.stdout, outputs[0]),
+                                      self._pump(proc.stderr, outputs[1]))
 
     @classmethod
     async def start(cls, spec: RankSpec, argv: Sequence[str], *, tag: bool = True,
@@ -67,10 +68,21 @@ class LocalRank:
         out.close()
 
     async def wait(self) -> int:
-        """Wait for the rank to exit and its output to be written; the shell exit code."""
+        """Wait for the rank's process to exit; return its shell exit code at once."""
         rc = await self.proc.wait()
-        await asyncio.gather(*self._pumps)
+        with contextlib.suppress(TimeoutError):  # usually the output is complete by now
+            await asyncio.wait_for(asyncio.shield(self._output), 0.5)
         return exit_code(rc)
+
+    async def close(self) -> None:
+        """Finish writing the rank's output (bounded) once its group is gone.
+
+        Processes a rank left behind keep the pipes open; the supervisor kills the group when
+        the job ends, after which the pipes close. Something that escaped the group is not
+        waited for beyond a grace period.
+        """
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._output, OUTPUT_GRACE_S)
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the rank's whole process group (no-op if it is gone)."""

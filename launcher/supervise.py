@@ -31,6 +31,8 @@ class RankHandle(Protocol):
 
     async def wait(self) -> int: ...
 
+    async def close(self) -> None: ...
+
     def signal(self, sig: int) -> None: ...
 
 
@@ -101,6 +103,7 @@ class Supervisor:
             if self._kill_handle is not None:
                 self._kill_handle.cancel()
             self._signal_all(signal.SIGKILL)  # reap whatever a rank left in its group
+            await asyncio.gather(*(r.close() for r in self.ranks))
         if self.first_failure is not None:
             return self.first_failure[1]
         if self.interrupted is not None:

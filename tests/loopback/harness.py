@@ -6,6 +6,7 @@ those) when the test ends, whatever happened.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -71,7 +72,5 @@ class Ranks:
 
     def kill(self) -> None:
         for proc in self.procs.values():
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass

@@ -10,7 +10,8 @@ BASE = {"AIOREDUCE_SECRET": "s"}
 
 
 def test_aioreduce_variables() -> None:
-    env = discover({"AIOREDUCE_SECRET": "hunter2-secret", "AIOREDUCE_RANK": "2", "AIOREDUCE_WORLD_SIZE": "4",
+    env = discover({"AIOREDUCE_SECRET": "hunter2-secret", "AIOREDUCE_RANK": "2",
+                    "AIOREDUCE_WORLD_SIZE": "4",
                     "AIOREDUCE_LOCAL_RANK": "1", "AIOREDUCE_MASTER_ADDR": "10.1.2.3",
                     "AIOREDUCE_MASTER_PORT": "4000", "AIOREDUCE_JOB": "j1",
                     "AIOREDUCE_ADDR": "10.9.9.9", "AIOREDUCE_MAX_FRAME": "1024"})

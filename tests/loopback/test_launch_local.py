@@ -1,0 +1,116 @@
+"""aioreduce-launch -n N here: tagged lines, the first failure's code, nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.loopback
+
+LAUNCH = [sys.executable, "-m", "aioreduce_launch.cli"]
+
+# Each rank starts a grandchild (sleep) to prove the whole process group is torn down.
+PROG = r"""
+import os, subprocess, sys, time
+r = int(os.environ["RANK"])
+child = subprocess.Popen(["sleep", "300"])
+print(f"rank {r} pid {os.getpid()} child {child.pid} world {os.environ['WORLD_SIZE']}", flush=True)
+print(f"err line from {r}", file=sys.stderr, flush=True)
+mode = sys.argv[1]
+if mode == "fail" and r == 2:
+    time.sleep(0.5)
+    print("rank 2 gives up", file=sys.stderr, flush=True)
+    sys.exit(3)
+if mode == "ok":
+    sys.exit(0)
+time.sleep(300)
+"""
+
+
+def _pids(out: str) -> list[int]:
+    pids = []
+    for line in out.splitlines():
+        if " pid " in line:
+            words = line.split()
+            pids += [int(words[words.index("pid") + 1]), int(words[words.index("child") + 1])]
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _run(mode: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*LAUNCH, "-n", "4", "--kill-timeout", "2", *kw.pop("extra", []),
+                           "--", sys.executable, "-c", PROG, mode],
+                          capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def _gone(pids: list[int], within: float = 5.0) -> bool:
+    deadline = time.monotonic() + within
+    while any(_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_lines_are_tagged_and_success_is_zero() -> None:
+    res = _run("ok")
+    assert res.returncode == 0, res.stderr
+    for r in range(4):
+        assert any(line.startswith(f"[{r}] rank {r} pid ") and line.endswith("world 4")
+                   for line in res.stdout.splitlines())
+        assert f"[{r}] err line from {r}" in res.stderr
+    assert _gone(_pids(res.stdout))
+
+
+def test_first_failure_code_propagates_and_nothing_is_left(tmp_path) -> None:
+    res = _run("fail", extra=["--output-dir", str(tmp_path)])
+    assert res.returncode == 3, res.stderr
+    assert "rank 2 on localhost exited with code 3" in res.stderr
+    assert "[2] rank 2 gives up" in res.stderr
+    pids = _pids(res.stdout)
+    assert len(pids) == 8
+    assert _gone(pids), [p for p in pids if _alive(p)]
+    assert "rank 2 gives up" in (tmp_path / "rank.2.stderr").read_text()
+
+
+def test_sigint_stops_every_rank() -> None:
+    proc = subprocess.Popen([*LAUNCH, "-n", "4", "--kill-timeout", "2", "--", sys.executable,
+                             "-c", PROG, "hang"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        lines: list[str] = []
+        assert proc.stdout is not None
+        while len([x for x in lines if " pid " in x]) < 4:
+            line = proc.stdout.readline()
+            assert line, "launcher ended early"
+            lines.append(line)
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130, err
+        assert time.monotonic() - t0 < 2 + 5  # within the kill timeout plus a margin
+        assert _gone(_pids("".join(lines) + out), within=3)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_usage_errors_are_clear() -> None:
+    res = subprocess.run([*LAUNCH, "-n", "2", "python"], capture_output=True, text=True)
+    assert res.returncode == 2 and "separate the command with --" in res.stderr
+    res = subprocess.run([*LAUNCH, "-n", "2", "--", "/nonexistent/prog"], capture_output=True,
+                         text=True)
+    assert res.returncode == 2 and "cannot start" in res.stderr

@@ -12,6 +12,7 @@ rank 0), leaving it waits for the other ranks (bounded) and closes every connect
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from types import TracebackType
@@ -105,6 +106,15 @@ class Node:
         :class:`~aioreduce.errors.PeerLost` (naming the rank) if the peer's connection breaks.
         """
         return await self.mesh.recv_into(rank, out, step=step, tag=tag, timeout=timeout)
+
+    def post_recv(self, rank: int, out: np.ndarray, *, step: int = 0,
+                  tag: int = 0) -> asyncio.Future[Header]:
+        """Post a receive without waiting: a future that resolves when ``out`` is filled.
+
+        Cancel the future to withdraw the receive (``out`` is then never written again).
+        Use it to post many receives at once and wait on them with your own deadline.
+        """
+        return self.mesh.post_recv(rank, out, step=step, tag=tag)
 
     def discard_before(self, step: int) -> None:
         """Frames of steps below ``step`` are stale: dropped on arrival, never delivered."""

@@ -196,6 +196,36 @@ class Mesh:
     async def recv_into(self, rank: int, out: np.ndarray, *, step: int, tag: int = 0,
                         timeout: float | None = None) -> Header:
         """Receive the frame (step, tag) from ``rank`` straight into ``out``."""
+        fut = self.post_recv(rank, out, step=step, tag=tag)
+        if fut.done():
+            return fut.result()
+        # A timer instead of asyncio.timeout + shield: this path runs once per frame, and those
+        # helpers cost more than the rest of a receive together.
+        timer = None
+        if timeout is not None:
+            inbox = self._inbox[rank]
+
+            def expire() -> None:
+                if not fut.done():
+                    inbox.cancel((step, tag), fut)
+                    fut.set_exception(RecvTimeout(rank, step, tag, timeout))
+
+            timer = asyncio.get_running_loop().call_later(timeout, expire)
+        try:
+            return await fut
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def post_recv(self, rank: int, out: np.ndarray, *, step: int, tag: int = 0
+                  ) -> asyncio.Future[Header]:
+        """Post a receive of (step, tag) from ``rank`` into ``out`` and return its future.
+
+        The future resolves with the frame's header once every byte is in ``out``, or fails
+        with :class:`PeerLost`. Cancelling it withdraws the receive: ``out`` is not written
+        again. Schemes post all the receives of a step at once and wait on the futures with
+        their own deadlines, without a task per receive.
+        """
         self._check_rank(rank)
         if not out.flags.c_contiguous or not out.flags.writeable:
             raise ValueError("recv_into needs a writable C-contiguous array (receiving into a "
@@ -203,15 +233,13 @@ class Mesh:
         inbox = self._inbox[rank]
         key = (step, tag)
         fut = inbox.post(key, byte_view(out), out.dtype.str)
-        try:
-            async with asyncio.timeout(timeout):
-                return await asyncio.shield(fut)
-        except TimeoutError:
-            inbox.cancel(key, fut)
-            raise RecvTimeout(rank, step, tag, timeout or 0.0) from None
-        except asyncio.CancelledError:
-            inbox.cancel(key, fut)
-            raise
+
+        def withdrawn(f: asyncio.Future[Header]) -> None:
+            if f.cancelled():
+                inbox.cancel(key, f)
+
+        fut.add_done_callback(withdrawn)
+        return fut
 
     def set_floor(self, step: int) -> None:
         """Frames of steps below ``step`` from any peer are stale: drop them, now and later."""

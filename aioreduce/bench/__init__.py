@@ -1,0 +1,1 @@
+"""aioreduce-bench: benchmarks that compare in one run and print ratios."""

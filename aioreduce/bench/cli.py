@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p2p = sub.add_parser("p2p", help="two processes on 127.0.0.1: aioreduce vs a raw socket")
     p2p.add_argument("--sizes", type=_sizes, default=_sizes("64K,1M,16M,64M"),
                      help="message sizes (default 64K,1M,16M,64M)")
-    p2p.add_argument("--trials", type=int, default=9,
-                     help="alternating trials per transport and size (default 9)")
+    p2p.add_argument("--trials", type=int, default=12,
+                     help="alternating trials per transport and size (default 12)")
     p2p.add_argument("--min-bytes", type=parse_size, default=parse_size("64M"),
                      help="bytes streamed per trial (default 64M)")
     p2p.add_argument("--rtt-rounds", type=int, default=300,

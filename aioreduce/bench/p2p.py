@@ -1,7 +1,8 @@
 """``aioreduce-bench p2p``: aioreduce's framed transfer against a raw blocking socket.
 
 Two rank processes on 127.0.0.1. For each size, trials alternate between the two transports
-(aioreduce, raw, aioreduce, raw, ...) so that both see the same machine noise; every trial
+in ABBA order (raw, aioreduce, aioreduce, raw, ...) so that both see the same machine noise and
+neither always goes first; every trial
 streams enough messages to move at least ``--min-bytes`` and ends with an 8-byte ack, and the
 receiver lands every message in one preallocated array on both sides. Reported: medians, GB/s
 and the ratio aioreduce/raw; then the small-message round trip of both.
@@ -59,7 +60,8 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
             view = buf.data
             times: dict[str, list[float]] = {"aioreduce": [], "raw": []}
             for trial in range(trials + 1):  # trial 0 warms both paths up
-                for mode in ("aioreduce", "raw"):
+                # ABBA order: whichever transport goes second in a pair is not favoured.
+                for mode in ("aioreduce", "raw") if trial % 2 else ("raw", "aioreduce"):
                     if me == 0:
                         t0 = time.perf_counter()
                         if mode == "aioreduce":

@@ -190,7 +190,7 @@ class Mesh:
         """Send ``array`` to ``rank``; return when it may be modified again."""
         self._check_rank(rank)
         payload = as_payload(array)
-        conn = await self.connect(rank)
+        conn = self._live(rank) or await self.connect(rank)
         await conn.send(encode_frame(Header(Kind.DATA, step, tag, self.rank), payload))
 
     async def recv_into(self, rank: int, out: np.ndarray, *, step: int, tag: int = 0,

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol, cast
 
 from ..errors import PeerLost
 from ..wire import Frame, FrameDecoder, Header, Kind, ProtocolError
-from ..wire.decoder import Destination
+from ..wire.decoder import NO_FRAMES, Destination
 from ..wire.frame import Buffer
 from .loop import is_uvloop
 from .sockopts import tune
@@ -112,7 +112,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         return self.decoder.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._dispatch(self.decoder.buffer_updated(nbytes))
+        frames = self.decoder.buffer_updated(nbytes)
+        if frames is not NO_FRAMES:  # mid-payload reads skip the dispatch machinery
+            self._dispatch(frames)
 
     def resume_with(self, dest: memoryview | None) -> None:
         """Give a held-back frame its destination and start reading again."""
@@ -131,7 +133,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         """
         self._armed = (rank, router)
 
-    def _dispatch(self, frames: Iterator[Frame]) -> None:
+    def _dispatch(self, frames: Iterable[Frame]) -> None:
         try:
             for frame in frames:
                 kind = frame.header.kind
@@ -172,12 +174,13 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     async def send(self, buffers: Sequence[Buffer]) -> None:
         """Write one frame; return when the kernel has every byte (buffers reusable)."""
+        if self._zero_copy:
+            # One writelines call queues the whole frame, so concurrent sends cannot interleave
+            # and need no lock; "drained" then covers every frame queued so far.
+            self._check_open().writelines(buffers)
+            await self._wait_drained()
+            return
         async with self._send_lock:
-            transport = self._check_open()
-            if self._zero_copy:
-                transport.writelines(buffers)
-                await self._wait_drained()
-                return
             for buf in buffers:
                 view = memoryview(buf).cast("B")
                 for start in range(0, len(view), _STOCK_WRITE_SLICE):

@@ -25,7 +25,7 @@ version, lengths or an undecodable header raise :class:`ProtocolError`; the deco
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from .frame import MAGIC, MAX_HEADER, PREFIX, PREFIX_SIZE, VERSION, Buffer, Header, ProtocolError
@@ -39,6 +39,9 @@ DEFER = _Defer.DEFER
 """Returned by a ``choose`` callback: no destination yet, stop until :meth:`resume`."""
 
 Destination = memoryview | None | _Defer
+
+NO_FRAMES: tuple[()] = ()
+"""What :meth:`FrameDecoder.buffer_updated` returns when nothing completed (identity-checkable)."""
 Chooser = Callable[[Header], Destination]
 
 _STAGING = 1 << 17  # holds a full prefix + the largest header
@@ -116,7 +119,7 @@ class FrameDecoder:
             self._lo, self._hi = 0, n
         return memoryview(self._stage)[self._hi:]
 
-    def buffer_updated(self, nbytes: int) -> Iterator[Frame]:
+    def buffer_updated(self, nbytes: int) -> Iterable[Frame]:
         """``nbytes`` landed in the last :meth:`get_buffer` view; yield completed frames.
 
         Frames are parsed lazily, one per iteration, so the caller can act on a frame (for
@@ -127,14 +130,14 @@ class FrameDecoder:
         if st is _State.PAYLOAD or st is _State.DISCARD:
             self._got += nbytes
             if self._got < self._payload_len:
-                return iter(())
+                return NO_FRAMES  # the hot path of a large payload: one read of many
             return self._frames(self._finish())
         if st is _State.PREFIX or st is _State.HEADER:
             self._hi += nbytes
             return self._frames(None)
         raise RuntimeError(f"bytes delivered in state {st.name}")
 
-    def resume(self, dest: memoryview | None) -> Iterator[Frame]:
+    def resume(self, dest: memoryview | None) -> Iterable[Frame]:
         """Give the waiting frame its destination (or None to discard); yield what completes."""
         if self._state is not _State.WAIT:
             raise RuntimeError("resume() without a waiting frame")

@@ -13,6 +13,7 @@ memoryview of the array, to be handed to ``transport.writelines`` as they are.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import struct
@@ -138,8 +139,7 @@ def encode_frame(header: Header, payload: np.ndarray | None = None) -> list[Buff
     """
     if payload is not None:
         payload = as_payload(payload)
-        header = Header(header.kind, header.step, header.tag, header.src,
-                        payload.dtype.str, tuple(payload.shape), header.meta)
+        header = dataclasses.replace(header, dtype=payload.dtype.str, shape=payload.shape)
     head = header.to_bytes()
     if len(head) > MAX_HEADER:
         raise ValueError(f"header of {len(head)} bytes exceeds {MAX_HEADER}")

@@ -15,6 +15,8 @@ import time
 from ..errors import AuthError, PeerLost, RendezvousError
 from .mesh import Mesh
 
+ABORT_GRACE_S = 2.0
+
 
 async def _gather_from(mesh: Mesh, ranks: list[int], op: str, deadline: float
                        ) -> dict[int, dict[str, object]]:
@@ -28,7 +30,7 @@ async def _gather_from(mesh: Mesh, ranks: list[int], op: str, deadline: float
             raise RendezvousError(f"rank {mesh.rank}: ranks {missing} did not reach {op} "
                                   f"in time", missing=missing)
         out = {r: t.result() for r, t in tasks.items()}
-        wrong = sorted(r for r, m in out.items() if m.get("op") != op)
+        wrong = sorted(r for r, m in out.items() if m.get("op") not in (op, "abort"))
         if wrong:
             raise RendezvousError(f"ranks {wrong} sent the wrong control message during {op}")
         return out
@@ -44,7 +46,14 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
     if mesh.rank == 0:
         mesh.addresses[0] = (advertise or master[0], master[1])
         others = list(range(1, mesh.world_size))
-        regs = await _gather_from(mesh, others, "register", deadline)
+        try:
+            regs = await _gather_from(mesh, others, "register", deadline)
+        except RendezvousError as exc:
+            # Tell the ranks that did come which ones are missing, so every log names them.
+            came = [r for r in others if r not in exc.missing]
+            await asyncio.gather(*(mesh.send_control(r, {"op": "abort", "missing": exc.missing})
+                                   for r in came), return_exceptions=True)
+            raise
         for r, msg in regs.items():
             if msg.get("world") != mesh.world_size:
                 raise RendezvousError(f"rank {r} believes the world size is {msg.get('world')},"
@@ -77,7 +86,17 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
     host, port = await mesh.listen(bind or advertise or local, 0)
     await mesh.send_control(0, {"op": "register", "host": advertise or host, "port": port,
                                 "world": mesh.world_size})
-    msg = (await _gather_from(mesh, [0], "table", deadline))[0]
+    # Rank 0 gives up at the same deadline and then says who is missing: allow for that.
+    try:
+        msg = (await _gather_from(mesh, [0], "table", deadline + ABORT_GRACE_S))[0]
+    except RendezvousError:
+        raise RendezvousError(f"rank {mesh.rank}: rank 0 sent no address table within "
+                              f"{timeout} s", missing=[0]) from None
+    if msg.get("op") == "abort":
+        listed = msg.get("missing")
+        missing = [int(r) for r in listed] if isinstance(listed, list) else []
+        raise RendezvousError(f"rank {mesh.rank}: ranks {missing} never joined the job",
+                              missing=missing)
     table = msg.get("table")
     if not isinstance(table, list) or len(table) != mesh.world_size:
         raise RendezvousError("rank 0 sent a malformed address table")

@@ -195,9 +195,20 @@ async def memory(mode: str) -> None:
               flush=True)
 
 
+async def join() -> None:
+    """Join the job and report how that went (the missing-rank test leaves one rank out)."""
+    try:
+        async with ar.Node.from_env() as node:
+            print(f"JOINED {node.rank}", flush=True)
+    except ar.RendezvousError as exc:
+        print(f"RENDEZVOUS {exc} missing={exc.missing}", flush=True)
+        sys.exit(4)
+
+
 def main() -> None:
     scenario, *args = sys.argv[1:]
-    coro = {"exchange": exchange, "oversize": oversize, "killed": killed}.get(scenario)
+    coro = {"exchange": exchange, "oversize": oversize, "killed": killed, "join": join
+            }.get(scenario)
     ar.run(memory(args[0]) if scenario == "memory" else coro())  # type: ignore[misc]
 
 

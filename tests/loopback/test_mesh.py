@@ -154,3 +154,16 @@ def test_receiving_64mib_allocates_no_second_buffer(ranks, mode: str) -> None:
     # A second 64 MiB buffer would show in both measures; staging and scratch are <= 1 MiB.
     assert report["traced_peak_bytes"] < 8 << 20, report
     assert report["maxrss_growth_bytes"] < 16 << 20, report
+
+
+def test_a_rank_that_never_shows_up_is_named(ranks) -> None:
+    job: Ranks = ranks(4)
+    for r in (0, 1, 3):  # rank 2 never starts
+        job.start(r, "join", AIOREDUCE_TIMEOUT="2")
+    t0 = time.monotonic()
+    done = job.wait(30)
+    assert time.monotonic() - t0 < 15
+    assert done[0].returncode == 4 and "missing=[2]" in done[0].out, done[0]
+    assert "ranks [2] did not reach register" in done[0].out
+    for r in (1, 3):  # the others fail too instead of hanging, and name the missing rank
+        assert done[r].returncode == 4 and "ranks [2] never joined" in done[r].out, done[r]

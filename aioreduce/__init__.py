@@ -11,6 +11,8 @@ from .errors import (
     RendezvousError,
 )
 from .node import Node
+from .schemes import CodedTree, GradientCoding, Result, Ring, Star, StragglerError, Tree
+from .straggle import StraggleModel, parse_straggle
 from .transport import MeshOptions, run
 
 __version__ = "0.1.0"
@@ -18,7 +20,9 @@ __version__ = "0.1.0"
 __all__ = [
     "AioreduceError",
     "AuthError",
+    "CodedTree",
     "ConfigError",
+    "GradientCoding",
     "MeshOptions",
     "Node",
     "NodeEnv",
@@ -26,6 +30,13 @@ __all__ = [
     "ProtocolError",
     "RecvTimeout",
     "RendezvousError",
+    "Result",
+    "Ring",
+    "Star",
+    "StraggleModel",
+    "StragglerError",
+    "Tree",
     "discover",
+    "parse_straggle",
     "run",
 ]

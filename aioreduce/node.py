@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+import os
+import time
+from collections.abc import Callable, Coroutine, Mapping
 from types import TracebackType
 from typing import Any
 
 import numpy as np
 
 from .env import NodeEnv, discover
+from .schemes import CodedTree, GradientCoding, Result, Scheme
+from .straggle import StraggleModel, parse_straggle
 from .transport import Mesh, MeshOptions, barrier, rendezvous
 from .wire import Header
 
@@ -30,9 +34,20 @@ log = logging.getLogger("aioreduce")
 class Node:
     """One rank of an aioreduce job."""
 
-    def __init__(self, env: NodeEnv, *, options: MeshOptions | None = None,
-                 close_timeout: float = 10.0) -> None:
+    def __init__(self, env: NodeEnv, *, scheme: Scheme | None = None,
+                 straggle: StraggleModel | str | None = None,
+                 options: MeshOptions | None = None, close_timeout: float = 10.0) -> None:
         self.env = env
+        self.scheme = scheme
+        if scheme is not None:
+            scheme.validate(env.world_size)
+        if isinstance(straggle, str):
+            straggle = parse_straggle(straggle)
+        self.straggle = straggle or StraggleModel()
+        self._step = 0
+        self._like: np.ndarray | None = None
+        self._last_return = time.perf_counter()
+        self._background: dict[int, list[tuple[int, asyncio.Task[None]]]] = {}
         if options is None and env.max_frame is not None:
             options = MeshOptions(max_payload=env.max_frame)
         self.mesh = Mesh(env.rank, env.world_size, env.secret, env.job, options)
@@ -41,9 +56,18 @@ class Node:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, *,
-                 options: MeshOptions | None = None, **kwargs: Any) -> Node:
-        """A node configured from ``AIOREDUCE_*``/torchrun/SLURM/Open MPI variables."""
-        return cls(discover(environ), options=options, **kwargs)
+                 scheme: Scheme | None = None, options: MeshOptions | None = None,
+                 **kwargs: Any) -> Node:
+        """A node configured from ``AIOREDUCE_*``/torchrun/SLURM/Open MPI variables.
+
+        ``AIOREDUCE_STRAGGLE`` (see :mod:`aioreduce.straggle`) injects stragglers unless a
+        ``straggle`` argument is given.
+        """
+        env_map = os.environ if environ is None else environ
+        if "straggle" not in kwargs and env_map.get("AIOREDUCE_STRAGGLE"):
+            kwargs["straggle"] = parse_straggle(env_map["AIOREDUCE_STRAGGLE"],
+                                                int(env_map.get("AIOREDUCE_STRAGGLE_SEED", 0)))
+        return cls(discover(environ), scheme=scheme, options=options, **kwargs)
 
     @property
     def rank(self) -> int:
@@ -68,6 +92,9 @@ class Node:
 
     async def close(self, *, wait_for_peers: bool = True) -> None:
         """Leave the job: a bounded barrier so peers get their last frames, then disconnect."""
+        pending = [t for tasks in self._background.values() for _s, t in tasks if not t.done()]
+        if pending:  # results still on their way to slower ranks
+            await asyncio.wait(pending, timeout=self.close_timeout)
         if self._started and wait_for_peers:
             try:
                 await barrier(self.mesh, self.close_timeout)
@@ -89,13 +116,15 @@ class Node:
         await self.close(wait_for_peers=exc is None)
 
     # -- Comm interface -----------------------------------------------------------------------
-    async def send(self, rank: int, array: np.ndarray, *, step: int = 0, tag: int = 0) -> None:
-        """Send ``array`` to ``rank`` as frame (step, tag).
+    async def send(self, rank: int, array: np.ndarray, *, step: int = 0, tag: int = 0,
+                   meta: dict[str, Any] | None = None) -> None:
+        """Send ``array`` to ``rank`` as frame (step, tag), with optional small ``meta``.
 
         Returns once every byte is in the kernel, so ``array`` may be changed afterwards.
         A non-contiguous array is sent from a contiguous copy; object arrays are refused.
+        The receiver finds ``meta`` in the returned header.
         """
-        await self.mesh.send(rank, array, step=step, tag=tag)
+        await self.mesh.send(rank, array, step=step, tag=tag, meta=meta)
 
     async def recv_into(self, rank: int, out: np.ndarray, *, step: int = 0, tag: int = 0,
                         timeout: float | None = None) -> Header:
@@ -123,6 +152,116 @@ class Node:
     async def barrier(self, timeout: float = 60.0) -> None:
         """Wait until every rank has called ``barrier``."""
         await barrier(self.mesh, timeout)
+
+    def abort_peer(self, rank: int, reason: str) -> None:
+        """Cut every connection with ``rank`` (a peer that stopped reading)."""
+        log.warning("rank %d: dropping connections to rank %d: %s", self.rank, rank, reason)
+        self.mesh.abort(rank, reason)
+
+    # -- aggregation --------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """The number of the next aggregation step."""
+        return self._step
+
+    def placement(self, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+        """(sample ids, weights) this rank computes its coded gradient on, for a data set of
+        ``num_samples`` samples, under the node's coded scheme."""
+        scheme = self._require(coded=True)
+        assert isinstance(scheme, CodedTree | GradientCoding)
+        return scheme.placement(self.rank, num_samples)
+
+    async def aggregate(self, vector: np.ndarray | Callable[[], np.ndarray]) -> Result:
+        """One step of a coded scheme: the exact sum of everyone's data, same on every rank.
+
+        ``vector`` is this rank's weighted gradient over :meth:`placement`, or a function that
+        computes it: then the receives from this rank's children are posted first and the
+        function runs in a worker thread while their messages arrive.
+        """
+        self._require(coded=True)
+        return await self._run(vector)
+
+    async def allreduce(self, array: np.ndarray | Callable[[], np.ndarray]) -> Result:
+        """One step of an uncoded scheme (Ring, Tree, Star): the sum of every rank's array."""
+        self._require(coded=False)
+        return await self._run(array)
+
+    def _require(self, *, coded: bool) -> Scheme:
+        if self.scheme is None:
+            raise RuntimeError("this node has no scheme: Node.from_env(scheme=...)")
+        if self.scheme.coded != coded:
+            what = "aggregate() with a coded vector" if self.scheme.coded else "allreduce()"
+            raise TypeError(f"{type(self.scheme).__name__} is used through {what}")
+        return self.scheme
+
+    async def _run(self, vector: np.ndarray | Callable[[], np.ndarray]) -> Result:
+        scheme = self._require(coded=self.scheme.coded if self.scheme else False)
+        step = self._step
+        self._step += 1
+        loop = asyncio.get_running_loop()
+        since_return = time.perf_counter() - self._last_return
+        if callable(vector):
+            if self._like is None:  # first step: the shape is not known before computing
+                vector = await loop.run_in_executor(None, vector)
+            else:
+                compute = vector
+
+                async def produce() -> np.ndarray:
+                    t = time.perf_counter()
+                    out = await loop.run_in_executor(None, compute)
+                    return await self._finish_own(step, out, time.perf_counter() - t)
+
+                own = asyncio.ensure_future(produce())
+                try:
+                    return await self._step_with(scheme, self._like, own, step)
+                finally:
+                    own.cancel()
+        assert isinstance(vector, np.ndarray)
+        vec = np.ascontiguousarray(vector)
+        self._like = np.empty_like(vec)
+        own = asyncio.ensure_future(self._finish_own(step, vec, since_return))
+        try:
+            return await self._step_with(scheme, vec, own, step)
+        finally:
+            own.cancel()
+
+    async def _finish_own(self, step: int, vec: np.ndarray, compute_seconds: float
+                          ) -> np.ndarray:
+        """Encode (communication-efficient codes) and apply injected straggling."""
+        if isinstance(self.scheme, GradientCoding):
+            vec = self.scheme.encode(self.rank, vec.reshape(-1))
+        delay = self.straggle.extra_delay(self.rank, step, compute_seconds)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return vec
+
+    async def _step_with(self, scheme: Scheme, like: np.ndarray,
+                         own: asyncio.Future[np.ndarray], step: int) -> Result:
+        try:
+            return await scheme.step(self, like, own, step, self._spawn)
+        finally:
+            self._last_return = time.perf_counter()
+
+    def _spawn(self, peer: int, step: int, coro: Coroutine[Any, Any, None]) -> None:
+        """Send to ``peer`` in the background. A peer still not drained two steps later has
+        stopped reading (a stopped process): its connections are cut, so memory stays bounded
+        and later steps go on without it."""
+        tasks = [(s, t) for s, t in self._background.get(peer, []) if not t.done()]
+        if any(s < step - 1 for s, _t in tasks):
+            self.abort_peer(peer, f"results of step {min(s for s, _ in tasks)} still unsent")
+            for _s, t in tasks:
+                t.cancel()
+            tasks = []
+        task = asyncio.ensure_future(coro)
+        task.add_done_callback(_quiet)
+        tasks.append((step, task))
+        self._background[peer] = tasks
+
+
+def _quiet(task: asyncio.Task[None]) -> None:
+    """Background sends to dead peers fail; that is expected and not an error of the step."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("background send failed: %s", task.exception())
 
 
 def _bind_for(master_addr: str) -> str:

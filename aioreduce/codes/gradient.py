@@ -159,6 +159,16 @@ class GradientCode:
             out += np.outer(A[:, i], f)
         return out.reshape(-1)[:length]
 
+    def encode_group(self, coef: np.ndarray, vector: np.ndarray) -> np.ndarray:
+        """``sum_u coef[u] * chunk_u(vector)``: the message of a worker whose parts all share
+        the chunk coefficients ``coef`` (group codes), from the sum of its parts' gradients."""
+        length = vector.shape[0]
+        L = self.message_length(length)
+        padded = np.zeros(self.m * L, dtype=vector.dtype)
+        padded[:length] = vector
+        out: np.ndarray = np.asarray(coef, dtype=vector.dtype) @ padded.reshape(self.m, L)
+        return out
+
     def _chunks(self, parts: np.ndarray) -> np.ndarray:
         k, length = parts.shape
         L = self.message_length(length)

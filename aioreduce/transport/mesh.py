@@ -186,12 +186,19 @@ class Mesh:
         return conn
 
     # -- data ---------------------------------------------------------------------------------
-    async def send(self, rank: int, array: np.ndarray, *, step: int, tag: int = 0) -> None:
-        """Send ``array`` to ``rank``; return when it may be modified again."""
+    async def send(self, rank: int, array: np.ndarray, *, step: int, tag: int = 0,
+                   meta: dict[str, Any] | None = None) -> None:
+        """Send ``array`` (and small ``meta``) to ``rank``; return when it may be modified."""
         self._check_rank(rank)
         payload = as_payload(array)
         conn = self._live(rank) or await self.connect(rank)
-        await conn.send(encode_frame(Header(Kind.DATA, step, tag, self.rank), payload))
+        await conn.send(encode_frame(Header(Kind.DATA, step, tag, self.rank, meta=meta or {}),
+                                     payload))
+
+    def abort(self, rank: int, reason: str) -> None:
+        """Drop every connection with ``rank`` at once, unsent data included."""
+        for conn in list(self._inbox[rank].conns):
+            conn.abort(reason)
 
     async def recv_into(self, rank: int, out: np.ndarray, *, step: int, tag: int = 0,
                         timeout: float | None = None) -> Header:

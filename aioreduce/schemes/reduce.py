@@ -1,0 +1,341 @@
+"""Reduce to a root through families that decode, then broadcast the result: pipelined.
+
+This one engine runs CodedReduce (a tree whose families use gradient codes), gradient coding
+on a star (one family), and the uncoded tree and star (families that need every child).
+
+Per step, on every rank (``step`` tags every frame, so nothing mixes across steps):
+
+1. post the receives for every chunk from every child, the result chunks from the parent, and
+   the error frames, *before* the rank's own compute is awaited;
+2. per chunk, wait until the children that delivered it form a sufficient set for the family's
+   code (first arrivals win; each chunk may use a different set), or until the deadline;
+3. decode: own chunk + sum of a_i * child chunk; send it up at once, so levels overlap;
+4. the root's decoded chunks are the result; every rank forwards result chunks to its children
+   as they arrive, in the background, so a slow child never holds up a fast parent.
+
+A family that cannot decode by the deadline either fails the step (an error travels up to the
+root, which broadcasts it, so every rank raises the same :class:`StragglerError`) or, with
+``on_insufficient="approximate"``, decodes the least-squares optimum and flags the result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..codes import GradientCode
+from ..errors import PeerLost
+from ..wire import Header
+from .base import DOWN, ERROR_TAG, Comm, Result, StepOptions, StragglerError, chunk_bounds
+
+log = logging.getLogger("aioreduce.schemes")
+
+Spawn = Callable[[int, int, Coroutine[Any, Any, None]], None]
+_EMPTY = np.zeros(0, np.uint8)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One rank's place in the reduction: its parent, its children and their code."""
+
+    parent: int | None
+    children: list[int]
+    code: GradientCode | None  # None: every child is needed and contributions are summed
+    parent_m: int = 1  # the parent's message reduction: a leaf sends ceil(length / m) entries
+
+
+class _Gather:
+    """Which children delivered each chunk, in arrival order; when a chunk can be decoded."""
+
+    def __init__(self, family: Family, nchunks: int) -> None:
+        loop = asyncio.get_running_loop()
+        self.n = len(family.children)
+        self.code = family.code
+        self.nchunks = nchunks
+        self.arrived: list[list[int]] = [[] for _ in range(nchunks)]
+        self.failed: dict[int, list[int]] = {}  # child index -> ranks it reported missing
+        self.meta: dict[int, dict[str, Any]] = {}
+        self.ready: list[asyncio.Future[list[int]]] = [loop.create_future()
+                                                       for _ in range(nchunks)]
+        if self.n == 0:
+            self.settle()  # a leaf decodes nothing
+    def sufficient(self, members: list[int]) -> bool:
+        if self.code is None:
+            return len(set(members)) == self.n
+        return self.code.is_sufficient(members)
+
+    def chunk_done(self, i: int, c: int, fut: asyncio.Future[Header]) -> None:
+        if fut.cancelled():
+            return
+        if fut.exception() is not None:
+            self.child_failed(i, [])
+            return
+        if c == self.nchunks - 1:
+            self.meta[i] = fut.result().meta
+        self.arrived[c].append(i)
+        if not self.ready[c].done() and self.sufficient(self.arrived[c]):
+            self.ready[c].set_result(list(self.arrived[c]))
+
+    def child_failed(self, i: int, missing: list[int]) -> None:
+        self.failed.setdefault(i, missing)
+        alive = [j for j in range(self.n) if j not in self.failed]
+        if not self.sufficient(alive):
+            self.settle()  # it can never decode: stop waiting now
+
+    def settle(self) -> None:
+        """Deadline (or hopeless): resolve every open chunk with what has arrived."""
+        for c, r in enumerate(self.ready):
+            if not r.done():
+                r.set_result(list(self.arrived[c]))
+
+
+async def reduce_broadcast(comm: Comm, family: Family, like: np.ndarray,
+                           own: Awaitable[np.ndarray], step: int, opts: StepOptions,
+                           spawn: Spawn) -> Result:
+    """Run one step on this rank; see the module docstring. ``like`` fixes shape and dtype."""
+    t0 = time.perf_counter()
+    loop = asyncio.get_running_loop()
+    comm.discard_before(step)
+    flat_like = like.reshape(-1)
+    length, dtype = flat_like.size, flat_like.dtype
+    bounds = chunk_bounds(length, dtype.itemsize, opts.chunk_bytes)
+    K = len(bounds)
+    kids, parent, code = family.children, family.parent, family.code
+    m = code.m if code is not None else 1
+    msg_len = -(-length // m)  # children's messages are m times shorter
+    msg_bounds = chunk_bounds(msg_len, dtype.itemsize, opts.chunk_bytes) if m > 1 else bounds
+
+    # 1. Post every receive of this step first.
+    gather = _Gather(family, len(msg_bounds))
+    bufs = [np.empty(msg_len, dtype) for _ in kids]
+    posted: list[asyncio.Future[Header]] = []
+    for i, child in enumerate(kids):
+        for c, (lo, hi) in enumerate(msg_bounds):
+            f = comm.post_recv(child, bufs[i][lo:hi], step=step, tag=c)
+            f.add_done_callback(functools.partial(gather.chunk_done, i, c))
+            posted.append(f)
+        e = comm.post_recv(child, _EMPTY[:0], step=step, tag=ERROR_TAG)
+        e.add_done_callback(functools.partial(_child_error, gather, i))
+        posted.append(e)
+    result = np.empty(length, dtype)
+    down: list[asyncio.Future[Header]] = []
+    down_err: asyncio.Future[Header] | None = None
+    if parent is not None:
+        for c, (lo, hi) in enumerate(bounds):
+            f = comm.post_recv(parent, result[lo:hi], step=step, tag=DOWN + c)
+            f.add_done_callback(functools.partial(_forward, comm, kids, result, bounds, c,
+                                                  step, spawn))
+            down.append(f)
+        down_err = comm.post_recv(parent, _EMPTY[:0], step=step, tag=ERROR_TAG)
+        posted += [*down, down_err]
+    deadline = loop.call_later(opts.deadline, gather.settle)
+
+    try:
+        mine = (await own).reshape(-1)
+        own_len = -(-length // family.parent_m)
+        if mine.size != own_len or mine.dtype != dtype:
+            raise ValueError(f"step {step}: vector of {mine.size} {mine.dtype} differs from "
+                             f"the {own_len} {dtype} this step was posted for")
+        if not kids:  # a leaf: its own vector is its message, sent without a copy
+            assert parent is not None and down_err is not None
+            up = chunk_bounds(own_len, dtype.itemsize, opts.chunk_bytes)
+            leaf_meta = {"used": [comm.rank], "late": [], "exact": True, "err": 0.0}
+            leaf_sends = [loop.create_task(comm.send(
+                parent, mine[lo:hi], step=step, tag=c,
+                meta=leaf_meta if c == len(up) - 1 else None)) for c, (lo, hi) in enumerate(up)]
+            return await _await_result(comm, parent, down, down_err, result, step, opts,
+                                       leaf_sends, kids, spawn, t0)
+        # 2-3. Decode chunk after chunk and pass each one on at once.
+        out = np.empty(length if m == 1 else m * msg_len, dtype)
+        exact, err = True, 0.0
+        used_kids: set[int] = set()
+        failure: StragglerError | None = None
+        meta: dict[str, Any] | None = None
+        sends: list[asyncio.Task[None]] = []
+        for c, (lo, hi) in enumerate(msg_bounds):
+            responders = await gather.ready[c]
+            a, c_exact, c_err = _coefficients(gather, responders, opts, step, kids)
+            if a is None:
+                failure = StragglerError(step, _missing(gather, kids, responders))
+                break
+            exact, err = exact and c_exact, max(err, c_err)
+            used_kids.update(i for i in range(len(kids)) if np.any(a[..., i]))
+            _combine(out, mine, bufs, a, lo, hi, msg_len, m)
+            if m > 1:
+                continue  # a star root with short messages finishes all chunks first
+            meta = None
+            if c == K - 1:
+                meta = _report(comm.rank, kids, gather, used_kids, exact, err)
+            if parent is not None:
+                sends.append(loop.create_task(comm.send(parent, out[lo:hi], step=step, tag=c,
+                                                        meta=meta)))
+            else:
+                _send_down(comm, kids, out[lo:hi], step, DOWN + c, meta, spawn)
+        if m > 1 and failure is None:
+            meta = _report(comm.rank, kids, gather, used_kids, exact, err)
+            out = np.ascontiguousarray(out[:length] + mine)  # the master's own term (zero)
+            for c, (lo, hi) in enumerate(bounds):
+                _send_down(comm, kids, out[lo:hi], step, DOWN + c,
+                           meta if c == K - 1 else None, spawn)
+
+        if parent is None:
+            if failure is not None:
+                for child in kids:
+                    spawn(child, step, comm.send(child, _EMPTY, step=step, tag=ERROR_TAG,
+                                                 meta={"missing": failure.missing}))
+                raise failure
+            assert meta is not None
+            return _result(out[:length], step, meta, t0)
+
+        if failure is not None:  # tell the parent now instead of letting it time out
+            sends.append(loop.create_task(comm.send(parent, _EMPTY, step=step, tag=ERROR_TAG,
+                                                    meta={"missing": failure.missing})))
+        # 4. The result (or the root's verdict) comes down from the parent.
+        assert down_err is not None
+        return await _await_result(comm, parent, down, down_err, result, step, opts, sends,
+                                   kids, spawn, t0)
+    finally:
+        deadline.cancel()
+        for f in posted:
+            if not f.done():
+                f.cancel()
+        comm.discard_before(step + 1)
+
+
+def _child_error(gather: _Gather, i: int, fut: asyncio.Future[Header]) -> None:
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    missing = fut.result().meta.get("missing", [])
+    gather.child_failed(i, [int(r) for r in missing] if isinstance(missing, list) else [])
+
+
+def _coefficients(gather: _Gather, responders: list[int], opts: StepOptions, step: int,
+                  kids: list[int]) -> tuple[np.ndarray | None, bool, float]:
+    """Decoding coefficients for one chunk: (a, exact, error factor), a is None on failure."""
+    n = len(kids)
+    if gather.sufficient(responders):
+        if gather.code is None:
+            return np.ones(n), True, 0.0
+        return gather.code.decoder(responders), True, 0.0
+    if opts.on_insufficient == "approximate" and gather.code is not None:
+        approx = gather.code.approximate(responders)
+        return approx.coefficients, False, approx.error_factor
+    return None, False, 0.0
+
+
+def _missing(gather: _Gather, kids: list[int], responders: list[int]) -> list[int]:
+    missing = {kids[i] for i in range(len(kids)) if i not in responders}
+    for i, below in gather.failed.items():
+        if below:  # the child failed because of ranks below it: name those
+            missing.discard(kids[i])
+            missing.update(below)
+    return sorted(missing)
+
+
+def _combine(out: np.ndarray, mine: np.ndarray, bufs: list[np.ndarray], a: np.ndarray,
+             lo: int, hi: int, msg_len: int, m: int) -> None:
+    """out[chunk] = own chunk + sum_i a_i * child_i chunk (per output chunk row when m > 1)."""
+    if m == 1:
+        seg = out[lo:hi]
+        np.copyto(seg, mine[lo:hi])
+        for i, ai in enumerate(a):
+            if ai == 1.0:
+                seg += bufs[i][lo:hi]
+            elif ai != 0.0:
+                seg += ai * bufs[i][lo:hi]
+        return
+    rows = out.reshape(m, msg_len)
+    for u in range(m):
+        seg = rows[u, lo:hi]
+        seg[...] = 0
+        for j in np.flatnonzero(a[u]):
+            seg += a[u, j] * bufs[j][lo:hi]
+
+
+def _report(rank: int, kids: list[int], gather: _Gather, used_kids: set[int], exact: bool,
+            err: float) -> dict[str, Any]:
+    """Which ranks this subtree's message used and skipped, and whether it is exact."""
+    used, late = [rank], []
+    for i, child in enumerate(kids):
+        meta = gather.meta.get(i, {})
+        if i in used_kids:
+            used += meta.get("used", [child])
+            late += meta.get("late", [])
+            exact = exact and bool(meta.get("exact", True))
+            err = max(err, float(meta.get("err", 0.0)))
+        else:
+            late += [child]
+    return {"used": sorted(used), "late": sorted(late), "exact": exact, "err": err}
+
+
+def _send_down(comm: Comm, kids: list[int], chunk: np.ndarray, step: int, tag: int,
+               meta: dict[str, Any] | None, spawn: Spawn) -> None:
+    for child in kids:
+        spawn(child, step, comm.send(child, chunk, step=step, tag=tag, meta=meta))
+
+
+def _forward(comm: Comm, kids: list[int], result: np.ndarray, bounds: list[tuple[int, int]],
+             c: int, step: int, spawn: Spawn, fut: asyncio.Future[Header]) -> None:
+    if kids and not fut.cancelled() and fut.exception() is None:
+        lo, hi = bounds[c]
+        meta = fut.result().meta or None
+        _send_down(comm, kids, result[lo:hi], step, DOWN + c, meta, spawn)
+
+
+def _result(value: np.ndarray, step: int, meta: dict[str, Any], t0: float) -> Result:
+    value.setflags(write=False)  # it may still be on its way to slower ranks
+    return Result(value, step, list(meta.get("used", [])), list(meta.get("late", [])),
+                  bool(meta.get("exact", True)), float(meta.get("err", 0.0)),
+                  time.perf_counter() - t0)
+
+
+async def _await_result(comm: Comm, parent: int, down: list[asyncio.Future[Header]],
+                        down_err: asyncio.Future[Header], result: np.ndarray, step: int,
+                        opts: StepOptions, sends: list[asyncio.Task[None]], kids: list[int],
+                        spawn: Spawn, t0: float) -> Result:
+    everything = asyncio.gather(*down)
+    waits: set[asyncio.Future[Any]] = {everything, down_err}
+    # Generous: the root itself may wait a whole deadline per level below it.
+    done, _ = await asyncio.wait(waits, timeout=opts.deadline * 4 + 10,
+                                 return_when=asyncio.FIRST_COMPLETED)
+    try:
+        if down_err in done and down_err.exception() is None:
+            missing = down_err.result().meta.get("missing", [])
+            for child in kids:
+                spawn(child, step, comm.send(child, _EMPTY, step=step, tag=ERROR_TAG,
+                                             meta={"missing": missing}))
+            raise StragglerError(step, [int(r) for r in missing])
+        if everything not in done:
+            raise StragglerError(step, [parent], "no result from the parent in time")
+        try:
+            headers = everything.result()
+        except PeerLost as exc:
+            raise StragglerError(step, [parent], f"lost the parent: {exc.reason}") from None
+    finally:
+        if everything.done() and not everything.cancelled():
+            everything.exception()  # retrieved: no "never retrieved" warning
+        everything.cancel()
+        await _finish_sends(comm, parent, sends)
+    return _result(result, step, headers[-1].meta, t0)
+
+
+async def _finish_sends(comm: Comm, parent: int, sends: list[asyncio.Task[None]]) -> None:
+    """Our messages must be out of our buffers before we return (the caller may reuse its
+    vector). The parent has answered, so they drain; a parent that stopped reading is cut."""
+    if not sends:
+        return
+    done, pending = await asyncio.wait(sends, timeout=5.0)
+    for t in done:
+        if not t.cancelled() and t.exception() is not None:
+            log.debug("send to parent %d failed: %s", parent, t.exception())
+    if pending:
+        comm.abort_peer(parent, "our messages to it did not drain")
+        for t in pending:
+            t.cancel()

@@ -1,0 +1,108 @@
+"""CodedReduce (``CodedTree``) and the uncoded tree (``Tree``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from ..codes import CodedTreePlan, GradientCode, TreeTopology, coded_tree_plan
+from ..topology import heap_children, heap_parent
+from .base import Comm, OnInsufficient, Result, StepOptions
+from .reduce import Family, Spawn, reduce_broadcast
+
+
+@dataclass(frozen=True)
+class CodedTree:
+    """CodedReduce: a tree of ``levels`` levels below rank 0, ``fanout`` children per node;
+    every parent decodes from any ``fanout - stragglers`` of its children.
+
+    Every rank but the root computes: ask :meth:`placement` which weighted samples, pass the
+    weighted gradient to ``node.aggregate``. The job must have exactly
+    ``TreeTopology(fanout, levels).size`` ranks (13 for fan-out 3 and 2 levels).
+    """
+
+    fanout: int | Sequence[int] = 3
+    levels: int = 2
+    stragglers: int | Sequence[int] = 1
+    code: GradientCode | Sequence[GradientCode] | None = None
+    deadline: float = 30.0
+    on_insufficient: OnInsufficient = "raise"
+    chunk_bytes: int = 1 << 20
+    coded: bool = field(default=True, init=False)
+
+    @cached_property
+    def topology(self) -> TreeTopology:
+        return TreeTopology(self.fanout, self.levels)
+
+    @cached_property
+    def options(self) -> StepOptions:
+        return StepOptions(self.deadline, self.on_insufficient, self.chunk_bytes)
+
+    def validate(self, world_size: int) -> None:
+        if world_size != self.topology.size:
+            raise ValueError(f"{self.topology} needs exactly {self.topology.size} ranks, the "
+                             f"job has {world_size}")
+
+    def plan(self, num_samples: int) -> CodedTreePlan:
+        """The placement of a data set of ``num_samples`` over this tree."""
+        return coded_tree_plan(num_samples, self.fanout, self.levels, self.stragglers,
+                               self.code)
+
+    def placement(self, rank: int, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.plan(num_samples).placement(rank)
+
+    def family(self, rank: int) -> Family:
+        topo = self.topology
+        kids = topo.children(rank)
+        code = self._codes[topo.level(rank)] if kids else None
+        return Family(topo.parent(rank), kids, code)
+
+    @cached_property
+    def _codes(self) -> tuple[GradientCode, ...]:
+        # The codes do not depend on the data-set size; plan the smallest one that fits.
+        return self.plan(_unit(self)).codes
+
+    async def step(self, comm: Comm, like: np.ndarray, own: asyncio.Future[np.ndarray],
+                   step: int, spawn: Spawn) -> Result:
+        return await reduce_broadcast(comm, self.family(comm.rank), like, own, step,
+                                      self.options, spawn)
+
+
+def _unit(tree: CodedTree) -> int:
+    try:
+        tree.plan(1)
+    except ValueError as exc:
+        text = str(exc)
+        if "multiples of " in text:
+            return int(text.split("multiples of ")[1].split()[0].rstrip(","))
+        raise
+    return 1
+
+
+@dataclass(frozen=True)
+class Tree:
+    """Uncoded tree allreduce over any number of ranks: reduce to rank 0, broadcast back,
+    pipelined in chunks so the levels overlap."""
+
+    fanout: int = 2
+    chunk_bytes: int = 1 << 20
+    deadline: float = 300.0
+    coded: bool = field(default=False, init=False)
+
+    def validate(self, world_size: int) -> None:
+        if self.fanout < 1:
+            raise ValueError("fanout must be at least 1")
+
+    def family(self, rank: int, world_size: int) -> Family:
+        return Family(heap_parent(rank, self.fanout),
+                      heap_children(rank, self.fanout, world_size), None)
+
+    async def step(self, comm: Comm, like: np.ndarray, own: asyncio.Future[np.ndarray],
+                   step: int, spawn: Spawn) -> Result:
+        opts = StepOptions(self.deadline, "raise", self.chunk_bytes)
+        return await reduce_broadcast(comm, self.family(comm.rank, comm.world_size), like, own,
+                                      step, opts, spawn)

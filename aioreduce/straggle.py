@@ -1,0 +1,98 @@
+"""Straggler injection for experiments: per-rank delay models, seeded.
+
+A spec is a ``;``-separated list of ``TARGET:MODEL`` items:
+
+* ``TARGET`` is ``rank=R`` (or ``rank=R1,R2``) or ``all``;
+* ``MODEL`` is ``delay=SECONDS`` (added to every step), ``slow=FACTOR`` (the rank computes
+  FACTOR times slower: its measured compute time is stretched by FACTOR - 1), or
+  ``shifted-exp=SHIFT,RATE`` (each step adds SHIFT + Exp(1)/RATE seconds, the compute model of
+  the gradient-coding papers).
+
+Examples: ``rank=4:delay=0.5``, ``rank=4:slow=3``, ``all:shifted-exp=0.01,20;rank=2:slow=3``.
+The runtime reads ``AIOREDUCE_STRAGGLE`` (and ``AIOREDUCE_STRAGGLE_SEED``) when a node is
+created from the environment, so a launcher can slow chosen ranks without touching the program.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StraggleRule:
+    """One ``TARGET:MODEL`` item."""
+
+    ranks: frozenset[int] | None  # None: every rank
+    delay: float = 0.0
+    slow: float = 1.0
+    shift: float = 0.0
+    rate: float = 0.0  # 0: no exponential part
+
+    def applies(self, rank: int) -> bool:
+        return self.ranks is None or rank in self.ranks
+
+
+@dataclass(frozen=True)
+class StraggleModel:
+    """The extra seconds each rank waits before its contribution is ready."""
+
+    rules: tuple[StraggleRule, ...] = ()
+    seed: int = 0
+
+    def extra_delay(self, rank: int, step: int, compute_seconds: float) -> float:
+        """Seconds to add at ``step`` for a rank whose own work took ``compute_seconds``."""
+        extra = 0.0
+        for i, rule in enumerate(self.rules):
+            if not rule.applies(rank):
+                continue
+            extra += rule.delay + (rule.slow - 1.0) * max(0.0, compute_seconds)
+            if rule.rate > 0 or rule.shift > 0:
+                rng = np.random.default_rng([self.seed, i, rank, step])
+                extra += rule.shift + (rng.exponential(1.0) / rule.rate if rule.rate else 0.0)
+        return extra
+
+    def __bool__(self) -> bool:
+        return bool(self.rules)
+
+
+def parse_straggle(spec: str, seed: int = 0) -> StraggleModel:
+    """Parse a straggler spec (see the module docstring); errors name the bad item."""
+    rules = []
+    for item in (x.strip() for x in spec.split(";")):
+        if not item:
+            continue
+        target, sep, model = item.partition(":")
+        if not sep:
+            raise ValueError(f"straggler spec {item!r}: expected TARGET:MODEL, e.g. "
+                             "rank=4:slow=3")
+        ranks: frozenset[int] | None
+        if target.strip() == "all":
+            ranks = None
+        elif target.strip().startswith("rank="):
+            try:
+                ranks = frozenset(int(r) for r in target.strip()[5:].split(","))
+            except ValueError:
+                raise ValueError(f"straggler spec {item!r}: bad rank list") from None
+        else:
+            raise ValueError(f"straggler spec {item!r}: target must be rank=R or all")
+        kind, _, value = model.partition("=")
+        try:
+            if kind == "delay":
+                rule = StraggleRule(ranks, delay=float(value))
+            elif kind == "slow":
+                rule = StraggleRule(ranks, slow=float(value))
+            elif kind == "shifted-exp":
+                shift, rate = (float(v) for v in value.split(","))
+                rule = StraggleRule(ranks, shift=shift, rate=rate)
+            else:
+                raise ValueError(kind)
+        except ValueError:
+            raise ValueError(f"straggler spec {item!r}: model must be delay=S, slow=K or "
+                             "shifted-exp=SHIFT,RATE") from None
+        if rule.delay < 0 or rule.slow < 1 or rule.shift < 0 or rule.rate < 0:
+            raise ValueError(f"straggler spec {item!r}: values must be non-negative "
+                             "(slow >= 1)")
+        rules.append(rule)
+    return StraggleModel(tuple(rules), seed)

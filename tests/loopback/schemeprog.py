@@ -1,0 +1,116 @@
+"""A rank of a scheme test: ``python schemeprog.py SCHEME [options]``.
+
+Every rank computes deterministic data, runs ``--steps`` aggregation steps and prints one JSON
+line per step (``STEP {...}``) with the relative error of the result against the exact sum,
+which every rank can compute on its own. Ranks listed in ``--die`` SIGKILL themselves at
+``--die-step``; ``--stop`` ranks SIGSTOP themselves instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+import numpy as np
+
+import aioreduce as ar
+from aioreduce.codes import cyclic_mds, frc, gaussian_mds
+
+SAMPLES = 0  # set per scheme
+
+
+def sample_grads(num_samples: int, dim: int, step: int) -> np.ndarray:
+    """Per-sample "gradients" for one step: deterministic, different every step."""
+    base = np.random.default_rng(12345).standard_normal((num_samples, dim))
+    return base * (1.0 + 0.1 * step) + step
+
+
+def make_scheme(args: argparse.Namespace) -> ar.CodedTree | ar.GradientCoding | ar.Ring | \
+        ar.Tree | ar.Star:
+    kw = {"deadline": args.deadline,
+          "on_insufficient": "approximate" if args.approximate else "raise"}
+    if args.scheme == "coded-tree":
+        return ar.CodedTree(args.fanout, args.levels, args.stragglers,
+                            chunk_bytes=args.chunk_bytes, **kw)  # type: ignore[arg-type]
+    if args.scheme.startswith("gc-"):
+        n = int(os.environ["WORLD_SIZE"]) - 1
+        code = {"gc-frc": lambda: frc(n, args.stragglers),
+                "gc-cyclic": lambda: cyclic_mds(n, args.stragglers),
+                "gc-gaussian": lambda: gaussian_mds(n, args.stragglers, 2)}[args.scheme]()
+        return ar.GradientCoding(code, chunk_bytes=args.chunk_bytes, **kw)  # type: ignore[arg-type]
+    if args.scheme == "ring":
+        return ar.Ring()
+    if args.scheme == "tree":
+        return ar.Tree(args.fanout, chunk_bytes=args.chunk_bytes)
+    return ar.Star()
+
+
+async def main(args: argparse.Namespace) -> None:
+    scheme = make_scheme(args)
+    async with ar.Node.from_env(scheme=scheme) as node:
+        me = node.rank
+        if scheme.coded:
+            if isinstance(scheme, ar.CodedTree):
+                num = _fit(scheme)
+            else:
+                num = scheme.code.k * 2
+            ids, weights = node.placement(num)
+        for step in range(args.steps):
+            part_norms = None
+            if me in args.die and step == args.die_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if me in args.stop and step == args.die_step:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            if scheme.coded:
+                g = sample_grads(num, args.dim, step)
+                mine = weights @ g[ids] if len(ids) else np.zeros(args.dim)
+                truth = g.sum(axis=0)
+                if isinstance(scheme, ar.GradientCoding):
+                    parts = g.reshape(scheme.code.k, -1, args.dim).sum(axis=1)
+                    part_norms = np.linalg.norm(parts, axis=1)
+            else:
+                rng = np.random.default_rng([me, step])
+                mine = rng.standard_normal(args.dim)
+                truth = sum(np.random.default_rng([r, step]).standard_normal(args.dim)
+                            for r in range(node.world_size))
+            try:
+                res = await (node.aggregate(mine) if scheme.coded else node.allreduce(mine))
+            except ar.StragglerError as exc:
+                print("STEP " + json.dumps({"step": step, "error": "straggler",
+                                            "missing": exc.missing, "message": str(exc)}),
+                      flush=True)
+                continue
+            err = float(np.linalg.norm(res.value - truth) / np.linalg.norm(truth))
+            out = {"step": step, "result_step": res.step, "rel_err": err,
+                   "seconds": res.seconds, "used": res.used, "late": res.late,
+                   "exact": res.exact, "error_bound": res.error_bound}
+            if part_norms is not None and not res.exact:
+                out["abs_err"] = float(np.linalg.norm(res.value - truth))
+                out["bound"] = res.error_bound * float(np.linalg.norm(part_norms))
+            print("STEP " + json.dumps(out), flush=True)
+
+
+def _fit(scheme: ar.CodedTree) -> int:
+    from aioreduce.schemes.tree import _unit
+
+    return _unit(scheme) * 2
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("scheme")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--dim", type=int, default=1000)
+    p.add_argument("--fanout", type=int, default=3)
+    p.add_argument("--levels", type=int, default=2)
+    p.add_argument("--stragglers", type=int, default=1)
+    p.add_argument("--deadline", type=float, default=30.0)
+    p.add_argument("--approximate", action="store_true")
+    p.add_argument("--chunk-bytes", type=int, default=1 << 20)
+    p.add_argument("--die", type=lambda s: [int(x) for x in s.split(",") if x], default=[])
+    p.add_argument("--stop", type=lambda s: [int(x) for x in s.split(",") if x], default=[])
+    p.add_argument("--die-step", type=int, default=5)
+    ar.run(main(p.parse_args(sys.argv[1:])))

@@ -30,6 +30,9 @@ from .wire import Header
 
 log = logging.getLogger("aioreduce")
 
+BACKLOG_SECONDS = 10.0
+BACKLOG_STEPS = 16
+
 
 class Node:
     """One rank of an aioreduce job."""
@@ -48,6 +51,10 @@ class Node:
         self._like: np.ndarray | None = None
         self._last_return = time.perf_counter()
         self._background: dict[int, list[tuple[int, asyncio.Task[None]]]] = {}
+        self._forwarded: set[tuple[int, int]] = set()
+        self._background_started: dict[tuple[int, int], float] = {}
+        self.scheme_state: dict[str, Any] = {}  # what a scheme keeps from step to step
+        self.closing = False
         if options is None and env.max_frame is not None:
             options = MeshOptions(max_payload=env.max_frame)
         self.mesh = Mesh(env.rank, env.world_size, env.secret, env.job, options)
@@ -88,10 +95,24 @@ class Node:
                          advertise=env.advertise_addr, bind=env.bind_addr,
                          timeout=env.rendezvous_timeout)
         self._started = True
+        await self._preconnect()
         log.debug("rank %d joined job %s (%d ranks)", env.rank, env.job, env.world_size)
+
+    async def _preconnect(self) -> None:
+        """Open the scheme's connections now, in parallel, instead of inside the first steps.
+        Each link is dialed by its lower rank, so every pair gets one connection."""
+        if self.scheme is None:
+            return
+        peers = [p for p in self.scheme.neighbours(self.rank, self.world_size) if p > self.rank]
+        results = await asyncio.gather(*(self.mesh.connect(p) for p in peers),
+                                       return_exceptions=True)
+        for p, r in zip(peers, results, strict=True):
+            if isinstance(r, BaseException):  # the step will dial again and report it
+                log.warning("rank %d: could not pre-connect to rank %d: %s", self.rank, p, r)
 
     async def close(self, *, wait_for_peers: bool = True) -> None:
         """Leave the job: a bounded barrier so peers get their last frames, then disconnect."""
+        self.closing = True  # no new background sends, no replays to the children of the lost
         pending = [t for tasks in self._background.values() for _s, t in tasks if not t.done()]
         if pending:  # results still on their way to slower ranks
             await asyncio.wait(pending, timeout=self.close_timeout)
@@ -152,6 +173,29 @@ class Node:
     async def barrier(self, timeout: float = 60.0) -> None:
         """Wait until every rank has called ``barrier``."""
         await barrier(self.mesh, timeout)
+
+    def relay_from(self, rank: int, min_tag: int,
+                   relay: Callable[[Header, memoryview], None]) -> None:
+        """Forward frames from ``rank`` (tags >= ``min_tag``) as soon as they arrive."""
+        self.mesh.set_relay(rank, min_tag, relay)
+
+    def claim_forward(self, step: int, tag: int) -> bool:
+        """True the first time a (step, tag) result chunk is to be forwarded, False after."""
+        key = (step, tag)
+        if key in self._forwarded:
+            return False
+        if len(self._forwarded) > 4096:
+            self._forwarded = {k for k in self._forwarded if k[0] >= step - 2}
+        self._forwarded.add(key)
+        return True
+
+    def on_peer_lost(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(rank)`` whenever a peer's last connection breaks."""
+        self.mesh.lost_listeners.append(listener)
+
+    def is_lost(self, rank: int) -> bool:
+        """True if the connection to ``rank`` broke (killed process, reset) and is not back."""
+        return self.mesh.is_lost(rank)
 
     def abort_peer(self, rank: int, reason: str) -> None:
         """Cut every connection with ``rank`` (a peer that stopped reading)."""
@@ -243,11 +287,19 @@ class Node:
             self._last_return = time.perf_counter()
 
     def _spawn(self, peer: int, step: int, coro: Coroutine[Any, Any, None]) -> None:
-        """Send to ``peer`` in the background. A peer still not drained two steps later has
-        stopped reading (a stopped process): its connections are cut, so memory stays bounded
-        and later steps go on without it."""
+        """Send to ``peer`` in the background. A peer that has not taken a result for
+        ``BACKLOG_SECONDS`` while newer ones queue up, or that falls ``BACKLOG_STEPS`` results
+        behind, has stopped reading (a stopped process): its connections are cut, so memory
+        stays bounded and later steps go on without it."""
+        if self.closing:
+            coro.close()
+            return
+        now = time.monotonic()
         tasks = [(s, t) for s, t in self._background.get(peer, []) if not t.done()]
-        if any(s < step - 1 for s, _t in tasks):
+        oldest = min((s for s, _t in tasks), default=step)
+        started = self._background_started.get((peer, oldest), now)
+        if tasks and oldest < step and (now - started > BACKLOG_SECONDS
+                                        or step - oldest > BACKLOG_STEPS):
             self.abort_peer(peer, f"results of step {min(s for s, _ in tasks)} still unsent")
             for _s, t in tasks:
                 t.cancel()
@@ -256,6 +308,11 @@ class Node:
         task.add_done_callback(_quiet)
         tasks.append((step, task))
         self._background[peer] = tasks
+        self._background_started.setdefault((peer, step), now)
+        if len(self._background_started) > 4 * BACKLOG_STEPS * max(1, self.world_size):
+            live = {(p, s) for p, ts in self._background.items() for s, _t in ts}
+            self._background_started = {k: v for k, v in self._background_started.items()
+                                        if k in live}
 
 
 def _quiet(task: asyncio.Task[None]) -> None:

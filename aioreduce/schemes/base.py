@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -36,6 +37,21 @@ class Comm(Protocol):
     def discard_before(self, step: int) -> None: ...
 
     def abort_peer(self, rank: int, reason: str) -> None: ...
+
+    def is_lost(self, rank: int) -> bool: ...
+
+    def relay_from(self, rank: int, min_tag: int,
+                   relay: Callable[[Header, memoryview], None]) -> None: ...
+
+    def claim_forward(self, step: int, tag: int) -> bool: ...
+
+    def on_peer_lost(self, listener: Callable[[int], None]) -> None: ...
+
+    @property
+    def scheme_state(self) -> dict[str, Any]: ...
+
+    @property
+    def closing(self) -> bool: ...
 
 
 class StragglerError(AioreduceError):

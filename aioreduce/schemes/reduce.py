@@ -25,7 +25,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -49,6 +49,8 @@ class Family:
     children: list[int]
     code: GradientCode | None  # None: every child is needed and contributions are summed
     parent_m: int = 1  # the parent's message reduction: a leaf sends ceil(length / m) entries
+    grandparent: int | None = None  # sends us the result if our parent is lost
+    grandchildren: dict[int, list[int]] = field(default_factory=dict)  # child -> its children
 
 
 class _Gather:
@@ -62,6 +64,7 @@ class _Gather:
         self.arrived: list[list[int]] = [[] for _ in range(nchunks)]
         self.failed: dict[int, list[int]] = {}  # child index -> ranks it reported missing
         self.meta: dict[int, dict[str, Any]] = {}
+        self.hopeless = False  # enough children failed that no set can decode
         self.ready: list[asyncio.Future[list[int]]] = [loop.create_future()
                                                        for _ in range(nchunks)]
         if self.n == 0:
@@ -87,6 +90,7 @@ class _Gather:
         self.failed.setdefault(i, missing)
         alive = [j for j in range(self.n) if j not in self.failed]
         if not self.sufficient(alive):
+            self.hopeless = True
             self.settle()  # it can never decode: stop waiting now
 
     def settle(self) -> None:
@@ -94,6 +98,44 @@ class _Gather:
         for c, r in enumerate(self.ready):
             if not r.done():
                 r.set_result(list(self.arrived[c]))
+
+
+class _Memory:
+    """The last results a parent passed down, kept to re-send to the children of a child
+    that dies: a result sent to it just before its death would otherwise strand them."""
+
+    KEEP = 2
+
+    def __init__(self, comm: Comm, spawn: Spawn) -> None:
+        self.comm, self.spawn = comm, spawn
+        self.family: Family | None = None
+        self.recent: dict[int, tuple[np.ndarray, list[tuple[int, int]], dict[str, Any]]] = {}
+        comm.on_peer_lost(self.lost)
+
+    @classmethod
+    def of(cls, comm: Comm, spawn: Spawn, family: Family) -> _Memory:
+        mem = comm.scheme_state.get("tree-memory")
+        if not isinstance(mem, cls):
+            mem = comm.scheme_state["tree-memory"] = cls(comm, spawn)
+        mem.family = family
+        return mem
+
+    def remember(self, step: int, value: np.ndarray, bounds: list[tuple[int, int]],
+                 meta: dict[str, Any]) -> None:
+        self.recent[step] = (value, bounds, meta)
+        for old in sorted(self.recent)[:-self.KEEP]:
+            del self.recent[old]
+
+    def lost(self, rank: int) -> None:
+        fam = self.family
+        if fam is None or rank not in fam.children or self.comm.closing:
+            return  # peers leaving at the end of the job are not failures
+        for step, (value, bounds, meta) in sorted(self.recent.items()):
+            for target in fam.grandchildren.get(rank, []):
+                for c, (lo, hi) in enumerate(bounds):
+                    last = meta if c == len(bounds) - 1 else None
+                    self.spawn(target, step, self.comm.send(target, value[lo:hi], step=step,
+                                                            tag=DOWN + c, meta=last))
 
 
 async def reduce_broadcast(comm: Comm, family: Family, like: np.ndarray,
@@ -130,11 +172,17 @@ async def reduce_broadcast(comm: Comm, family: Family, like: np.ndarray,
     if parent is not None:
         for c, (lo, hi) in enumerate(bounds):
             f = comm.post_recv(parent, result[lo:hi], step=step, tag=DOWN + c)
-            f.add_done_callback(functools.partial(_forward, comm, kids, result, bounds, c,
+            f.add_done_callback(functools.partial(_forward, comm, family, result, bounds, c,
                                                   step, spawn))
             down.append(f)
         down_err = comm.post_recv(parent, _EMPTY[:0], step=step, tag=ERROR_TAG)
         posted += [*down, down_err]
+    memory = _Memory.of(comm, spawn, family) if kids else None
+    if parent is not None and kids:
+        # Results (and the root's errors) go on to our children the moment they arrive, even
+        # while this rank is still busy with an earlier step: a slow parent must not pace its
+        # whole subtree.
+        comm.relay_from(parent, DOWN, functools.partial(_relay, comm, family, spawn))
     deadline = loop.call_later(opts.deadline, gather.settle)
 
     try:
@@ -150,8 +198,8 @@ async def reduce_broadcast(comm: Comm, family: Family, like: np.ndarray,
             leaf_sends = [loop.create_task(comm.send(
                 parent, mine[lo:hi], step=step, tag=c,
                 meta=leaf_meta if c == len(up) - 1 else None)) for c, (lo, hi) in enumerate(up)]
-            return await _await_result(comm, parent, down, down_err, result, step, opts,
-                                       leaf_sends, kids, spawn, t0)
+            return await _await_result(comm, family, down, down_err, result, bounds, step,
+                                       opts, leaf_sends, spawn, t0, None)
         # 2-3. Decode chunk after chunk and pass each one on at once.
         out = np.empty(length if m == 1 else m * msg_len, dtype)
         exact, err = True, 0.0
@@ -177,21 +225,22 @@ async def reduce_broadcast(comm: Comm, family: Family, like: np.ndarray,
                 sends.append(loop.create_task(comm.send(parent, out[lo:hi], step=step, tag=c,
                                                         meta=meta)))
             else:
-                _send_down(comm, kids, out[lo:hi], step, DOWN + c, meta, spawn)
+                _send_down(comm, family, out[lo:hi], step, DOWN + c, meta, spawn)
         if m > 1 and failure is None:
             meta = _report(comm.rank, kids, gather, used_kids, exact, err)
             out = np.ascontiguousarray(out[:length] + mine)  # the master's own term (zero)
             for c, (lo, hi) in enumerate(bounds):
-                _send_down(comm, kids, out[lo:hi], step, DOWN + c,
+                _send_down(comm, family, out[lo:hi], step, DOWN + c,
                            meta if c == K - 1 else None, spawn)
 
         if parent is None:
             if failure is not None:
-                for child in kids:
-                    spawn(child, step, comm.send(child, _EMPTY, step=step, tag=ERROR_TAG,
-                                                 meta={"missing": failure.missing}))
+                _send_down(comm, family, _EMPTY, step, ERROR_TAG,
+                           {"missing": failure.missing}, spawn)
                 raise failure
             assert meta is not None
+            if memory is not None:
+                memory.remember(step, out[:length], bounds, meta)
             return _result(out[:length], step, meta, t0)
 
         if failure is not None:  # tell the parent now instead of letting it time out
@@ -199,8 +248,8 @@ async def reduce_broadcast(comm: Comm, family: Family, like: np.ndarray,
                                                     meta={"missing": failure.missing})))
         # 4. The result (or the root's verdict) comes down from the parent.
         assert down_err is not None
-        return await _await_result(comm, parent, down, down_err, result, step, opts, sends,
-                                   kids, spawn, t0)
+        return await _await_result(comm, family, down, down_err, result, bounds, step, opts,
+                                   sends, spawn, t0, memory)
     finally:
         deadline.cancel()
         for f in posted:
@@ -231,7 +280,12 @@ def _coefficients(gather: _Gather, responders: list[int], opts: StepOptions, ste
 
 
 def _missing(gather: _Gather, kids: list[int], responders: list[int]) -> list[int]:
-    missing = {kids[i] for i in range(len(kids)) if i not in responders}
+    """The ranks to blame: the failed children if they alone make decoding impossible, else
+    every child that had not delivered by the deadline."""
+    if gather.hopeless:
+        missing = {kids[i] for i in gather.failed}
+    else:
+        missing = {kids[i] for i in range(len(kids)) if i not in responders}
     for i, below in gather.failed.items():
         if below:  # the child failed because of ranks below it: name those
             missing.discard(kids[i])
@@ -275,18 +329,33 @@ def _report(rank: int, kids: list[int], gather: _Gather, used_kids: set[int], ex
     return {"used": sorted(used), "late": sorted(late), "exact": exact, "err": err}
 
 
-def _send_down(comm: Comm, kids: list[int], chunk: np.ndarray, step: int, tag: int,
+def _send_down(comm: Comm, family: Family, chunk: np.ndarray, step: int, tag: int,
                meta: dict[str, Any] | None, spawn: Spawn) -> None:
-    for child in kids:
-        spawn(child, step, comm.send(child, chunk, step=step, tag=tag, meta=meta))
+    """Pass a result chunk (or the error frame) to every child; the children of a child whose
+    connection broke get it from us directly, since their parent cannot forward it."""
+    for child in family.children:
+        targets = [child]
+        if comm.is_lost(child):
+            targets = family.grandchildren.get(child, [])
+        for target in targets:
+            spawn(target, step, comm.send(target, chunk, step=step, tag=tag, meta=meta))
 
 
-def _forward(comm: Comm, kids: list[int], result: np.ndarray, bounds: list[tuple[int, int]],
+def _forward(comm: Comm, family: Family, result: np.ndarray, bounds: list[tuple[int, int]],
              c: int, step: int, spawn: Spawn, fut: asyncio.Future[Header]) -> None:
-    if kids and not fut.cancelled() and fut.exception() is None:
+    if (family.children and not fut.cancelled() and fut.exception() is None
+            and comm.claim_forward(step, DOWN + c)):
         lo, hi = bounds[c]
         meta = fut.result().meta or None
-        _send_down(comm, kids, result[lo:hi], step, DOWN + c, meta, spawn)
+        _send_down(comm, family, result[lo:hi], step, DOWN + c, meta, spawn)
+
+
+def _relay(comm: Comm, family: Family, spawn: Spawn, header: Header,
+           payload: memoryview) -> None:
+    """A result chunk or error frame arrived before its receive was posted: pass it on."""
+    if comm.claim_forward(header.step, header.tag):
+        data = np.frombuffer(payload, dtype=header.dtype or np.uint8)
+        _send_down(comm, family, data, header.step, header.tag, header.meta or None, spawn)
 
 
 def _result(value: np.ndarray, step: int, meta: dict[str, Any], t0: float) -> Result:
@@ -296,33 +365,62 @@ def _result(value: np.ndarray, step: int, meta: dict[str, Any], t0: float) -> Re
                   time.perf_counter() - t0)
 
 
-async def _await_result(comm: Comm, parent: int, down: list[asyncio.Future[Header]],
-                        down_err: asyncio.Future[Header], result: np.ndarray, step: int,
-                        opts: StepOptions, sends: list[asyncio.Task[None]], kids: list[int],
-                        spawn: Spawn, t0: float) -> Result:
-    everything = asyncio.gather(*down)
-    waits: set[asyncio.Future[Any]] = {everything, down_err}
-    # Generous: the root itself may wait a whole deadline per level below it.
-    done, _ = await asyncio.wait(waits, timeout=opts.deadline * 4 + 10,
-                                 return_when=asyncio.FIRST_COMPLETED)
+async def _await_result(comm: Comm, family: Family, down: list[asyncio.Future[Header]],
+                        down_err: asyncio.Future[Header], result: np.ndarray,
+                        bounds: list[tuple[int, int]], step: int, opts: StepOptions,
+                        sends: list[asyncio.Task[None]], spawn: Spawn, t0: float,
+                        memory: _Memory | None) -> Result:
+    """Wait for the result (or the root's error) from the parent, forwarding as it comes.
+
+    If the parent's connection breaks, its own parent sends us the result instead (it sees the
+    same break and adopts us), so a dead intermediate rank does not strand its subtree.
+    """
+    assert family.parent is not None
+    source, fallback = family.parent, family.grandparent
+    extra: list[asyncio.Future[Header]] = []
     try:
-        if down_err in done and down_err.exception() is None:
-            missing = down_err.result().meta.get("missing", [])
-            for child in kids:
-                spawn(child, step, comm.send(child, _EMPTY, step=step, tag=ERROR_TAG,
-                                             meta={"missing": missing}))
-            raise StragglerError(step, [int(r) for r in missing])
-        if everything not in done:
-            raise StragglerError(step, [parent], "no result from the parent in time")
-        try:
-            headers = everything.result()
-        except PeerLost as exc:
-            raise StragglerError(step, [parent], f"lost the parent: {exc.reason}") from None
+        while True:
+            everything = asyncio.gather(*down)
+            waits: set[asyncio.Future[Any]] = {everything, down_err}
+            # Generous: the root itself may wait a whole deadline per level below it.
+            done, _ = await asyncio.wait(waits, timeout=opts.deadline * 4 + 10,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if everything.done() and not everything.cancelled():
+                everything.exception()  # retrieved: no "never retrieved" warning
+            everything.cancel()
+            if down_err in done and down_err.exception() is None:
+                missing = down_err.result().meta.get("missing", [])
+                if comm.claim_forward(step, ERROR_TAG):
+                    _send_down(comm, family, _EMPTY, step, ERROR_TAG, {"missing": missing},
+                               spawn)
+                raise StragglerError(step, [int(r) for r in missing])
+            if everything not in done:
+                raise StragglerError(step, [source], "no result from the parent in time")
+            try:
+                headers = everything.result()
+                break
+            except PeerLost as exc:
+                if fallback is None:
+                    raise StragglerError(step, [source], f"lost the parent: {exc.reason}"
+                                         ) from None
+                log.info("rank %d: parent %d lost (%s); taking step %d's result from rank %d",
+                         comm.rank, source, exc.reason, step, fallback)
+                source, fallback = fallback, None
+                down = []
+                for c, (lo, hi) in enumerate(bounds):
+                    f = comm.post_recv(source, result[lo:hi], step=step, tag=DOWN + c)
+                    f.add_done_callback(functools.partial(_forward, comm, family, result,
+                                                          bounds, c, step, spawn))
+                    down.append(f)
+                down_err = comm.post_recv(source, _EMPTY[:0], step=step, tag=ERROR_TAG)
+                extra += [*down, down_err]
     finally:
-        if everything.done() and not everything.cancelled():
-            everything.exception()  # retrieved: no "never retrieved" warning
-        everything.cancel()
-        await _finish_sends(comm, parent, sends)
+        for f in extra:
+            if not f.done():
+                f.cancel()
+        await _finish_sends(comm, family.parent, sends)
+    if memory is not None:
+        memory.remember(step, result, bounds, headers[-1].meta)
     return _result(result, step, headers[-1].meta, t0)
 
 

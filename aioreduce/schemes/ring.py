@@ -59,6 +59,9 @@ class Ring:
     def validate(self, world_size: int) -> None:
         pass
 
+    def neighbours(self, rank: int, world_size: int) -> list[int]:
+        return sorted(set(ring_neighbours(rank, world_size)) - {rank})
+
     async def step(self, comm: Comm, like: np.ndarray, own: asyncio.Future[np.ndarray],
                    step: int, spawn: object) -> Result:
         t0 = time.perf_counter()

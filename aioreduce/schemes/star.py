@@ -67,6 +67,9 @@ class GradientCoding:
         coef = self.code.B[rank - 1].reshape(self.code.k, self.code.m)[j]
         return self.code.encode_group(coef, vector)
 
+    def neighbours(self, rank: int, world_size: int) -> list[int]:
+        return list(range(1, world_size)) if rank == 0 else [0]
+
     def family(self, rank: int) -> Family:
         if rank == 0:
             return Family(None, list(range(1, self.code.n + 1)), self.code)
@@ -98,6 +101,9 @@ class Star:
 
     def validate(self, world_size: int) -> None:
         pass
+
+    def neighbours(self, rank: int, world_size: int) -> list[int]:
+        return list(range(1, world_size)) if rank == 0 else [0]
 
     async def step(self, comm: Comm, like: np.ndarray, own: asyncio.Future[np.ndarray],
                    step: int, spawn: Spawn) -> Result:

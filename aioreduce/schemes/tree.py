@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -55,11 +55,14 @@ class CodedTree:
     def placement(self, rank: int, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
         return self.plan(num_samples).placement(rank)
 
+    def neighbours(self, rank: int, world_size: int) -> list[int]:
+        """Ranks this rank talks to: parent, children, and grandchildren (adoption)."""
+        return _neighbours(self.family(rank))
+
     def family(self, rank: int) -> Family:
-        topo = self.topology
-        kids = topo.children(rank)
-        code = self._codes[topo.level(rank)] if kids else None
-        return Family(topo.parent(rank), kids, code)
+        return _tree_family(rank, self.topology.parent, self.topology.children,
+                            self._codes[self.topology.level(rank)]
+                            if self.topology.children(rank) else None)
 
     @cached_property
     def _codes(self) -> tuple[GradientCode, ...]:
@@ -70,6 +73,20 @@ class CodedTree:
                    step: int, spawn: Spawn) -> Result:
         return await reduce_broadcast(comm, self.family(comm.rank), like, own, step,
                                       self.options, spawn)
+
+
+def _tree_family(rank: int, parent_of: Callable[[int], int | None],
+                 children_of: Callable[[int], list[int]], code: GradientCode | None) -> Family:
+    parent = parent_of(rank)
+    kids = children_of(rank)
+    return Family(parent, kids, code,
+                  grandparent=parent_of(parent) if parent is not None else None,
+                  grandchildren={c: children_of(c) for c in kids})
+
+
+def _neighbours(fam: Family) -> list[int]:
+    up = [] if fam.parent is None else [fam.parent]
+    return up + fam.children
 
 
 def _unit(tree: CodedTree) -> int:
@@ -97,9 +114,12 @@ class Tree:
         if self.fanout < 1:
             raise ValueError("fanout must be at least 1")
 
+    def neighbours(self, rank: int, world_size: int) -> list[int]:
+        return _neighbours(self.family(rank, world_size))
+
     def family(self, rank: int, world_size: int) -> Family:
-        return Family(heap_parent(rank, self.fanout),
-                      heap_children(rank, self.fanout, world_size), None)
+        return _tree_family(rank, lambda r: heap_parent(r, self.fanout),
+                            lambda r: heap_children(r, self.fanout, world_size), None)
 
     async def step(self, comm: Comm, like: np.ndarray, own: asyncio.Future[np.ndarray],
                    step: int, spawn: Spawn) -> Result:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,8 +50,10 @@ class _Posted:
 class Inbox:
     """Receive matching for one source rank (all its connections)."""
 
-    def __init__(self, rank: int, stage_limit: int) -> None:
+    def __init__(self, rank: int, stage_limit: int,
+                 on_lost: Callable[[int], None] | None = None) -> None:
         self.rank = rank
+        self._on_lost = on_lost
         self.stage_limit = stage_limit
         self.floor = NO_FLOOR
         self.conns: set[FrameProtocol] = set()
@@ -60,6 +63,10 @@ class Inbox:
         self._receiving: dict[FrameProtocol, tuple[Key, _Posted]] = {}
         self._staged: dict[Key, tuple[Header, memoryview]] = {}
         self._held: dict[FrameProtocol, Header] = {}
+        # Frames with tags >= relay_min_tag are handed to `relay` as soon as they arrive, even
+        # before a receive is posted (a tree node forwards results it has not asked for yet).
+        self.relay: Callable[[Header, memoryview], None] | None = None
+        self.relay_min_tag = 0
 
     # -- the caller's side --------------------------------------------------------------------
     def post(self, key: Key, view: memoryview, dtype: str) -> asyncio.Future[Header]:
@@ -130,7 +137,8 @@ class Inbox:
                 return None
             self._receiving[conn] = (key, posted)
             return posted.view
-        if header.payload_nbytes() <= self.stage_limit or self._posted:
+        if (header.payload_nbytes() <= self.stage_limit or self._posted
+                or self._relayed(header)):
             return self._stage_buffer(header)
         self._held[conn] = header
         return DEFER
@@ -152,10 +160,13 @@ class Inbox:
         payload = frame.payload if frame.payload is not None else memoryview(b"")
         waiting = self._posted.pop(key, None)
         if waiting is None:
-            if key in self._staged:
-                log.warning("rank %d sent step %d tag %d twice; keeping the newer frame",
-                            self.rank, header.step, header.tag)
+            if key in self._staged:  # e.g. a result re-sent after a parent died
+                log.debug("rank %d sent step %d tag %d twice; keeping the newer frame",
+                          self.rank, header.step, header.tag)
             self._staged[key] = (header, payload)
+            if self._relayed(header):
+                assert self.relay is not None
+                self.relay(header, payload)
             return
         err = self._mismatch(header, waiting.view, waiting.dtype)
         if err:
@@ -179,12 +190,17 @@ class Inbox:
                 posted.future.set_exception(lost)
         self._posted.clear()
         self.control.put_nowait(None)
+        if self._on_lost is not None:
+            self._on_lost(self.rank)
 
     def connection_added(self, conn: FrameProtocol) -> None:
         self.conns.add(conn)
         self.lost = None
 
     # -- helpers ------------------------------------------------------------------------------
+    def _relayed(self, header: Header) -> bool:
+        return self.relay is not None and header.tag >= self.relay_min_tag
+
     def _stage_buffer(self, header: Header) -> memoryview:
         return np.empty(header.payload_nbytes(), dtype=np.uint8).data
 

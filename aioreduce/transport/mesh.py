@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,9 @@ class Mesh:
         self.options = options or MeshOptions()
         self._secret = secret
         self.addresses: dict[int, tuple[str, int]] = {}
-        self._inbox = {r: Inbox(r, self.options.stage_limit) for r in range(world_size)}
+        self.lost_listeners: list[Callable[[int], None]] = []
+        self._inbox = {r: Inbox(r, self.options.stage_limit, self._peer_lost)
+                       for r in range(world_size)}
         self._dial_locks: dict[int, asyncio.Lock] = {}
         self._server: asyncio.Server | None = None
         self._conns: set[FrameProtocol] = set()
@@ -145,6 +148,25 @@ class Mesh:
             if addr is None:
                 raise PeerLost(rank, "address unknown (rendezvous not done?)")
             return await self._dial(rank, addr)
+
+    def _peer_lost(self, rank: int) -> None:
+        for listener in list(self.lost_listeners):
+            try:
+                listener(rank)
+            except Exception:  # a listener's bug must not break the transport
+                log.exception("peer-lost listener failed")
+
+    def set_relay(self, rank: int, min_tag: int,
+                  relay: Callable[[Header, memoryview], None] | None) -> None:
+        """Hand frames from ``rank`` with tag >= ``min_tag`` to ``relay`` on arrival, even
+        before their receive is posted (they stay staged for that receive too)."""
+        inbox = self._inbox[rank]
+        inbox.relay, inbox.relay_min_tag = relay, min_tag
+
+    def is_lost(self, rank: int) -> bool:
+        """True if ``rank`` had a connection that broke and has not come back."""
+        inbox = self._inbox[rank]
+        return inbox.lost is not None and not inbox.conns
 
     def _live(self, rank: int) -> FrameProtocol | None:
         for conn in self._inbox[rank].conns:
@@ -293,12 +315,16 @@ class Mesh:
             self._server.close()
         for task in list(self._tasks):
             task.cancel()
-        for conn in list(self._conns):
-            if conn.transport is not None:
-                conn.transport.close()
-        for conn in list(self._conns):
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(conn.closed), 2.0)
+        # Protocols whose dial failed never got a transport and never close: skip them.
+        open_conns = [c for c in self._conns if c.transport is not None and not c.closed.done()]
+        for conn in open_conns:
+            assert conn.transport is not None
+            conn.transport.close()  # flushes what is queued, then closes
+        if open_conns:
+            await asyncio.wait([c.closed for c in open_conns], timeout=2.0)
+        for conn in open_conns:
+            if not conn.closed.done():
+                conn.abort("closing: peer not reading")
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)

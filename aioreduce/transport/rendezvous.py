@@ -114,12 +114,15 @@ async def barrier(mesh: Mesh, timeout: float) -> None:
         return
     if mesh.rank == 0:
         others = list(range(1, mesh.world_size))
-        await _gather_from(mesh, others, "barrier", deadline)
-        results = await asyncio.gather(*(mesh.send_control(r, {"op": "release"})
-                                         for r in others), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise errors[0]
+        try:
+            await _gather_from(mesh, others, "barrier", deadline)
+            missing: list[int] = []
+        except RendezvousError as exc:  # release the ranks that came anyway, then report
+            missing = exc.missing
+        await asyncio.gather(*(mesh.send_control(r, {"op": "release"})
+                               for r in others if r not in missing), return_exceptions=True)
+        if missing:
+            raise RendezvousError(f"ranks {missing} did not reach the barrier", missing=missing)
         return
     await mesh.send_control(0, {"op": "barrier"})
     await _gather_from(mesh, [0], "release", deadline)

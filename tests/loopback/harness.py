@@ -19,6 +19,7 @@ from aioreduce_launch.plan import HostSlots, JobConfig, RankSpec, free_port, pla
 
 HERE = Path(__file__).parent
 RANKPROG = str(HERE / "rankprog.py")
+SCHEMEPROG = str(HERE / "schemeprog.py")
 
 
 @dataclass
@@ -44,16 +45,17 @@ class Ranks:
         env.update(extra)
         return env
 
-    def start(self, rank: int, *args: str, **extra_env: str) -> subprocess.Popen[str]:
-        proc = subprocess.Popen([sys.executable, RANKPROG, *args], env=self.env(rank, **extra_env),
+    def start(self, rank: int, *args: str, prog: str = RANKPROG,
+              **extra_env: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen([sys.executable, prog, *args], env=self.env(rank, **extra_env),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
         self.procs[rank] = proc
         return proc
 
-    def start_all(self, *args: str, **extra_env: str) -> None:
+    def start_all(self, *args: str, prog: str = RANKPROG, **extra_env: str) -> None:
         for rank in range(len(self.specs)):
-            self.start(rank, *args, **extra_env)
+            self.start(rank, *args, prog=prog, **extra_env)
 
     def wait(self, timeout: float = 60.0) -> dict[int, Done]:
         """Wait for every started rank; on timeout kill them all and fail with their output."""

@@ -48,15 +48,30 @@ def make_scheme(args: argparse.Namespace) -> ar.CodedTree | ar.GradientCoding | 
     return ar.Star()
 
 
+def _debug_dump(node: ar.Node) -> None:
+    """SIGUSR1: print every task's stack and every inbox's state (to debug hangs)."""
+    import asyncio
+
+    for task in asyncio.all_tasks():
+        task.print_stack(limit=6, file=sys.stderr)
+    for r, inbox in node.mesh._inbox.items():
+        if inbox._posted or inbox._staged or inbox._held or inbox.conns:
+            print(f"inbox {r}: posted={list(inbox._posted)} staged={list(inbox._staged)} "
+                  f"held={[(h.step, h.tag) for h in inbox._held.values()]} "
+                  f"conns={[(c.peername, c.closed.done()) for c in inbox.conns]} "
+                  f"receiving={[k for k, _p in inbox._receiving.values()]}", file=sys.stderr)
+    sys.stderr.flush()
+
+
 async def main(args: argparse.Namespace) -> None:
     scheme = make_scheme(args)
     async with ar.Node.from_env(scheme=scheme) as node:
+        import asyncio
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, _debug_dump, node)
         me = node.rank
         if scheme.coded:
-            if isinstance(scheme, ar.CodedTree):
-                num = _fit(scheme)
-            else:
-                num = scheme.code.k * 2
+            num = _fit(scheme) if isinstance(scheme, ar.CodedTree) else scheme.code.k * 2
             ids, weights = node.placement(num)
         for step in range(args.steps):
             part_norms = None
@@ -100,6 +115,10 @@ def _fit(scheme: ar.CodedTree) -> int:
 
 
 if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"),
+                        format="%(asctime)s %(name)s %(message)s")
     p = argparse.ArgumentParser()
     p.add_argument("scheme")
     p.add_argument("--steps", type=int, default=20)

@@ -1,0 +1,144 @@
+"""Every scheme over real processes: exact sums, stragglers skipped, dead ranks tolerated,
+too many dead ranks reported by name, approximate decoding bounded, no frame mixed across steps.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from .harness import SCHEMEPROG, Done, Ranks
+
+pytestmark = pytest.mark.loopback
+
+
+def steps_of(done: Done) -> list[dict]:
+    return [json.loads(line[5:]) for line in done.out.splitlines() if line.startswith("STEP ")]
+
+
+def run(ranks, n: int, *args: str, timeout: float = 180, **env: str) -> dict[int, Done]:
+    job: Ranks = ranks(n)
+    job.start_all(*args, prog=SCHEMEPROG, **env)
+    return job.wait(timeout)
+
+
+def assert_all_exact(done: dict[int, Done], steps: int, skip: tuple[int, ...] = ()) -> None:
+    per_step: dict[int, set[str]] = {}
+    for rank, d in done.items():
+        if rank in skip:
+            continue
+        assert d.returncode == 0, (rank, d.err[-2000:])
+        got = steps_of(d)
+        assert [s["step"] for s in got] == list(range(steps)), (rank, got[-1:])
+        for s in got:
+            assert s["result_step"] == s["step"]
+            assert s["exact"] and s["rel_err"] < 1e-9, (rank, s)
+            per_step.setdefault(s["step"], set()).add(json.dumps([s["used"], s["late"]]))
+    assert all(len(v) == 1 for v in per_step.values()), "ranks disagree on a step's result"
+
+
+SCHEMES = [
+    ("coded-tree", 13, ["--fanout", "3", "--levels", "2", "--stragglers", "1"]),
+    ("gc-frc", 7, ["--stragglers", "2"]),
+    ("gc-cyclic", 7, ["--stragglers", "1"]),
+    ("gc-gaussian", 7, ["--stragglers", "1", "--dim", "1001"]),
+    ("ring", 4, []),
+    ("ring", 5, ["--dim", "7"]),
+    ("tree", 7, ["--fanout", "2", "--chunk-bytes", "2048"]),
+    ("star", 4, []),
+]
+
+
+@pytest.mark.parametrize("scheme, n, extra", SCHEMES, ids=[f"{s}-{n}" for s, n, _ in SCHEMES])
+def test_exact_sum_on_every_step(ranks, scheme: str, n: int, extra: list[str]) -> None:
+    done = run(ranks, n, scheme, "--steps", "20", *extra)
+    assert_all_exact(done, 20)
+
+
+def test_coded_tree_does_not_wait_for_one_slow_child_per_family(ranks) -> None:
+    slow = (3, 6, 9, 12)  # one child in each of the four families
+    done = run(ranks, 13, "coded-tree", "--steps", "10",
+               AIOREDUCE_STRAGGLE="rank=3,6,9,12:delay=1.0")
+    assert_all_exact(done, 10)
+    for rank in (0, 1, 4, 7, 10):  # fast ranks never wait a second for the slow ones
+        secs = [s["seconds"] for s in steps_of(done[rank])]
+        assert statistics.median(secs) < 0.3, (rank, secs)
+    late = set(steps_of(done[0])[5]["late"])
+    assert late & set(slow), late
+
+
+def test_gc_does_not_wait_for_a_slow_worker(ranks) -> None:
+    done = run(ranks, 7, "gc-cyclic", "--steps", "10", "--stragglers", "1",
+               AIOREDUCE_STRAGGLE="rank=4:delay=1.0")
+    assert_all_exact(done, 10)
+    assert statistics.median(s["seconds"] for s in steps_of(done[0])) < 0.3
+    assert all(4 in s["late"] for s in steps_of(done[0])[1:])
+
+
+def test_one_killed_child_per_family_later_steps_exact(ranks) -> None:
+    killed = (3, 6, 9, 12)  # rank 3 heads a family: its children get results from rank 0
+    done = run(ranks, 13, "coded-tree", "--steps", "20", "--die", "3,6,9,12", "--die-step", "5")
+    for rank in killed:
+        assert done[rank].returncode == -9
+        assert [s["step"] for s in steps_of(done[rank])] == list(range(5))
+    assert_all_exact(done, 20, skip=killed)
+    for s in steps_of(done[0])[5:]:
+        assert {3, 6, 9} <= set(s["late"])  # 12 sat under 3, which is skipped as a whole
+        assert not set(killed) & set(s["used"])
+
+
+def test_gc_killed_worker_later_steps_exact(ranks) -> None:
+    done = run(ranks, 7, "gc-frc", "--steps", "20", "--stragglers", "2", "--die", "2,4",
+               "--die-step", "5")
+    assert_all_exact(done, 20, skip=(2, 4))
+
+
+def test_s_plus_one_killed_in_one_family_raises_naming_them(ranks) -> None:
+    done = run(ranks, 7, "gc-cyclic", "--steps", "6", "--stragglers", "1", "--die", "2,5",
+               "--die-step", "3", "--deadline", "2")
+    for rank in (0, 1, 3, 4, 6):
+        got = steps_of(done[rank])
+        assert done[rank].returncode == 0, done[rank].err[-2000:]
+        assert all(s["exact"] and s["rel_err"] < 1e-9 for s in got[:3])
+        for s in got[3:]:
+            assert s["error"] == "straggler" and s["missing"] == [2, 5], s
+            assert "ranks [2, 5]" in s["message"]
+
+
+def test_s_plus_one_silent_children_raise_within_the_deadline(ranks) -> None:
+    # SIGSTOP: no connection breaks, only the deadline can tell.
+    job: Ranks = ranks(7)
+    job.start_all("gc-cyclic", "--steps", "4", "--stragglers", "1", "--stop", "2,5",
+                  "--die-step", "2", "--deadline", "1.5", prog=SCHEMEPROG)
+    try:
+        for rank in (0, 1, 3, 4, 6):
+            out, _err = job.procs[rank].communicate(timeout=60)
+            got = [json.loads(x[5:]) for x in out.splitlines() if x.startswith("STEP ")]
+            assert [s.get("error") for s in got] == [None, None, "straggler", "straggler"], got
+            assert got[2]["missing"] == [2, 5]
+    finally:
+        job.kill()
+
+
+def test_approximate_mode_returns_a_bounded_inexact_result(ranks) -> None:
+    done = run(ranks, 7, "gc-cyclic", "--steps", "6", "--stragglers", "1", "--die", "2,5",
+               "--die-step", "3", "--deadline", "2", "--approximate")
+    got = steps_of(done[0])
+    assert all(s["exact"] for s in got[:3])
+    for s in got[3:]:
+        assert not s["exact"] and s["error_bound"] > 0
+        assert s["abs_err"] <= s["bound"] + 1e-9, s
+    assert steps_of(done[1])[4]["exact"] is False  # the same verdict on every rank
+
+
+def test_no_frame_of_one_step_is_used_in_the_next(ranks) -> None:
+    # Worker 1 is slower than a whole step every time: its frame for step t arrives while the
+    # master is in step t+1 or later, and would be a "first arrival" for its FRC group there.
+    done = run(ranks, 7, "gc-frc", "--steps", "15", "--stragglers", "1",
+               AIOREDUCE_STRAGGLE="rank=1:delay=0.2")
+    assert_all_exact(done, 15)
+    assert sum(1 in s["late"] for s in steps_of(done[0])) >= 10
+    slow = steps_of(done[1])
+    assert all(s["rel_err"] < 1e-9 for s in slow)  # the straggler itself gets exact results

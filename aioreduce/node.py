@@ -203,6 +203,14 @@ class Node:
         self.mesh.abort(rank, reason)
 
     # -- aggregation --------------------------------------------------------------------------
+    async def use(self, scheme: Scheme) -> None:
+        """Switch to another scheme between steps (every rank must switch at the same step);
+        its connections are opened right away. Benchmarks use it to alternate schemes."""
+        scheme.validate(self.world_size)
+        self.scheme = scheme
+        self._like = None
+        await self._preconnect()
+
     @property
     def step(self) -> int:
         """The number of the next aggregation step."""

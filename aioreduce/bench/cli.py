@@ -53,7 +53,85 @@ def build_parser() -> argparse.ArgumentParser:
     p2p.add_argument("--rtt-rounds", type=int, default=300,
                      help="round trips per latency measurement (default 300)")
     p2p.add_argument("--json", action="store_true", help="one JSON object per line")
+
+    ar = sub.add_parser("allreduce", help="schemes (and Gloo) side by side on local ranks")
+    ar.add_argument("--scheme", default="ring",
+                    help="one or more of coded-tree,gc,ring,tree,star (comma-separated: "
+                         "alternated in the same run)")
+    ar.add_argument("--nodes", type=int, help="ranks (default: the tree's size for "
+                                              "coded-tree, else 4)")
+    ar.add_argument("--fanout", type=int, default=3)
+    ar.add_argument("--levels", type=int, default=2)
+    ar.add_argument("--stragglers", type=int, default=1,
+                    help="tolerated stragglers per family (coded-tree, gc)")
+    ar.add_argument("--code", default="default",
+                    choices=["default", "frc", "cyclic", "random", "gaussian"],
+                    help="gradient code for gc")
+    ar.add_argument("--size", type=parse_size, default=parse_size("1M"),
+                    help="bytes of the vector (default 1M)")
+    ar.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    ar.add_argument("--iters", type=int, default=20)
+    ar.add_argument("--warmup", type=int, default=2)
+    ar.add_argument("--compute", type=float, default=0.0, metavar="SECONDS",
+                    help="emulated compute: seconds one rank needs for the whole data set")
+    ar.add_argument("--straggle", default="", metavar="SPEC",
+                    help="e.g. 'rank=4:delay=0.5', 'rank=4:slow=3', "
+                         "'all:shifted-exp=0.01,20' (';' separates several)")
+    ar.add_argument("--chunk", type=parse_size, default=parse_size("1M"),
+                    help="pipelining chunk for tree schemes (default 1M)")
+    ar.add_argument("--verify", action="store_true", help="check every result (rank 0)")
+    ar.add_argument("--vs-gloo", action="store_true",
+                    help="also run torch.distributed Gloo all_reduce in the same run")
+    ar.add_argument("--model-alpha", type=float, default=200e-6,
+                    help="cost model: seconds per message (default 200e-6)")
+    ar.add_argument("--model-bandwidth", type=float, default=1e9,
+                    help="cost model: bytes per second per link (default 1e9)")
+    ar.add_argument("--json", action="store_true", help="JSON lines; the last is the summary")
     return p
+
+
+def _allreduce(opts: argparse.Namespace) -> list[dict[str, Any]]:
+    from ..codes import TreeTopology
+    from .allreduce import SCHEMES, Config, run_allreduce
+
+    names = [s.strip() for s in opts.scheme.split(",") if s.strip()]
+    for name in names:
+        if name not in SCHEMES:
+            raise SystemExit(f"aioreduce-bench: unknown scheme {name!r} "
+                             f"(choose from {', '.join(SCHEMES)})")
+    tree_size = TreeTopology(opts.fanout, opts.levels).size
+    nodes = opts.nodes or (tree_size if "coded-tree" in names else 4)
+    if "coded-tree" in names and nodes != tree_size:
+        raise SystemExit(f"aioreduce-bench: coded-tree with fanout {opts.fanout} and "
+                         f"{opts.levels} levels needs --nodes {tree_size}")
+    cfg = Config(schemes=names, nodes=nodes, size_bytes=opts.size, iters=opts.iters,
+                 warmup=opts.warmup, dtype=opts.dtype, fanout=opts.fanout, levels=opts.levels,
+                 stragglers=opts.stragglers, code=opts.code, compute=opts.compute,
+                 straggle=opts.straggle, verify=opts.verify, vs_gloo=opts.vs_gloo,
+                 chunk_bytes=opts.chunk, model_alpha=opts.model_alpha,
+                 model_bandwidth=opts.model_bandwidth)
+    results = run_allreduce(cfg)
+    gloo = next((r for r in results if r["scheme"] == "gloo"), None)
+    rows = [r for r in results if r["scheme"] != "gloo"]
+    if gloo is not None:
+        for r in rows:
+            r["gloo_median_s"] = gloo["median_s"]
+            r["ratio_vs_gloo"] = r["median_s"] / gloo["median_s"]
+    return rows + ([gloo] if gloo else [])
+
+
+def _print_allreduce(rows: list[dict[str, Any]]) -> None:
+    first = rows[0]
+    print(f"{first['nodes']} ranks, {_fmt_size(first['size_bytes'])}B vector, "
+          f"{first['iters']} iterations (median and p99 of the per-step makespan)")
+    print(f"{'scheme':>11} {'median ms':>10} {'p99 ms':>9} {'model ms':>9} {'vs gloo':>8} "
+          f"{'max rel err':>12}")
+    for r in rows:
+        model = f"{r['model_s'] * 1e3:9.1f}" if r.get("model_s") is not None else f"{'-':>9}"
+        ratio = f"{r['ratio_vs_gloo']:8.2f}" if "ratio_vs_gloo" in r else f"{'-':>8}"
+        err = f"{r['max_rel_err']:12.2e}" if "max_rel_err" in r else f"{'-':>12}"
+        print(f"{r['scheme']:>11} {r['median_s'] * 1e3:10.2f} {r['p99_s'] * 1e3:9.2f} "
+              f"{model} {ratio} {err}")
 
 
 def _print_p2p(results: list[dict[str, Any]]) -> None:
@@ -70,6 +148,20 @@ def _print_p2p(results: list[dict[str, Any]]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``aioreduce-bench``."""
     opts = build_parser().parse_args(argv)
+    if opts.command == "allreduce":
+        rows = _allreduce(opts)
+        if opts.json:
+            for r in rows:
+                print(json.dumps(r))
+            if len(rows) > 1:  # the last line sums up the comparison
+                print(json.dumps({"scheme": ",".join(r["scheme"] for r in rows),
+                                  "nodes": rows[0]["nodes"],
+                                  "size_bytes": rows[0]["size_bytes"],
+                                  "median_s": {r["scheme"]: r["median_s"] for r in rows},
+                                  "results": rows}))
+        else:
+            _print_allreduce(rows)
+        return 0
     if opts.command == "p2p":
         from .p2p import run_p2p
 

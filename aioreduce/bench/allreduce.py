@@ -1,0 +1,263 @@
+"""``aioreduce-bench allreduce``: schemes (and Gloo) side by side, in one run.
+
+All schemes run in the same rank processes, alternating iteration by iteration (ABBA order),
+so they see the same machine noise. Each iteration starts from a barrier; its time is the
+makespan from the common start until the last rank that is not an injected straggler has the
+result. Compute is emulated by sleeping for the rank's share of ``--compute`` seconds (the time
+one rank would need for the whole data set: 1/N for ring and uncoded schemes, the coded load for
+coded ones), which is what the injected ``slow=K`` stretches. With ``--verify`` rank 0 checks
+every result against the exact sum; with ``--vs-gloo`` torch.distributed's Gloo ``all_reduce``
+runs on the same ranks and data, with the same emulated compute and stragglers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..codes import cyclic_mds, default_code, frc, gaussian_mds, random_cyclic
+from ..codes.model import ComputeModel, LinkModel, predict_ring, predict_star, predict_tree
+from ..node import Node
+from ..schemes import CodedTree, GradientCoding, Ring, Scheme, Star, Tree
+from ..straggle import parse_straggle
+from ..transport.loop import run
+
+SCHEMES = ("coded-tree", "gc", "ring", "tree", "star")
+
+
+@dataclass
+class Config:
+    """Everything the rank processes need to know (passed as JSON on the command line)."""
+
+    schemes: list[str]
+    nodes: int
+    size_bytes: int
+    iters: int = 20
+    warmup: int = 2
+    dtype: str = "float32"
+    fanout: int = 3
+    levels: int = 2
+    stragglers: int = 1
+    code: str = "default"
+    compute: float = 0.0
+    straggle: str = ""
+    verify: bool = False
+    vs_gloo: bool = False
+    chunk_bytes: int = 1 << 20
+    deadline: float = 60.0
+    model_alpha: float = 200e-6
+    model_bandwidth: float = 1e9
+    seed: int = field(default=0)
+
+
+def build_scheme(name: str, cfg: Config) -> Scheme:
+    if name == "coded-tree":
+        return CodedTree(cfg.fanout, cfg.levels, cfg.stragglers, deadline=cfg.deadline,
+                         chunk_bytes=cfg.chunk_bytes)
+    if name == "gc":
+        n, s = cfg.nodes - 1, cfg.stragglers
+        make = {"default": lambda: default_code(n, s), "frc": lambda: frc(n, s),
+                "cyclic": lambda: cyclic_mds(n, s), "random": lambda: random_cyclic(n, s),
+                "gaussian": lambda: gaussian_mds(n, s, 2)}
+        return GradientCoding(make[cfg.code](), deadline=cfg.deadline,
+                              chunk_bytes=cfg.chunk_bytes)
+    if name == "ring":
+        return Ring()
+    if name == "tree":
+        return Tree(cfg.fanout, chunk_bytes=cfg.chunk_bytes)
+    if name == "star":
+        return Star(chunk_bytes=cfg.chunk_bytes)
+    raise ValueError(f"unknown scheme {name!r}; choose from {', '.join(SCHEMES)}")
+
+
+def load_fraction(scheme: Scheme | None, nodes: int) -> float:
+    """Share of the data set one rank computes on under ``scheme`` (None: Gloo)."""
+    if isinstance(scheme, CodedTree):
+        topo = scheme.topology
+        return 1.0 / float(sum(np.prod([topo.fanout[k] / (_s(scheme, k) + 1)
+                                        for k in range(lv)])
+                               for lv in range(1, topo.levels + 1)))
+    if isinstance(scheme, GradientCoding):
+        return (scheme.code.s + scheme.code.m) / scheme.code.n
+    return 1.0 / nodes
+
+
+def _s(tree: CodedTree, level: int) -> int:
+    s = tree.stragglers
+    return s if isinstance(s, int) else list(s)[level]
+
+
+class _Data:
+    """This rank's vector per scheme and the exact sums rank 0 checks against."""
+
+    def __init__(self, cfg: Config, rank: int, world: int) -> None:
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.n = max(1, cfg.size_bytes // np.dtype(cfg.dtype).itemsize)
+        self._mine: dict[str, np.ndarray] = {}
+        self._truth: dict[str, np.ndarray] = {}
+
+    def _vec(self, key: int) -> np.ndarray:
+        rng = np.random.default_rng([self.cfg.seed, key])
+        return rng.standard_normal(self.n).astype(self.cfg.dtype)
+
+    def mine(self, name: str, scheme: Scheme | None) -> np.ndarray:
+        if name not in self._mine:
+            if isinstance(scheme, CodedTree | GradientCoding):
+                num = _fit(scheme)
+                ids, w = scheme.placement(self.rank, num)
+                acc = np.zeros(self.n, np.float64)
+                for x, wx in zip(ids, w, strict=True):
+                    acc += wx * self._vec(1000 + int(x))
+                self._mine[name] = acc.astype(self.cfg.dtype)
+                if self.rank == 0 and self.cfg.verify:
+                    self._truth[name] = sum((self._vec(1000 + x) for x in range(num)),
+                                            np.zeros(self.n, np.float64))
+            else:
+                self._mine[name] = self._vec(self.rank)
+                if self.rank == 0 and self.cfg.verify:
+                    self._truth[name] = sum((self._vec(r) for r in range(self.world)),
+                                            np.zeros(self.n, np.float64))
+        return self._mine[name]
+
+    def rel_err(self, name: str, value: np.ndarray) -> float:
+        truth = self._truth[name]
+        return float(np.linalg.norm(value.astype(np.float64) - truth) / np.linalg.norm(truth))
+
+
+def _fit(scheme: CodedTree | GradientCoding) -> int:
+    if isinstance(scheme, GradientCoding):
+        return scheme.code.k
+    from ..schemes.tree import _unit
+
+    return _unit(scheme)
+
+
+async def _worker(cfg: Config) -> None:
+    node = Node.from_env(close_timeout=30.0)
+    async with node:
+        rank, world = node.rank, node.world_size
+        schemes = {name: build_scheme(name, cfg) for name in cfg.schemes}
+        names = list(cfg.schemes) + (["gloo"] if cfg.vs_gloo else [])
+        dist: Any = None
+        torch: Any = None
+        if cfg.vs_gloo:
+            import torch
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+        data = _Data(cfg, rank, world)
+        times: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+        errors: dict[str, float] = {n: 0.0 for n in names}
+        current: str | None = None
+        for it in range(cfg.warmup + cfg.iters):
+            order = names if it % 2 == 0 else names[::-1]
+            for name in order:
+                scheme = schemes.get(name)
+                if scheme is not None and current != name:
+                    await node.use(scheme)
+                    current = name
+                vec = data.mine(name, scheme)
+                sleep = load_fraction(scheme, world) * cfg.compute
+                await node.barrier(timeout=300)
+                t0 = time.monotonic()
+                if scheme is None:
+                    assert dist is not None
+                    await asyncio.sleep(sleep + node.straggle.extra_delay(rank, it, sleep))
+                    tensor = torch.from_numpy(vec.copy())
+                    dist.all_reduce(tensor)
+                    value = tensor.numpy()
+                else:
+                    def compute(v: np.ndarray = vec, t: float = sleep) -> np.ndarray:
+                        time.sleep(t)
+                        return v
+
+                    call = node.aggregate if scheme.coded else node.allreduce
+                    value = (await call(compute)).value
+                t1 = time.monotonic()
+                if it >= cfg.warmup:
+                    times[name].append((t0, t1))
+                    if rank == 0 and cfg.verify:
+                        errors[name] = max(errors[name], data.rel_err(name, value))
+        # Gather everyone's timings at rank 0.
+        for name in names:
+            mine = np.array(times[name], np.float64)
+            if rank == 0:
+                allt = [mine]
+                for r in range(1, world):
+                    buf = np.empty_like(mine)
+                    await node.recv_into(r, buf, step=10**9, tag=names.index(name), timeout=60)
+                    allt.append(buf)
+                _report(cfg, name, schemes.get(name), np.stack(allt), errors[name], world)
+            else:
+                await node.send(0, mine, step=10**9, tag=names.index(name))
+        if dist is not None:
+            dist.destroy_process_group()
+
+
+def _report(cfg: Config, name: str, scheme: Scheme | None, t: np.ndarray, err: float,
+            world: int) -> None:
+    """t: (ranks, iters, 2) start/end times. Print one RESULT line for this scheme."""
+    slow = set()
+    for rule in parse_straggle(cfg.straggle).rules:
+        if rule.ranks is not None:
+            slow |= set(rule.ranks)
+    fast = [r for r in range(world) if r not in slow] or list(range(world))
+    spans = t[fast, :, 1].max(axis=0) - t[:, :, 0].min(axis=0)
+    out: dict[str, Any] = {"scheme": name, "nodes": world, "size_bytes": cfg.size_bytes,
+                           "iters": cfg.iters, "median_s": float(np.median(spans)),
+                           "p99_s": float(np.quantile(spans, 0.99)),
+                           "steps_s": [round(float(x), 6) for x in spans]}
+    if cfg.verify:
+        out["max_rel_err"] = err
+    out["model_s"] = _predict(cfg, name, scheme, world)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def _predict(cfg: Config, name: str, scheme: Scheme | None, world: int) -> float | None:
+    """The cost model's median for this configuration (None where it has no model)."""
+    link = LinkModel(cfg.model_alpha, cfg.model_bandwidth)
+    comp = ComputeModel(cfg.compute, rate=1e9)  # emulated compute is deterministic
+    slow: dict[int, float] = {}
+    for rule in parse_straggle(cfg.straggle).rules:
+        for r in rule.ranks or range(world):
+            slow[r] = slow.get(r, 1.0) * rule.slow
+    vb = float(cfg.size_bytes)
+    if isinstance(scheme, CodedTree):
+        return predict_tree(cfg.fanout, cfg.levels, cfg.stragglers, vector_bytes=vb, link=link,
+                            compute=comp, slow=slow, chunks=max(1, cfg.size_bytes
+                                                                // cfg.chunk_bytes)).median
+    if isinstance(scheme, GradientCoding):
+        return predict_star(world - 1, scheme.code.s, vector_bytes=vb, link=link, compute=comp,
+                            m=scheme.code.m, slow=slow).median
+    if name in ("ring", "gloo"):
+        return predict_ring(world, vector_bytes=vb, link=link, compute=comp, slow=slow).median
+    return None
+
+
+def run_allreduce(cfg: Config, timeout: float = 3600.0) -> list[dict[str, Any]]:
+    """Launch ``cfg.nodes`` ranks with aioreduce-launch; return rank 0's result objects."""
+    cmd = [sys.executable, "-m", "aioreduce_launch.cli", "-n", str(cfg.nodes), "--",
+           sys.executable, "-m", "aioreduce.bench.allreduce", "--worker",
+           json.dumps(asdict(cfg))]
+    env = dict(os.environ)
+    if cfg.straggle:
+        env["AIOREDUCE_STRAGGLE"] = cfg.straggle
+    env.setdefault("OMP_NUM_THREADS", "1")  # 2 cores shared by many ranks: no thread storms
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"benchmark ranks failed (exit code {proc.returncode})")
+    tag = "[0] RESULT "
+    return [json.loads(line[len(tag):]) for line in proc.stdout.splitlines()
+            if line.startswith(tag)]
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    run(_worker(Config(**json.loads(sys.argv[2]))))

@@ -93,7 +93,9 @@ async def launch(opts: argparse.Namespace, command: list[str]) -> int:
                     master_port=opts.master_port or free_port(),
                     rendezvous_port=free_port(),
                     user_env=user_env(opts.export, opts.env_file))
-    specs = plan_ranks([HostSlots("localhost", opts.np)], job, opts.np)
+    if "OMP_NUM_THREADS" in os.environ:  # the user's own setting reaches the ranks as is
+        job.user_env.setdefault("OMP_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
+    specs = plan_ranks([HostSlots("localhost", opts.np, cores=os.cpu_count())], job, opts.np)
     if opts.dry_run:
         for s in specs:
             print(f"rank {s.rank}: host {s.host.name} local_rank {s.local_rank}: "

@@ -23,6 +23,7 @@ class HostSlots:
     name: str
     slots: int = 1
     addr: str | None = None  # data-plane address if it differs from the SSH name
+    cores: int | None = None  # known core count: sets OMP_NUM_THREADS for the host's ranks
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,10 @@ def plan_ranks(hosts: list[HostSlots], job: JobConfig, np: int | None = None) ->
             })
             if host.addr:
                 env["AIOREDUCE_ADDR"] = host.addr
+            if host.cores and "OMP_NUM_THREADS" not in job.user_env:
+                # Like torchrun: several ranks on one host must not each start a BLAS thread
+                # per core (on 2 cores, 13 ranks ran 10x slower). The user's value wins.
+                env["OMP_NUM_THREADS"] = str(max(1, host.cores // local_world))
             specs.append(RankSpec(rank, host, node_rank, local_rank, env))
             rank += 1
         if rank == world:

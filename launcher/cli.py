@@ -12,8 +12,9 @@ import shlex
 import sys
 from collections.abc import Sequence
 
+from aioreduce.jobplan import HostSlots, JobConfig, free_port, plan_ranks
+
 from .local import LocalRank
-from .plan import HostSlots, JobConfig, free_port, plan_ranks
 from .supervise import RankHandle, Supervisor
 
 

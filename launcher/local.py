@@ -16,8 +16,9 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from aioreduce.jobplan import RankSpec
+
 from .output import RankOutput
-from .plan import RankSpec
 
 _PR_SET_PDEATHSIG = 1
 OUTPUT_GRACE_S = 2.0

@@ -55,6 +55,8 @@ class Config:
     deadline: float = 60.0
     model_alpha: float = 200e-6
     model_bandwidth: float = 1e9
+    netns: bool = False  # every rank on its own emulated host (network namespace)
+    link_mbit: float | None = None  # shape each host's link, both directions
     seed: int = field(default=0)
 
 
@@ -243,20 +245,55 @@ def _predict(cfg: Config, name: str, scheme: Scheme | None, world: int) -> float
 
 
 def run_allreduce(cfg: Config, timeout: float = 3600.0) -> list[dict[str, Any]]:
-    """Launch ``cfg.nodes`` ranks with aioreduce-launch; return rank 0's result objects."""
-    cmd = [sys.executable, "-m", "aioreduce_launch.cli", "-n", str(cfg.nodes), "--",
-           sys.executable, "-m", "aioreduce.bench.allreduce", "--worker",
-           json.dumps(asdict(cfg))]
+    """Run ``cfg.nodes`` ranks (locally with aioreduce-launch, or one per emulated host);
+    return rank 0's result objects."""
+    worker = [sys.executable, "-m", "aioreduce.bench.allreduce", "--worker",
+              json.dumps(asdict(cfg))]
     env = dict(os.environ)
     if cfg.straggle:
         env["AIOREDUCE_STRAGGLE"] = cfg.straggle
     env.setdefault("OMP_NUM_THREADS", "1")  # 2 cores shared by many ranks: no thread storms
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout, env=env)
-    if proc.returncode:
-        raise RuntimeError(f"benchmark ranks failed (exit code {proc.returncode})")
-    tag = "[0] RESULT "
-    return [json.loads(line[len(tag):]) for line in proc.stdout.splitlines()
-            if line.startswith(tag)]
+    if cfg.netns:
+        out = _run_on_cluster(cfg, worker, env, timeout)
+        tag = "RESULT "
+    else:
+        cmd = [sys.executable, "-m", "aioreduce_launch.cli", "-n", str(cfg.nodes), "--", *worker]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout, env=env)
+        if proc.returncode:
+            raise RuntimeError(f"benchmark ranks failed (exit code {proc.returncode})")
+        out, tag = proc.stdout, "[0] RESULT "
+    return [json.loads(line[len(tag):]) for line in out.splitlines() if line.startswith(tag)]
+
+
+def _run_on_cluster(cfg: Config, worker: list[str], env: dict[str, str],
+                    timeout: float) -> str:
+    """Every rank in its own network namespace, links shaped; rank 0's stdout."""
+    from ..jobplan import HostSlots, JobConfig, plan_ranks
+    from .cluster import Cluster
+
+    with Cluster(cfg.nodes, rate_mbit=cfg.link_mbit) as cluster:
+        job = JobConfig(master_addr=cluster.addr(0), master_port=29500, rendezvous_port=29501)
+        hosts = [HostSlots(cluster.ns(i), 1, addr=cluster.addr(i)) for i in range(cfg.nodes)]
+        procs = []
+        try:
+            for i, spec in enumerate(plan_ranks(hosts, job)):
+                procs.append(subprocess.Popen(
+                    cluster.exec_argv(i, worker), env={**env, **spec.env,
+                                                       "AIOREDUCE_BIND": cluster.addr(i)},
+                    stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL,
+                    start_new_session=True, text=True))
+            out, _ = procs[0].communicate(timeout=timeout)
+            for p in procs[1:]:
+                p.wait(timeout=60)
+            if any(p.returncode for p in procs):
+                raise RuntimeError("benchmark ranks failed (exit codes "
+                                   f"{[p.returncode for p in procs]})")
+            return out
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, 9)
+                    p.wait()
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:

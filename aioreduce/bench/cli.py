@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cost model: seconds per message (default 200e-6)")
     ar.add_argument("--model-bandwidth", type=float, default=1e9,
                     help="cost model: bytes per second per link (default 1e9)")
+    ar.add_argument("--netns", action="store_true",
+                    help="run every rank on its own emulated host (network namespace; root)")
+    ar.add_argument("--link-mbit", type=float, metavar="MBIT",
+                    help="with --netns: shape every host's link to MBIT in both directions")
     ar.add_argument("--json", action="store_true", help="JSON lines; the last is the summary")
     return p
 
@@ -109,7 +113,9 @@ def _allreduce(opts: argparse.Namespace) -> list[dict[str, Any]]:
                  stragglers=opts.stragglers, code=opts.code, compute=opts.compute,
                  straggle=opts.straggle, verify=opts.verify, vs_gloo=opts.vs_gloo,
                  chunk_bytes=opts.chunk, model_alpha=opts.model_alpha,
-                 model_bandwidth=opts.model_bandwidth)
+                 model_bandwidth=(opts.link_mbit * 1e6 / 8 if opts.link_mbit
+                                  else opts.model_bandwidth),
+                 netns=opts.netns, link_mbit=opts.link_mbit)
     results = run_allreduce(cfg)
     gloo = next((r for r in results if r["scheme"] == "gloo"), None)
     rows = [r for r in results if r["scheme"] != "gloo"]

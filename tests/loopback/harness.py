@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from aioreduce_launch.plan import HostSlots, JobConfig, RankSpec, free_port, plan_ranks
+from aioreduce.jobplan import HostSlots, JobConfig, RankSpec, free_port, plan_ranks
 
 HERE = Path(__file__).parent
 RANKPROG = str(HERE / "rankprog.py")

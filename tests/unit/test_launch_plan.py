@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from aioreduce.env import discover
+from aioreduce.jobplan import HostSlots, JobConfig, plan_ranks
 from aioreduce_launch.cli import UsageError, split_argv, user_env
 from aioreduce_launch.output import RankOutput
-from aioreduce_launch.plan import HostSlots, JobConfig, plan_ranks
 
 
 def job() -> JobConfig:

@@ -1,4 +1,5 @@
-"""Rank placement and the environment contract every rank receives.
+"""Rank placement and the environment contract every rank receives (the launcher's side;
+:mod:`aioreduce.env` is the rank's side).
 
 Each rank gets torchrun-compatible variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and aioreduce's own

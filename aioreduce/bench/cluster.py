@@ -1,0 +1,174 @@
+"""An emulated cluster on one machine: network namespaces as hosts, shaped links, teardown.
+
+Each host is a network namespace with one interface ``eth0`` (address ``10.213.<net>.<i+1>``,
+chosen per cluster), connected by a veth pair to a bridge that lives in a namespace of its own
+(the "switch"), so nothing in the machine's own namespace can route to the test subnet.
+With ``rate_mbit``, each link is shaped with ``tbf`` in **both** directions (egress of the
+host's ``eth0`` and egress of the switch-side end), like a real NIC: shaping only egress lets a
+master receive from many peers at once and flatters star topologies.
+
+Requires root and iproute2 (``ip``, ``tc``); :class:`ClusterUnavailable` says why otherwise.
+Everything is torn down on exit of the context manager, on interpreter exit, and processes left
+inside the namespaces are killed first. Namespaces are named ``arx<pid>-...`` so a later run can
+remove those of a run that died (:func:`remove_stale`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+
+PREFIX = "arx"
+
+
+class ClusterUnavailable(RuntimeError):
+    """This machine cannot host an emulated cluster (not root, no iproute2, ...)."""
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    res = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
+    if check and res.returncode:
+        raise RuntimeError(f"{' '.join(argv)}: {res.stderr.strip() or res.stdout.strip()}")
+    return res
+
+
+def available() -> str | None:
+    """None if clusters can be made here, else the reason they cannot."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"needs {tool} (apt-get install iproute2)"
+    probe = f"{PREFIX}probe{os.getpid()}"
+    res = _run("ip", "netns", "add", probe, check=False)
+    if res.returncode:
+        return f"cannot create network namespaces: {res.stderr.strip()}"
+    _run("ip", "netns", "del", probe, check=False)
+    return None
+
+
+def _pids_in(ns: str) -> list[int]:
+    res = _run("ip", "netns", "pids", ns, check=False)
+    return [int(p) for p in res.stdout.split()]
+
+
+def kill_namespace_processes(ns: str, sig: int = signal.SIGKILL) -> int:
+    """Signal every process inside namespace ``ns``; return how many there were."""
+    pids = _pids_in(ns)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    return len(pids)
+
+
+def remove_stale() -> list[str]:
+    """Delete namespaces of clusters whose creating process is gone."""
+    res = _run("ip", "netns", "list", check=False)
+    removed = []
+    for line in res.stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        if not name.startswith(PREFIX) or "-" not in name:
+            continue
+        owner = name[len(PREFIX):].split("-")[0]
+        if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+            kill_namespace_processes(name)
+            _run("ip", "netns", "del", name, check=False)
+            removed.append(name)
+    return removed
+
+
+@dataclass
+class Cluster:
+    """``hosts`` namespaces on a bridge; use as a context manager."""
+
+    hosts: int
+    rate_mbit: float | None = None
+    net: int = field(default_factory=lambda: 1 + os.getpid() % 250)
+    tag: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}-{os.urandom(2).hex()}")
+    names: list[str] = field(default_factory=list, init=False)
+    _up: bool = field(default=False, init=False)
+
+    @property
+    def switch(self) -> str:
+        return f"{self.tag}-sw"
+
+    def ns(self, i: int) -> str:
+        """Namespace name of host ``i``."""
+        return f"{self.tag}-h{i}"
+
+    def addr(self, i: int) -> str:
+        """Address of host ``i`` on the cluster's bridge."""
+        return f"10.213.{self.net}.{i + 1}"
+
+    def exec_argv(self, i: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside host ``i``."""
+        return ["ip", "netns", "exec", self.ns(i), *argv]
+
+    def __enter__(self) -> Cluster:
+        reason = available()
+        if reason is not None:
+            raise ClusterUnavailable(reason)
+        if self.hosts < 1 or self.hosts > 250:
+            raise ValueError("a cluster has 1..250 hosts")
+        atexit.register(self.teardown)
+        try:
+            self._create()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.teardown()
+
+    def _create(self) -> None:
+        sw = self.switch
+        _run("ip", "netns", "add", sw)
+        self.names.append(sw)
+        _run("ip", "-n", sw, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", sw, "link", "set", "br0", "up")
+        _run("ip", "-n", sw, "link", "set", "lo", "up")
+        for i in range(self.hosts):
+            ns = self.ns(i)
+            _run("ip", "netns", "add", ns)
+            self.names.append(ns)
+            # veth pair: "eth0" in the host, "p<i>" in the switch on the bridge
+            _run("ip", "link", "add", f"{self.tag[-4:]}h{i}", "type", "veth", "peer", "name",
+                 f"{self.tag[-4:]}s{i}")
+            _run("ip", "link", "set", f"{self.tag[-4:]}h{i}", "netns", ns, "name", "eth0")
+            _run("ip", "link", "set", f"{self.tag[-4:]}s{i}", "netns", sw, "name", f"p{i}")
+            _run("ip", "-n", sw, "link", "set", f"p{i}", "master", "br0")
+            _run("ip", "-n", sw, "link", "set", f"p{i}", "up")
+            _run("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
+            _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            if self.rate_mbit:
+                self._shape(ns, "eth0")
+                self._shape(sw, f"p{i}")
+        self._up = True
+
+    def _shape(self, ns: str, dev: str) -> None:
+        assert self.rate_mbit is not None
+        rate_bytes = self.rate_mbit * 1e6 / 8
+        burst = max(64 * 1024, int(rate_bytes / 250))  # enough for the kernel's timer tick
+        _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+             "rate", f"{self.rate_mbit}mbit", "burst", str(burst), "latency", "100ms")
+
+    def teardown(self) -> None:
+        """Kill what runs inside, delete the namespaces (and so their links). Idempotent."""
+        for ns in reversed(self.names):
+            kill_namespace_processes(ns)
+        for ns in reversed(self.names):
+            _run("ip", "netns", "del", ns, check=False)
+        self.names.clear()
+        self._up = False
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.teardown)

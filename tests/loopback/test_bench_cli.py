@@ -33,3 +33,32 @@ def test_p2p_json_has_every_field() -> None:
         assert r["aioreduce_gbps"] > 0 and r["raw_gbps"] > 0
         assert r["ratio"] == pytest.approx(r["aioreduce_gbps"] / r["raw_gbps"])
     assert rows[2]["kind"] == "latency" and rows[2]["aioreduce_rtt_us"] > 0
+
+
+def test_allreduce_bench_json_verify() -> None:
+    res = subprocess.run([sys.executable, "-m", "aioreduce.bench.cli", "allreduce", "--scheme",
+                          "ring", "--nodes", "3", "--size", "64K", "--iters", "3", "--verify",
+                          "--json"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    last = json.loads(res.stdout.splitlines()[-1])
+    assert last["scheme"] == "ring" and last["nodes"] == 3 and last["size_bytes"] == 65536
+    assert last["median_s"] > 0 and last["p99_s"] >= last["median_s"]
+    assert last["max_rel_err"] < 1e-6 and len(last["steps_s"]) == 3
+
+
+def test_allreduce_bench_compares_schemes_and_gloo() -> None:
+    pytest.importorskip("torch", reason="torch is an optional extra (pip install torch)")
+    res = subprocess.run([sys.executable, "-m", "aioreduce.bench.cli", "allreduce", "--scheme",
+                          "coded-tree,ring", "--fanout", "2", "--levels", "1", "--size", "32K",
+                          "--iters", "3", "--verify", "--vs-gloo", "--straggle",
+                          "rank=2:delay=0.05", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(x) for x in res.stdout.splitlines()]
+    by = {r["scheme"]: r for r in rows[:-1]}
+    assert set(by) == {"coded-tree", "ring", "gloo"}
+    for name in ("coded-tree", "ring"):
+        assert by[name]["max_rel_err"] < 1e-6
+        assert by[name]["ratio_vs_gloo"] == pytest.approx(by[name]["median_s"]
+                                                          / by["gloo"]["median_s"])
+    assert rows[-1]["median_s"]["ring"] == by["ring"]["median_s"]

@@ -1,0 +1,56 @@
+"""The examples run end to end and compute what a single process computes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.loopback
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH = [sys.executable, "-m", "aioreduce_launch.cli"]
+LOGREG = [sys.executable, str(ROOT / "examples" / "logreg.py"), "--dim", "400", "--steps", "12"]
+
+
+def _summary(stdout: str, prefix: str = "") -> dict:
+    line = next(x for x in stdout.splitlines() if x.startswith(prefix + "SUMMARY "))
+    return json.loads(line[len(prefix) + 8:])
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[float]:
+    res = subprocess.run([*LOGREG, "--reference"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return _summary(res.stdout)["losses"]
+
+
+@pytest.mark.parametrize("ranks, args", [
+    (13, ["--scheme", "coded-tree", "--fanout", "3", "--levels", "2", "--stragglers", "1",
+          "--straggle", "rank=4:slow=3"]),
+    (7, ["--scheme", "gc", "--stragglers", "1", "--straggle", "rank=2:delay=0.05"]),
+    (4, ["--scheme", "ring"]),
+    (7, ["--scheme", "tree", "--fanout", "2"]),
+])
+def test_logreg_matches_the_single_process_run(reference: list[float], ranks: int,
+                                               args: list[str]) -> None:
+    res = subprocess.run([*LAUNCH, "-n", str(ranks), "--", *LOGREG, *args],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    losses = _summary(res.stdout, "[0] ")["losses"]
+    assert len(losses) == len(reference)
+    for got, want in zip(losses, reference, strict=True):
+        assert abs(got - want) <= 1e-6 * abs(want), (got, want)
+    assert losses[-1] < 0.8 * losses[0]  # and it does learn
+    assert "skipped" in res.stdout
+
+
+def test_allreduce_demo_runs() -> None:
+    res = subprocess.run([*LAUNCH, "-n", "3", "--", sys.executable,
+                          str(ROOT / "examples" / "allreduce_demo.py"), "--size", "64K",
+                          "--steps", "2"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("exact") == 6

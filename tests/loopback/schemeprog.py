@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 
@@ -91,12 +92,13 @@ async def main(args: argparse.Namespace) -> None:
                 mine = rng.standard_normal(args.dim)
                 truth = sum(np.random.default_rng([r, step]).standard_normal(args.dim)
                             for r in range(node.world_size))
+            t0 = time.monotonic()
             try:
                 res = await (node.aggregate(mine) if scheme.coded else node.allreduce(mine))
             except ar.StragglerError as exc:
                 print("STEP " + json.dumps({"step": step, "error": "straggler",
-                                            "missing": exc.missing, "message": str(exc)}),
-                      flush=True)
+                                            "missing": exc.missing, "message": str(exc),
+                                            "seconds": time.monotonic() - t0}), flush=True)
                 continue
             err = float(np.linalg.norm(res.value - truth) / np.linalg.norm(truth))
             out = {"step": step, "result_step": res.step, "rel_err": err,

@@ -105,6 +105,7 @@ def test_s_plus_one_killed_in_one_family_raises_naming_them(ranks) -> None:
         for s in got[3:]:
             assert s["error"] == "straggler" and s["missing"] == [2, 5], s
             assert "ranks [2, 5]" in s["message"]
+            assert s["seconds"] < 2 + 1.5  # killed ranks are known at once; never a hang
 
 
 def test_s_plus_one_silent_children_raise_within_the_deadline(ranks) -> None:
@@ -118,6 +119,8 @@ def test_s_plus_one_silent_children_raise_within_the_deadline(ranks) -> None:
             got = [json.loads(x[5:]) for x in out.splitlines() if x.startswith("STEP ")]
             assert [s.get("error") for s in got] == [None, None, "straggler", "straggler"], got
             assert got[2]["missing"] == [2, 5]
+            # Noticed by the deadline (1.5 s) plus a small margin, not a hang.
+            assert all(s["seconds"] < 1.5 + 1.5 for s in got[2:]), got
     finally:
         job.kill()
 

@@ -1,0 +1,41 @@
+"""Straggler specs: parsing, errors that name the item, and the delays they produce."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from aioreduce.straggle import parse_straggle
+
+
+def test_delay_slow_and_targets() -> None:
+    m = parse_straggle("rank=4:delay=0.5; rank=2,3:slow=3")
+    assert m.extra_delay(4, 0, 0.1) == pytest.approx(0.5)
+    assert m.extra_delay(2, 0, 0.1) == pytest.approx(0.2)  # (3 - 1) x its compute time
+    assert m.extra_delay(3, 7, 0.0) == 0.0
+    assert m.extra_delay(1, 0, 10.0) == 0.0
+    assert parse_straggle("all:delay=0.1").extra_delay(9, 0, 0) == pytest.approx(0.1)
+    assert not parse_straggle("") and parse_straggle("all:delay=0")
+
+
+def test_shifted_exponential_is_seeded_and_has_the_right_mean() -> None:
+    m = parse_straggle("all:shifted-exp=0.01,20", seed=3)
+    draws = np.array([m.extra_delay(1, step, 0) for step in range(4000)])
+    assert draws.min() >= 0.01
+    assert draws.mean() == pytest.approx(0.01 + 1 / 20, rel=0.08)
+    assert m.extra_delay(1, 5, 0) == m.extra_delay(1, 5, 0)  # same rank and step, same draw
+    assert m.extra_delay(1, 5, 0) != m.extra_delay(2, 5, 0)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("rank=4", "TARGET:MODEL"),
+    ("node=4:delay=1", "target must be"),
+    ("rank=x:delay=1", "bad rank list"),
+    ("rank=4:fast=2", "model must be"),
+    ("rank=4:slow=0.5", "slow >= 1"),
+    ("all:shifted-exp=1", "model must be"),
+])
+def test_bad_specs_name_the_item(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as info:
+        parse_straggle(f"all:delay=0.1;{spec}")
+    assert spec.split(";")[0] in str(info.value)

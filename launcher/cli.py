@@ -7,14 +7,25 @@ every output line with its rank, and applies the failure policy of :mod:`.superv
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import random
 import shlex
 import sys
 from collections.abc import Sequence
 
-from aioreduce.jobplan import HostSlots, JobConfig, free_port, plan_ranks
+from aioreduce.jobplan import HostSlots, JobConfig, RankSpec, free_port, plan_ranks
 
+from .hostfile import (
+    LOCAL_NAMES,
+    HostEntry,
+    HostfileError,
+    filter_hosts,
+    parse_hosts_arg,
+    read_hostfile,
+)
 from .local import LocalRank
+from .remote import RemoteHost, SSHError, SSHOptions, connect_all
 from .supervise import RankHandle, Supervisor
 
 
@@ -25,10 +36,17 @@ class UsageError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="aioreduce-launch",
-        usage="aioreduce-launch -n N [options] -- CMD [ARGS...]",
-        description="Start the ranks of an aioreduce job, tag their output, and stop them all "
-                    "on the first failure or Ctrl-C.")
-    p.add_argument("-n", "--np", type=int, metavar="N", help="number of ranks")
+        usage="aioreduce-launch [HOSTFILE | -H HOSTS | -n N] [options] -- CMD [ARGS...]",
+        description="Start the ranks of an aioreduce job on this machine or on hosts over SSH, "
+                    "tag their output, and stop them all on the first failure or Ctrl-C.")
+    p.add_argument("hostfile", nargs="?", metavar="HOSTFILE",
+                   help="lines of '[user@]host [slots=N] [ssh_port=P] [addr=A] [max_slots=M]'")
+    p.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...", help="hosts instead of a file")
+    p.add_argument("-n", "--np", type=int, metavar="N",
+                   help="number of ranks (default: all slots; alone: N ranks on this machine)")
+    p.add_argument("-i", "--include", metavar="SPEC", help="only these hosts/slots, e.g. "
+                   "'worker-0@worker-1:0,2' (DeepSpeed syntax)")
+    p.add_argument("-e", "--exclude", metavar="SPEC", help="all hosts/slots but these")
     p.add_argument("--kill-timeout", type=float, default=10.0, metavar="S",
                    help="seconds between SIGTERM and SIGKILL when stopping ranks (default 10)")
     p.add_argument("--no-tag-output", action="store_true",
@@ -40,9 +58,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env-file", metavar="FILE",
                    help="pass the VAR=VAL lines of FILE to every rank")
     p.add_argument("--master-port", type=int, metavar="PORT",
-                   help="MASTER_PORT for the ranks (default: a free port)")
+                   help="MASTER_PORT for the ranks (aioreduce's rendezvous uses PORT+1; "
+                        "default: a free port)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the rank placement and commands, start nothing")
+    ssh = p.add_argument_group("SSH (hosts other than localhost)")
+    ssh.add_argument("-p", "--ssh-port", type=int, metavar="PORT")
+    ssh.add_argument("--ssh-user", metavar="USER")
+    ssh.add_argument("-I", "--ssh-identity-file", metavar="FILE")
+    ssh.add_argument("--ssh-config", metavar="FILE", help="default: ~/.ssh/config")
+    ssh.add_argument("--ssh-known-hosts", metavar="FILE|none",
+                     help="default: ~/.ssh/known_hosts; 'none' disables host key checks")
+    ssh.add_argument("--connect-timeout", type=float, default=15.0, metavar="S",
+                     help="seconds to reach and authenticate each host (default 15)")
+    ssh.add_argument("--python", metavar="PATH", default=sys.executable,
+                     help="interpreter for the remote agent (default: this launcher's, for "
+                          "clusters with a shared environment)")
     return p
 
 
@@ -87,32 +118,96 @@ def user_env(exports: list[str], env_file: str | None) -> dict[str, str]:
     return env
 
 
+def host_list(opts: argparse.Namespace) -> list[HostEntry]:
+    """The job's hosts from HOSTFILE, -H, or this machine alone."""
+    if opts.hostfile and opts.hosts:
+        raise UsageError("give a HOSTFILE or -H, not both")
+    if opts.hostfile:
+        entries = read_hostfile(opts.hostfile)
+    elif opts.hosts:
+        entries = parse_hosts_arg(opts.hosts)
+    else:
+        if opts.np is None or opts.np < 1:
+            raise UsageError("give a HOSTFILE, -H HOSTS, or the number of ranks with -n N")
+        entries = [HostEntry("localhost", opts.np)]
+    return filter_hosts(entries, opts.include, opts.exclude)
+
+
+def job_ports(opts: argparse.Namespace, first: HostEntry) -> tuple[int, int]:
+    """(MASTER_PORT, aioreduce rendezvous port) on the first host."""
+    if opts.master_port:
+        return opts.master_port, opts.master_port + 1
+    if first.is_local:
+        return free_port(), free_port()
+    # A remote host's free ports cannot be probed from here: pick from a quiet range.
+    base = random.randrange(20000, 40000, 2)
+    return base, base + 1
+
+
 async def launch(opts: argparse.Namespace, command: list[str]) -> int:
-    if opts.np is None or opts.np < 1:
-        raise UsageError("give the number of ranks with -n N (N >= 1)")
-    job = JobConfig(master_addr="127.0.0.1",
-                    master_port=opts.master_port or free_port(),
-                    rendezvous_port=free_port(),
+    entries = host_list(opts)
+    if any(not e.is_local for e in entries):
+        unroutable = [e.where or e.host for e in entries if e.is_local and e.addr is None]
+        if unroutable:
+            raise UsageError(f"{', '.join(unroutable)}: a localhost entry in a job with remote "
+                             "hosts needs addr=<this machine's address>, so remote ranks can "
+                             "reach its ranks")
+    master_port, rendezvous_port = job_ports(opts, entries[0])
+    job = JobConfig(master_addr=entries[0].data_addr, master_port=master_port,
+                    rendezvous_port=rendezvous_port,
                     user_env=user_env(opts.export, opts.env_file))
     if "OMP_NUM_THREADS" in os.environ:  # the user's own setting reaches the ranks as is
         job.user_env.setdefault("OMP_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
-    specs = plan_ranks([HostSlots("localhost", opts.np, cores=os.cpu_count())], job, opts.np)
+    slots = [HostSlots(e.host, e.slots, addr=None if e.is_local else e.data_addr,
+                       cores=os.cpu_count() if e.is_local else None) for e in entries]
+    try:
+        specs = plan_ranks(slots, job, opts.np)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    by_host: dict[str, list[RankSpec]] = {}
+    for spec in specs:
+        by_host.setdefault(spec.host.name, []).append(spec)
     if opts.dry_run:
-        for s in specs:
-            print(f"rank {s.rank}: host {s.host.name} local_rank {s.local_rank}: "
-                  f"{shlex.join(command)}")
+        for spec in specs:
+            via = "local" if spec.host.name in LOCAL_NAMES else "ssh"
+            print(f"rank {spec.rank}: host {spec.host.name} ({via}) node_rank {spec.node_rank} "
+                  f"local_rank {spec.local_rank}: {shlex.join(command)}")
+        print(f"MASTER_ADDR={job.master_addr} MASTER_PORT={job.master_port} "
+              f"AIOREDUCE_MASTER_PORT={job.rendezvous_port}")
         return 0
+
+    remote_entries = [e for e in entries if not e.is_local and e.host in by_host]
+    ssh_opts = SSHOptions(opts.ssh_port, opts.ssh_user, opts.ssh_identity_file,
+                          opts.ssh_config, opts.ssh_known_hosts, opts.connect_timeout,
+                          opts.python)
+    hosts: list[RemoteHost] = []
+    if remote_entries:
+        try:
+            conns = await connect_all(remote_entries, ssh_opts)
+        except SSHError as exc:
+            raise UsageError(f"cannot reach every host, nothing started: {exc}") from None
+        hosts = [RemoteHost(e.host, conns[e.host], ssh_opts) for e in remote_entries]
+
     ranks: list[RankHandle] = []
     supervisor = Supervisor(ranks, kill_timeout=opts.kill_timeout)
+    tag = not opts.no_tag_output
     try:
-        for spec in specs:
-            ranks.append(await LocalRank.start(spec, command, tag=not opts.no_tag_output,
-                                               output_dir=opts.output_dir))
+        for e in entries:
+            if e.is_local and e.host in by_host:
+                for spec in by_host[e.host]:
+                    ranks.append(await LocalRank.start(spec, command, tag=tag,
+                                                       output_dir=opts.output_dir))
+        for host in hosts:
+            ranks.extend(await host.start(by_host[host.name], command, os.getcwd(),
+                                          opts.kill_timeout, tag, opts.output_dir))
+        ranks.sort(key=lambda r: r.rank)
+        return await supervisor.run()
     except OSError as exc:
         for r in ranks:
             r.signal(9)
-        raise UsageError(f"cannot start {command[0]!r}: {exc.strerror}") from None
-    return await supervisor.run()
+        raise UsageError(f"cannot start {command[0]!r}: {exc.strerror or exc}") from None
+    finally:
+        await asyncio.gather(*(h.close() for h in hosts), return_exceptions=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -127,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from aioreduce.transport.loop import run
 
         return run(launch(opts, command))
-    except UsageError as exc:
+    except (UsageError, HostfileError) as exc:
         sys.stderr.write(f"aioreduce-launch: {exc}\n")
         return 2
 

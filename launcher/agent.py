@@ -30,6 +30,7 @@ import msgpack
 from .local import _die_with_parent, exit_code
 
 HEARTBEAT_MISSES = 3
+_STARTED: list[int] = []  # process groups of every rank this agent started
 OUTPUT_GRACE_S = 2.0
 
 
@@ -72,6 +73,7 @@ class Agent:
                 self.send({"t": "exit", "rank": item["rank"], "code": 127})
                 continue
             self.procs[item["rank"]] = proc
+            _STARTED.append(proc.pid)
             self.send({"t": "started", "rank": item["rank"], "pid": proc.pid})
             self.watchers.append(asyncio.ensure_future(self._watch(item["rank"], proc)))
 
@@ -109,9 +111,10 @@ class Agent:
         if self.stopping:
             return
         self.stopping = True
-        if any(p.returncode is None for p in self.procs.values()):
+        self.signal(signal.SIGTERM)  # first: the messages below may fail on a dead link
+        with contextlib.suppress(OSError):
             sys.stderr.write(f"aioreduce agent: {why}; stopping the ranks\n")
-        self.signal(signal.SIGTERM)
+            sys.stderr.flush()
         deadline = time.monotonic() + self.kill_timeout
         while any(p.returncode is None for p in self.procs.values()):
             if time.monotonic() > deadline:
@@ -185,5 +188,21 @@ async def main() -> int:
     return 0
 
 
+def _run() -> int:
+    from aioreduce.transport.loop import run
+
+    # uvloop, like the launcher: its Process.wait() returns when the rank exits, even while
+    # something the rank started still holds the output pipes open.
+    return run(main())
+
+
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    try:
+        sys.exit(_run())
+    finally:
+        # Whatever happened to the agent, the ranks' process groups do not outlive it (the
+        # ranks themselves also die with it through PR_SET_PDEATHSIG; what they started does
+        # not, hence the groups).
+        for pgid in _STARTED:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)

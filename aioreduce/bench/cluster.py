@@ -28,6 +28,31 @@ from types import TracebackType
 PREFIX = "arx"
 
 
+SSHD_CONFIG = """\
+Port 22
+ListenAddress {addr}
+HostKey {host_key}
+PidFile {workdir}/sshd_{i}.pid
+AuthorizedKeysFile {workdir}/authorized_keys
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+PermitRootLogin prohibit-password
+UsePAM no
+StrictModes no
+MaxStartups 64
+LogLevel ERROR
+"""
+
+
+@dataclass(frozen=True)
+class SSHAccess:
+    """How to log in to the cluster's sshd hosts."""
+
+    client_key: str
+    known_hosts: str
+
+
 class ClusterUnavailable(RuntimeError):
     """This machine cannot host an emulated cluster (not root, no iproute2, ...)."""
 
@@ -93,6 +118,7 @@ class Cluster:
     net: int = field(default_factory=lambda: 1 + os.getpid() % 250)
     tag: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}-{os.urandom(2).hex()}")
     names: list[str] = field(default_factory=list, init=False)
+    sshd: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict, init=False)
     _up: bool = field(default=False, init=False)
 
     @property
@@ -162,8 +188,66 @@ class Cluster:
         _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
              "rate", f"{self.rate_mbit}mbit", "burst", str(burst), "latency", "100ms")
 
+    # -- real SSH hosts ----------------------------------------------------------------------
+    def start_sshd(self, workdir: str, hosts: Sequence[int] | None = None) -> SSHAccess:
+        """Run Debian's sshd in each host with its own config and host key; return a client
+        key authorized for this user and a known_hosts file listing every host's key."""
+        sshd = shutil.which("sshd") or "/usr/sbin/sshd"
+        if not os.path.exists(sshd) or shutil.which("ssh-keygen") is None:
+            raise ClusterUnavailable("needs openssh-server (apt-get install openssh-server)")
+        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege separation directory
+        access = SSHAccess(os.path.join(workdir, "client_key"),
+                           os.path.join(workdir, "known_hosts"))
+        host_key = os.path.join(workdir, "host_key")
+        for key in (access.client_key, host_key):
+            if not os.path.exists(key):
+                _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key)
+        with open(access.client_key + ".pub") as fh, \
+                open(os.path.join(workdir, "authorized_keys"), "w") as out:
+            out.write(fh.read())
+        with open(host_key + ".pub") as fh:
+            host_pub = " ".join(fh.read().split()[:2])
+        with open(access.known_hosts, "w") as out:
+            out.writelines(f"{self.addr(i)} {host_pub}\n" for i in range(self.hosts))
+        for i in hosts if hosts is not None else range(self.hosts):
+            conf = os.path.join(workdir, f"sshd_{i}.conf")
+            with open(conf, "w") as out:
+                out.write(SSHD_CONFIG.format(addr=self.addr(i), host_key=host_key,
+                                             workdir=workdir, i=i))
+            self.sshd[i] = subprocess.Popen(self.exec_argv(i, [sshd, "-D", "-e", "-f", conf]),
+                                            stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL)
+        for i in self.sshd:
+            self._wait_port(i, 22)
+        return access
+
+    def stop_sshd(self, i: int) -> None:
+        """Take host ``i``'s sshd down (its existing sessions go with it)."""
+        proc = self.sshd.pop(i, None)
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+
+    def _wait_port(self, i: int, port: int, timeout: float = 10.0) -> None:
+        probe = ("import socket,sys,time\n"
+                 "t=time.time()+float(sys.argv[3])\n"
+                 "while True:\n"
+                 "  try: socket.create_connection((sys.argv[1],int(sys.argv[2])),1); break\n"
+                 "  except OSError:\n"
+                 "    if time.time()>t: sys.exit(1)\n"
+                 "    time.sleep(0.05)\n")
+        res = subprocess.run(self.exec_argv(i, ["python3", "-c", probe, self.addr(i), str(port),
+                                                str(timeout)]), timeout=timeout + 5)
+        if res.returncode:
+            raise RuntimeError(f"host {i}: nothing listens on port {port} after {timeout} s")
+
     def teardown(self) -> None:
         """Kill what runs inside, delete the namespaces (and so their links). Idempotent."""
+        for proc in self.sshd.values():
+            with contextlib.suppress(Exception):
+                proc.kill()
+                proc.wait(5)
+        self.sshd.clear()
         for ns in reversed(self.names):
             kill_namespace_processes(ns)
         for ns in reversed(self.names):

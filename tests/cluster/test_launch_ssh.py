@@ -1,0 +1,199 @@
+"""aioreduce-launch against real sshd hosts (network namespaces): placement, env, failures,
+Ctrl-C, a dropped SSH connection, an unreachable host, and the secret off every command line.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from aioreduce.bench.cluster import Cluster, SSHAccess, available
+
+pytestmark = [pytest.mark.cluster,
+              pytest.mark.skipif(available() is not None,
+                                 reason=f"emulated cluster unavailable: {available()}")]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Ranks for these tests: report placement, then wait (with a grandchild) or fail.
+PROG = r"""
+import os, socket, subprocess, sys, time
+mode, outdir = sys.argv[1], sys.argv[2]
+r = int(os.environ["RANK"])
+s = socket.socket(); s.bind((os.environ["AIOREDUCE_ADDR"], 0))  # only works on its own host
+child = subprocess.Popen(["sleep", "300"])
+with open(os.path.join(outdir, f"secret.{r}"), "w") as fh:
+    fh.write(os.environ["AIOREDUCE_SECRET"])
+print(f"ready rank={r} local={os.environ['LOCAL_RANK']} node={os.environ['NODE_RANK']} "
+      f"world={os.environ['WORLD_SIZE']} master={os.environ['MASTER_ADDR']} "
+      f"addr={os.environ['AIOREDUCE_ADDR']} x={os.environ.get('FROM_LAUNCHER')}", flush=True)
+if mode == "fail" and r == 3:
+    time.sleep(1.0)
+    print("rank 3 fails", file=sys.stderr, flush=True)
+    sys.exit(3)
+if mode == "ok":
+    sys.exit(0)
+time.sleep(300)
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[Cluster, SSHAccess, str]]:
+    with tempfile.TemporaryDirectory() as work, Cluster(4) as cl:
+        access = cl.start_sshd(work)
+        hostfile = os.path.join(work, "hosts")
+        with open(hostfile, "w") as fh:
+            fh.write("# three hosts, reached over SSH\n"
+                     f"{cl.addr(1)} slots=3\n{cl.addr(2)} slots=2\n{cl.addr(3)} slots=2\n")
+        yield cl, access, hostfile
+
+
+def _launch(cl: Cluster, access: SSHAccess, hostfile: str, *cmd: str,
+            extra: tuple[str, ...] = ()) -> list[str]:
+    return cl.exec_argv(0, [sys.executable, "-m", "aioreduce_launch.cli", hostfile, "-I",
+                            access.client_key, "--ssh-known-hosts", access.known_hosts,
+                            "--kill-timeout", "3", *extra, "--", *cmd])
+
+
+def _job_processes(cl: Cluster) -> dict[int, list[str]]:
+    """Python processes (agents, ranks) and sleeps left in every host namespace."""
+    left: dict[int, list[str]] = {}
+    for i in range(cl.hosts):
+        pids = subprocess.run(["ip", "netns", "pids", cl.ns(i)], capture_output=True,
+                              text=True).stdout.split()
+        for pid in pids:
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "python" in cmd or cmd.startswith("sleep"):
+                left.setdefault(i, []).append(cmd[:120])
+    return left
+
+
+def _no_job_processes(cl: Cluster, within: float) -> dict[int, list[str]]:
+    deadline = time.monotonic() + within
+    while (left := _job_processes(cl)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def test_logreg_runs_across_hosts(cluster) -> None:
+    cl, access, hostfile = cluster
+    res = subprocess.run(_launch(cl, access, hostfile, sys.executable,
+                                 str(ROOT / "examples" / "logreg.py"), "--fanout", "2",
+                                 "--levels", "2", "--dim", "400", "--steps", "8"),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "[0] SUMMARY" in res.stdout and "[6] total" in res.stderr
+
+
+def test_ranks_env_placement_and_tags(cluster, tmp_path) -> None:
+    cl, access, hostfile = cluster
+    res = subprocess.run(_launch(cl, access, hostfile, sys.executable, "-c", PROG, "ok",
+                                 str(tmp_path), extra=("-x", "FROM_LAUNCHER=yes")),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = sorted(x for x in res.stdout.splitlines() if " ready " in x)
+    hosts = [cl.addr(1)] * 3 + [cl.addr(2)] * 2 + [cl.addr(3)] * 2
+    local = [0, 1, 2, 0, 1, 0, 1]
+    for r in range(7):  # slots fill host by host; each rank really runs on its host
+        assert (f"[{r}] ready rank={r} local={local[r]} node={(r > 2) + (r > 4)} world=7 "
+                f"master={cl.addr(1)} addr={hosts[r]} x=yes") in lines, lines
+    assert not _no_job_processes(cl, 5)
+
+
+def test_failing_rank_code_propagates_and_nothing_is_left(cluster, tmp_path) -> None:
+    cl, access, hostfile = cluster
+    t0 = time.monotonic()
+    res = subprocess.run(_launch(cl, access, hostfile, sys.executable, "-c", PROG, "fail",
+                                 str(tmp_path)), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 3, res.stderr[-3000:]
+    assert "rank 3 on" in res.stderr and "exited with code 3" in res.stderr
+    assert "[3] rank 3 fails" in res.stderr
+    assert time.monotonic() - t0 < 30
+    assert not _no_job_processes(cl, 5)
+
+
+def test_sigint_stops_every_rank_on_every_host(cluster, tmp_path) -> None:
+    cl, access, hostfile = cluster
+    proc = subprocess.Popen(_launch(cl, access, hostfile, sys.executable, "-c", PROG, "wait",
+                                    str(tmp_path)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        ready = 0
+        while ready < 7:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read() if proc.stderr else ""
+            ready += " ready " in line
+        # The job's secret is on no command line on any host (all share this /proc).
+        secret = (tmp_path / "secret.0").read_text()
+        assert len(secret) >= 32
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                assert secret.encode() not in cmdline.read_bytes(), cmdline
+            except OSError:
+                pass
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGINT)
+        proc.communicate(timeout=30)
+        assert proc.returncode == 130
+        assert not _no_job_processes(cl, 3 + 3), "processes left after SIGINT"
+        assert time.monotonic() - t0 < 3 + 6
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_dropped_ssh_connection_leaves_no_orphan(cluster, tmp_path) -> None:
+    cl, access, hostfile = cluster
+    proc = subprocess.Popen(_launch(cl, access, hostfile, sys.executable, "-c", PROG, "wait",
+                                    str(tmp_path)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        ready = 0
+        while ready < 7:
+            ready += " ready " in proc.stdout.readline()
+        # Kill host 2's sshd session processes (not the listening daemon): the SSH link drops.
+        listener = cl.sshd[2].pid
+        pids = subprocess.run(["ip", "netns", "pids", cl.ns(2)], capture_output=True,
+                              text=True).stdout.split()
+        sessions = [int(p) for p in pids if int(p) != listener and
+                    Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"sshd")]
+        assert sessions
+        for pid in sessions:
+            os.kill(pid, signal.SIGKILL)
+        left = _no_job_processes(cl, 3 + 5)
+        assert 2 not in left, left[2]  # the agent saw its stdin close and killed its ranks
+        proc.communicate(timeout=30)
+        assert proc.returncode != 0  # a host lost is a failed job
+        assert not left, left
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_host_with_sshd_down_fails_fast_naming_it(cluster, tmp_path) -> None:
+    cl, access, hostfile = cluster
+    cl.stop_sshd(3)
+    t0 = time.monotonic()
+    res = subprocess.run(_launch(cl, access, hostfile, sys.executable, "-c", PROG, "ok",
+                                 str(tmp_path), extra=("--connect-timeout", "5")),
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert time.monotonic() - t0 < 5 + 3
+    assert cl.addr(3) in res.stderr and "nothing started" in res.stderr, res.stderr
+    assert "ready" not in res.stdout
+    assert not list(tmp_path.glob("secret.*"))  # no rank started anywhere

@@ -127,18 +127,31 @@ def test_failing_rank_code_propagates_and_nothing_is_left(cluster, tmp_path) -> 
     assert not _no_job_processes(cl, 5)
 
 
+def _start_waiting_job(cl: Cluster, access: SSHAccess, hostfile: str,
+                       outdir: Path) -> subprocess.Popen[str]:
+    """A job whose 7 ranks report ready and then wait; returns once all are ready."""
+    proc = subprocess.Popen(_launch(cl, access, hostfile, sys.executable, "-c", PROG, "wait",
+                                    str(outdir)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    ready = 0
+    while ready < 7:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read() if proc.stderr else ""
+        ready += " ready " in line
+    return proc
+
+
+def _kill_job(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def test_sigint_stops_every_rank_on_every_host(cluster, tmp_path) -> None:
     cl, access, hostfile = cluster
-    proc = subprocess.Popen(_launch(cl, access, hostfile, sys.executable, "-c", PROG, "wait",
-                                    str(tmp_path)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = _start_waiting_job(cl, access, hostfile, tmp_path)
     try:
-        assert proc.stdout is not None
-        ready = 0
-        while ready < 7:
-            line = proc.stdout.readline()
-            assert line, proc.stderr.read() if proc.stderr else ""
-            ready += " ready " in line
         # The job's secret is on no command line on any host (all share this /proc).
         secret = (tmp_path / "secret.0").read_text()
         assert len(secret) >= 32
@@ -154,21 +167,13 @@ def test_sigint_stops_every_rank_on_every_host(cluster, tmp_path) -> None:
         assert not _no_job_processes(cl, 3 + 3), "processes left after SIGINT"
         assert time.monotonic() - t0 < 3 + 6
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_job(proc)
 
 
 def test_dropped_ssh_connection_leaves_no_orphan(cluster, tmp_path) -> None:
     cl, access, hostfile = cluster
-    proc = subprocess.Popen(_launch(cl, access, hostfile, sys.executable, "-c", PROG, "wait",
-                                    str(tmp_path)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = _start_waiting_job(cl, access, hostfile, tmp_path)
     try:
-        assert proc.stdout is not None
-        ready = 0
-        while ready < 7:
-            ready += " ready " in proc.stdout.readline()
         # Kill host 2's sshd session processes (not the listening daemon): the SSH link drops.
         listener = cl.sshd[2].pid
         pids = subprocess.run(["ip", "netns", "pids", cl.ns(2)], capture_output=True,
@@ -184,9 +189,7 @@ def test_dropped_ssh_connection_leaves_no_orphan(cluster, tmp_path) -> None:
         assert proc.returncode != 0  # a host lost is a failed job
         assert not left, left
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_job(proc)
 
 
 def test_host_with_sshd_down_fails_fast_naming_it(cluster, tmp_path) -> None:

@@ -123,10 +123,13 @@ def _allreduce(opts: argparse.Namespace) -> list[dict[str, Any]]:
         for r in rows:
             r["gloo_median_s"] = gloo["median_s"]
             r["ratio_vs_gloo"] = r["median_s"] / gloo["median_s"]
-    return rows + ([gloo] if gloo else [])
+    # Gloo first: with one scheme, the last line is that scheme's object (with the ratio).
+    return ([gloo] if gloo else []) + rows
 
 
 def _print_allreduce(rows: list[dict[str, Any]]) -> None:
+    rows = [r for r in rows if r["scheme"] != "gloo"] + [r for r in rows
+                                                          if r["scheme"] == "gloo"]
     first = rows[0]
     print(f"{first['nodes']} ranks, {_fmt_size(first['size_bytes'])}B vector, "
           f"{first['iters']} iterations (median and p99 of the per-step makespan)")
@@ -159,7 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if opts.json:
             for r in rows:
                 print(json.dumps(r))
-            if len(rows) > 1:  # the last line sums up the comparison
+            schemes = [r for r in rows if r["scheme"] != "gloo"]
+            if len(schemes) > 1:  # the last line sums up the comparison
                 print(json.dumps({"scheme": ",".join(r["scheme"] for r in rows),
                                   "nodes": rows[0]["nodes"],
                                   "size_bytes": rows[0]["size_bytes"],

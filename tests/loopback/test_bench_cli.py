@@ -46,6 +46,17 @@ def test_allreduce_bench_json_verify() -> None:
     assert last["max_rel_err"] < 1e-6 and len(last["steps_s"]) == 3
 
 
+def test_single_scheme_vs_gloo_ends_with_the_scheme_and_its_ratio() -> None:
+    pytest.importorskip("torch", reason="torch is an optional extra (pip install torch)")
+    res = subprocess.run([sys.executable, "-m", "aioreduce.bench.cli", "allreduce", "--scheme",
+                          "ring", "--nodes", "3", "--size", "64K", "--iters", "3", "--verify",
+                          "--vs-gloo", "--json"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    last = json.loads(res.stdout.splitlines()[-1])
+    assert last["scheme"] == "ring" and last["max_rel_err"] < 1e-6
+    assert last["ratio_vs_gloo"] == pytest.approx(last["median_s"] / last["gloo_median_s"])
+
+
 def test_allreduce_bench_compares_schemes_and_gloo() -> None:
     pytest.importorskip("torch", reason="torch is an optional extra (pip install torch)")
     res = subprocess.run([sys.executable, "-m", "aioreduce.bench.cli", "allreduce", "--scheme",
@@ -56,6 +67,7 @@ def test_allreduce_bench_compares_schemes_and_gloo() -> None:
     assert res.returncode == 0, res.stderr
     rows = [json.loads(x) for x in res.stdout.splitlines()]
     by = {r["scheme"]: r for r in rows[:-1]}
+    assert rows[0]["scheme"] == "gloo"
     assert set(by) == {"coded-tree", "ring", "gloo"}
     for name in ("coded-tree", "ring"):
         assert by[name]["max_rel_err"] < 1e-6

@@ -1,0 +1,90 @@
+"""The remote agent on its own (no SSH): stdin carries the job; losing it kills the ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import msgpack
+import psutil
+import pytest
+
+pytestmark = pytest.mark.loopback
+
+RANK = ("import os, subprocess, sys, time\n"
+        "c = subprocess.Popen(['sleep', '300'])\n"
+        "print('up', os.environ['RANK'], os.environ['AIOREDUCE_SECRET'], c.pid, flush=True)\n"
+        "time.sleep(300)\n")
+
+
+def _agent() -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "aioreduce_launch.agent"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+
+
+def _start(agent: subprocess.Popen[bytes], heartbeat: float = 2.0) -> list[int]:
+    """Send a two-rank job; return the pids of the ranks and of what they started."""
+    assert agent.stdin is not None and agent.stdout is not None
+    ranks = [{"rank": r, "env": {"RANK": str(r), "AIOREDUCE_SECRET": "s3cr3t-on-stdin"}}
+             for r in (0, 1)]
+    agent.stdin.write(msgpack.packb({"t": "start", "argv": [sys.executable, "-c", RANK],
+                                     "cwd": None, "ranks": ranks, "kill_timeout": 2,
+                                     "heartbeat": heartbeat}))
+    agent.stdin.flush()
+    unpacker = msgpack.Unpacker(raw=False)
+    pids: list[int] = []
+    text = {0: b"", 1: b""}  # output arrives in chunks, not lines
+    while sum(t.count(b"\n") for t in text.values()) < 2:
+        unpacker.feed(os.read(agent.stdout.fileno(), 1 << 16))
+        for msg in unpacker:
+            if msg["t"] == "started":
+                pids.append(msg["pid"])
+            elif msg["t"] == "out" and msg["fd"] == 1:
+                text[msg["rank"]] += msg["data"]
+    for out in text.values():
+        words = out.decode().split()
+        assert words[:1] == ["up"] and words[2] == "s3cr3t-on-stdin", words
+        pids.append(int(words[3]))
+    return pids
+
+
+def _gone(pids: list[int], within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_closing_stdin_kills_every_rank_and_what_it_started() -> None:
+    agent = _agent()
+    try:
+        pids = _start(agent)
+        assert len(pids) == 4
+        for pid in pids:  # the secret came on stdin, not on any command line
+            assert b"s3cr3t" not in open(f"/proc/{pid}/cmdline", "rb").read()
+        assert agent.stdin is not None
+        agent.stdin.close()
+        assert _gone(pids, 5)
+        assert agent.wait(10) == 0
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+
+
+def test_missing_heartbeats_kill_the_ranks() -> None:
+    agent = _agent()
+    try:
+        pids = _start(agent, heartbeat=0.3)  # the test never pings: a frozen launcher
+        assert _gone(pids, 0.3 * 3 + 4)
+        assert agent.wait(10) == 0
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import msgpack
 import psutil
@@ -69,7 +70,7 @@ def test_closing_stdin_kills_every_rank_and_what_it_started() -> None:
         pids = _start(agent)
         assert len(pids) == 4
         for pid in pids:  # the secret came on stdin, not on any command line
-            assert b"s3cr3t" not in open(f"/proc/{pid}/cmdline", "rb").read()
+            assert b"s3cr3t" not in Path(f"/proc/{pid}/cmdline").read_bytes()
         assert agent.stdin is not None
         agent.stdin.close()
         assert _gone(pids, 5)

@@ -247,7 +247,8 @@ class Node:
         return self.scheme
 
     async def _run(self, vector: np.ndarray | Callable[[], np.ndarray]) -> Result:
-        scheme = self._require(coded=self.scheme.coded if self.scheme else False)
+        scheme = self.scheme
+        assert scheme is not None  # aggregate()/allreduce() checked it
         step = self._step
         self._step += 1
         loop = asyncio.get_running_loop()

@@ -27,11 +27,10 @@ from typing import Any
 
 import msgpack
 
-from .local import _die_with_parent, exit_code
+from .local import OUTPUT_GRACE_S, _die_with_parent, exit_code
 
 HEARTBEAT_MISSES = 3
 _STARTED: list[int] = []  # process groups of every rank this agent started
-OUTPUT_GRACE_S = 2.0
 
 
 class Agent:

@@ -135,11 +135,8 @@ class _Data:
 
 
 def _fit(scheme: CodedTree | GradientCoding) -> int:
-    if isinstance(scheme, GradientCoding):
-        return scheme.code.k
-    from ..schemes.tree import _unit
-
-    return _unit(scheme)
+    """The smallest data set the scheme's placement fits."""
+    return scheme.code.k if isinstance(scheme, GradientCoding) else scheme.min_samples
 
 
 async def _worker(cfg: Config) -> None:

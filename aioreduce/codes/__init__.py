@@ -16,7 +16,7 @@ from .gradient import (
     Stability,
     StabilityWarning,
 )
-from .planner import CodedTreePlan, coded_tree_plan
+from .planner import CodedTreePlan, coded_tree_plan, coded_tree_unit
 from .topology import TreeTopology
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "StabilityWarning",
     "TreeTopology",
     "coded_tree_plan",
+    "coded_tree_unit",
     "cyclic_mds",
     "default_code",
     "frc",

@@ -120,6 +120,14 @@ def _sizes(M: int, c: int, fan: tuple[int, ...], d: tuple[int, ...]) -> str | No
     return None if w == c else f"leaves would hold {w} samples, not the load {c}"
 
 
+def coded_tree_unit(fanout: int | Sequence[int], levels: int, stragglers: int | Sequence[int],
+                    code: GradientCode | Sequence[GradientCode] | None = None) -> int:
+    """The smallest data-set size that fits this tree; every multiple of it fits too."""
+    topo = TreeTopology(fanout, levels)
+    codes = _codes(topo, _per_level(stragglers, levels, "stragglers"), code)
+    return _unit_size(topo.fanout, tuple(_support_size(c) for c in codes))
+
+
 def coded_tree_plan(num_samples: int, fanout: int | Sequence[int], levels: int,
                     stragglers: int | Sequence[int],
                     code: GradientCode | Sequence[GradientCode] | None = None) -> CodedTreePlan:
@@ -179,4 +187,4 @@ def _unit_size(fan: tuple[int, ...], d: tuple[int, ...]) -> int:
     return fan[0] * w // d[0]
 
 
-__all__ = ["CodedTreePlan", "NotDecodable", "coded_tree_plan"]
+__all__ = ["CodedTreePlan", "NotDecodable", "coded_tree_plan", "coded_tree_unit"]

@@ -9,7 +9,7 @@ from functools import cached_property
 
 import numpy as np
 
-from ..codes import CodedTreePlan, GradientCode, TreeTopology, coded_tree_plan
+from ..codes import CodedTreePlan, GradientCode, TreeTopology, coded_tree_plan, coded_tree_unit
 from ..topology import heap_children, heap_parent
 from .base import Comm, OnInsufficient, Result, StepOptions
 from .reduce import Family, Spawn, reduce_broadcast
@@ -52,6 +52,11 @@ class CodedTree:
         return coded_tree_plan(num_samples, self.fanout, self.levels, self.stragglers,
                                self.code)
 
+    @cached_property
+    def min_samples(self) -> int:
+        """The smallest data-set size this tree's placement fits (multiples fit too)."""
+        return coded_tree_unit(self.fanout, self.levels, self.stragglers, self.code)
+
     def placement(self, rank: int, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
         return self.plan(num_samples).placement(rank)
 
@@ -67,7 +72,7 @@ class CodedTree:
     @cached_property
     def _codes(self) -> tuple[GradientCode, ...]:
         # The codes do not depend on the data-set size; plan the smallest one that fits.
-        return self.plan(_unit(self)).codes
+        return self.plan(self.min_samples).codes
 
     async def step(self, comm: Comm, like: np.ndarray, own: asyncio.Future[np.ndarray],
                    step: int, spawn: Spawn) -> Result:
@@ -87,17 +92,6 @@ def _tree_family(rank: int, parent_of: Callable[[int], int | None],
 def _neighbours(fam: Family) -> list[int]:
     up = [] if fam.parent is None else [fam.parent]
     return up + fam.children
-
-
-def _unit(tree: CodedTree) -> int:
-    try:
-        tree.plan(1)
-    except ValueError as exc:
-        text = str(exc)
-        if "multiples of " in text:
-            return int(text.split("multiples of ")[1].split()[0].rstrip(","))
-        raise
-    return 1
 
 
 @dataclass(frozen=True)

@@ -111,9 +111,7 @@ async def main(args: argparse.Namespace) -> None:
 
 
 def _fit(scheme: ar.CodedTree) -> int:
-    from aioreduce.schemes.tree import _unit
-
-    return _unit(scheme) * 2
+    return scheme.min_samples * 2
 
 
 if __name__ == "__main__":

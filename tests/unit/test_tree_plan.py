@@ -10,7 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aioreduce.codes import GradientCode, NotDecodable, TreeTopology, coded_tree_plan
+from aioreduce.codes import (
+    GradientCode,
+    NotDecodable,
+    TreeTopology,
+    coded_tree_plan,
+    coded_tree_unit,
+)
 from aioreduce.codes.model import ComputeModel, LinkModel, predict_ring, predict_star, predict_tree
 
 TANDON = GradientCode.from_matrix(np.array([[0.5, 1, 0], [0, 1, -1], [0.5, 0, 1]]), 1)
@@ -84,7 +90,7 @@ def test_two_stragglers_in_one_family_is_not_decodable() -> None:
                                      (4, 3, 2), (5, 2, 2), (3, 0, 3), (6, 2, 1), (4, 2, 2)])
 def test_random_structured_stragglers_recover_the_full_gradient(n: int, s: int, L: int) -> None:
     rng = np.random.default_rng([n, s, L])
-    unit = coded_tree_plan_unit(n, s, L)
+    unit = coded_tree_unit(n, L, s)
     plan = coded_tree_plan(unit * 2, n, L, s)
     g = rng.standard_normal((plan.num_samples, 5))
     parents = [r for r in range(plan.topology.size) if plan.topology.children(r)]
@@ -99,12 +105,14 @@ def test_random_structured_stragglers_recover_the_full_gradient(n: int, s: int, 
         assert err < 1e-9
 
 
-def coded_tree_plan_unit(n: int, s: int, L: int) -> int:
-    try:
-        coded_tree_plan(10**9 + 7, n, L, s)  # a prime: never fits; the error names the unit
-    except ValueError as exc:
-        return int(str(exc).split("multiples of ")[1].split()[0].rstrip(","))
-    raise AssertionError("a prime number of samples fitted")
+def test_unit_is_the_smallest_size_that_fits() -> None:
+    assert coded_tree_unit(3, 2, 1) == 15 and coded_tree_unit(4, 2, 1) == 24
+    assert coded_tree_unit(12, 2, 1) == 168  # k = 1 of the recipe m = k * sum n^l (s+1)^(L-l)
+    for n, s, L in ((3, 1, 2), (4, 1, 3), (5, 2, 2)):
+        unit = coded_tree_unit(n, L, s)
+        coded_tree_plan(unit, n, L, s)
+        with pytest.raises(ValueError, match=f"multiples of {unit} fit"):
+            coded_tree_plan(unit + 1, n, L, s)
 
 
 def test_misfit_sizes_name_the_nearest_valid_ones() -> None:
@@ -119,7 +127,7 @@ def test_misfit_sizes_name_the_nearest_valid_ones() -> None:
 def test_planner_weights_sum_to_one_and_loads_balance(n: int, s: int, L: int, k: int) -> None:
     if s >= n or TreeTopology(n, L).size > 200:
         return
-    M = coded_tree_plan_unit(n, s, L) * k
+    M = coded_tree_unit(n, L, s) * k
     plan = coded_tree_plan(M, n, L, s)
     rho = n / (s + 1)  # every default code gives each worker s + 1 parts
     assert plan.load * sum(rho ** lv for lv in range(1, L + 1)) == pytest.approx(M)

@@ -17,6 +17,7 @@ OnInsufficient = Literal["raise", "approximate"]
 # Frame tags of one step. Upward chunks use 0..DOWN-1, the result's chunks DOWN + c.
 DOWN = 1 << 24
 ERROR_TAG = (1 << 30) + 1
+ADOPT_TAG = (1 << 30) + 2  # a grandchild asks its grandparent for a step's result
 
 
 class Comm(Protocol):

@@ -33,7 +33,16 @@ import numpy as np
 from ..codes import GradientCode
 from ..errors import PeerLost
 from ..wire import Header
-from .base import DOWN, ERROR_TAG, Comm, Result, StepOptions, StragglerError, chunk_bounds
+from .base import (
+    ADOPT_TAG,
+    DOWN,
+    ERROR_TAG,
+    Comm,
+    Result,
+    StepOptions,
+    StragglerError,
+    chunk_bounds,
+)
 
 log = logging.getLogger("aioreduce.schemes")
 
@@ -101,8 +110,13 @@ class _Gather:
 
 
 class _Memory:
-    """The last results a parent passed down, kept to re-send to the children of a child
-    that dies: a result sent to it just before its death would otherwise strand them."""
+    """What a parent keeps for its grandchildren.
+
+    The last results it passed down, re-sent to the children of a child that dies (a result
+    sent to it just before its death would otherwise strand them); and the children that are
+    alive but not passing results on (a stopped process), whose children asked to be adopted:
+    from then on they get every result from this rank directly.
+    """
 
     KEEP = 2
 
@@ -110,6 +124,8 @@ class _Memory:
         self.comm, self.spawn = comm, spawn
         self.family: Family | None = None
         self.recent: dict[int, tuple[np.ndarray, list[tuple[int, int]], dict[str, Any]]] = {}
+        self.frozen: set[int] = set()
+        self._listening: set[int] = set()
         comm.on_peer_lost(self.lost)
 
     @classmethod
@@ -118,24 +134,55 @@ class _Memory:
         if not isinstance(mem, cls):
             mem = comm.scheme_state["tree-memory"] = cls(comm, spawn)
         mem.family = family
+        for child, grandkids in family.grandchildren.items():
+            for g in grandkids:
+                if g not in mem._listening:
+                    comm.relay_from(g, ADOPT_TAG, functools.partial(mem.adopt, child))
+                    mem._listening.add(g)
         return mem
+
+    def skips(self, child: int) -> bool:
+        """Must results bypass ``child`` (dead, or not passing them on)?"""
+        return child in self.frozen or self.comm.is_lost(child)
+
+    def adopt(self, child: int, header: Header, payload: memoryview) -> None:
+        """A child of ``child`` got no result from it: serve it (and its siblings) directly."""
+        if self.comm.closing:
+            return
+        if child not in self.frozen:
+            log.warning("rank %d: rank %d passes no results on; sending them to its children "
+                        "directly", self.comm.rank, child)
+            self.frozen.add(child)
+        if header.step not in self.recent and header.step < min(self.recent, default=0):
+            # Too old to serve: say so at once rather than let the grandchild wait it out.
+            self.spawn(header.src, header.step, self.comm.send(
+                header.src, _EMPTY, step=header.step, tag=ERROR_TAG,
+                meta={"missing": [child]}))
+            return
+        self._resend(header.step, [header.src])
+
+    def lost(self, rank: int) -> None:
+        fam = self.family
+        if fam is None or rank not in fam.children or self.comm.closing:
+            return  # peers leaving at the end of the job are not failures
+        for step in sorted(self.recent):
+            self._resend(step, fam.grandchildren.get(rank, []))
+
+    def _resend(self, step: int, targets: list[int]) -> None:
+        if step not in self.recent:
+            return  # not decoded yet: it will go to them directly when it is
+        value, bounds, meta = self.recent[step]
+        for target in targets:
+            for c, (lo, hi) in enumerate(bounds):
+                last = meta if c == len(bounds) - 1 else None
+                self.spawn(target, step, self.comm.send(target, value[lo:hi], step=step,
+                                                        tag=DOWN + c, meta=last))
 
     def remember(self, step: int, value: np.ndarray, bounds: list[tuple[int, int]],
                  meta: dict[str, Any]) -> None:
         self.recent[step] = (value, bounds, meta)
         for old in sorted(self.recent)[:-self.KEEP]:
             del self.recent[old]
-
-    def lost(self, rank: int) -> None:
-        fam = self.family
-        if fam is None or rank not in fam.children or self.comm.closing:
-            return  # peers leaving at the end of the job are not failures
-        for step, (value, bounds, meta) in sorted(self.recent.items()):
-            for target in fam.grandchildren.get(rank, []):
-                for c, (lo, hi) in enumerate(bounds):
-                    last = meta if c == len(bounds) - 1 else None
-                    self.spawn(target, step, self.comm.send(target, value[lo:hi], step=step,
-                                                            tag=DOWN + c, meta=last))
 
 
 async def reduce_broadcast(comm: Comm, family: Family, like: np.ndarray,
@@ -336,10 +383,11 @@ def _report(rank: int, kids: list[int], gather: _Gather, used_kids: set[int], ex
 def _send_down(comm: Comm, family: Family, chunk: np.ndarray, step: int, tag: int,
                meta: dict[str, Any] | None, spawn: Spawn) -> None:
     """Pass a result chunk (or the error frame) to every child; the children of a child whose
-    connection broke get it from us directly, since their parent cannot forward it."""
+    connection broke, or that passes nothing on, get it from us directly."""
+    memory = comm.scheme_state.get("tree-memory")
     for child in family.children:
         targets = [child]
-        if comm.is_lost(child):
+        if memory.skips(child) if isinstance(memory, _Memory) else comm.is_lost(child):
             targets = family.grandchildren.get(child, [])
         for target in targets:
             spawn(target, step, comm.send(target, chunk, step=step, tag=tag, meta=meta))
@@ -376,48 +424,67 @@ async def _await_result(comm: Comm, family: Family, down: list[asyncio.Future[He
                         memory: _Memory | None) -> Result:
     """Wait for the result (or the root's error) from the parent, forwarding as it comes.
 
-    If the parent's connection breaks, its own parent sends us the result instead (it sees the
-    same break and adopts us), so a dead intermediate rank does not strand its subtree.
+    If the parent's connection breaks, or it stays silent for a whole deadline (a stopped
+    process), we also listen to our grandparent: it adopts the children of a child it lost or
+    cut off, so a dead or frozen intermediate rank does not strand its subtree. Whichever
+    source completes first wins; both carry the same result, into the same buffer.
     """
     assert family.parent is not None
-    source, fallback = family.parent, family.grandparent
+    loop = asyncio.get_running_loop()
+    sources: dict[int, tuple[list[asyncio.Future[Header]], asyncio.Future[Header]]] = {
+        family.parent: (down, down_err)}
+    fallback = family.grandparent
+    # A parent that failed us before is not waited on again: the grandparent is asked at once.
+    eager = comm.scheme_state.get("bypassed-parent") == family.parent
     extra: list[asyncio.Future[Header]] = []
+    # Generous: the root itself may wait a whole deadline per level below it.
+    give_up = loop.time() + opts.deadline * 4 + 10
     try:
         while True:
-            everything = asyncio.gather(*down)
-            waits: set[asyncio.Future[Any]] = {everything, down_err}
-            # Generous: the root itself may wait a whole deadline per level below it.
-            done, _ = await asyncio.wait(waits, timeout=opts.deadline * 4 + 10,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if everything.done() and not everything.cancelled():
-                everything.exception()  # retrieved: no "never retrieved" warning
-            everything.cancel()
-            if down_err in done and down_err.exception() is None:
-                missing = down_err.result().meta.get("missing", [])
-                if comm.claim_forward(step, ERROR_TAG):
-                    _send_down(comm, family, _EMPTY, step, ERROR_TAG, {"missing": missing},
-                               spawn)
-                raise StragglerError(step, [int(r) for r in missing])
-            if everything not in done:
-                raise StragglerError(step, [source], "no result from the parent in time")
-            try:
-                headers = everything.result()
+            winner = next((src for src, (fs, _e) in sources.items() if _complete(fs)), None)
+            if winner is not None:
+                headers = [f.result() for f in sources[winner][0]]
+                if winner == family.parent:
+                    comm.scheme_state.pop("bypassed-parent", None)  # it is back
                 break
-            except PeerLost as exc:
-                if fallback is None:
-                    raise StragglerError(step, [source], f"lost the parent: {exc.reason}"
-                                         ) from None
-                log.info("rank %d: parent %d lost (%s); taking step %d's result from rank %d",
-                         comm.rank, source, exc.reason, step, fallback)
-                source, fallback = fallback, None
-                down = []
-                for c, (lo, hi) in enumerate(bounds):
-                    f = comm.post_recv(source, result[lo:hi], step=step, tag=DOWN + c)
+            for _fs, err in sources.values():
+                if err.done() and not err.cancelled() and err.exception() is None:
+                    missing = [int(r) for r in err.result().meta.get("missing", [])]
+                    if comm.claim_forward(step, ERROR_TAG):
+                        _send_down(comm, family, _EMPTY, step, ERROR_TAG,
+                                   {"missing": missing}, spawn)
+                    raise StragglerError(step, missing)
+            lost = [src for src, (fs, _e) in sources.items() if _broken(fs)]
+            for src in lost:
+                reason = _reason(sources.pop(src)[0])
+                log.info("rank %d: lost %d (%s) while waiting for step %d's result",
+                         comm.rank, src, reason, step)
+            pending = {f for fs, e in sources.values() for f in (*fs, e) if not f.done()}
+            now = loop.time()
+            patience = give_up - now
+            if fallback is not None and not lost and not eager:
+                patience = min(patience, max(0.0, t0 + opts.deadline - time.perf_counter()))
+            if (lost or eager or patience <= 0) and fallback is not None:
+                comm.scheme_state["bypassed-parent"] = family.parent
+                log.info("rank %d: also taking step %d's result from rank %d", comm.rank,
+                         step, fallback)
+                fs = [comm.post_recv(fallback, result[lo:hi], step=step, tag=DOWN + c)
+                      for c, (lo, hi) in enumerate(bounds)]
+                for c, f in enumerate(fs):
                     f.add_done_callback(functools.partial(_forward, comm, family, result,
                                                           bounds, c, step, spawn))
-                    down.append(f)
-                down_err = comm.post_recv(source, _EMPTY[:0], step=step, tag=ERROR_TAG)
-                extra += [*down, down_err]
+                e = comm.post_recv(fallback, _EMPTY[:0], step=step, tag=ERROR_TAG)
+                sources[fallback] = (fs, e)
+                # Ask for adoption: the grandparent may not know our parent is gone or frozen.
+                spawn(fallback, step, comm.send(fallback, _EMPTY, step=step, tag=ADOPT_TAG))
+                extra += [*fs, e]
+                fallback = None
+                continue
+            if not sources or now >= give_up:
+                detail = "lost the parent" if lost else "no result from the parent in time"
+                raise StragglerError(step, lost or [family.parent], detail)
+            await asyncio.wait(pending, timeout=max(0.0, patience),
+                               return_when=asyncio.FIRST_COMPLETED)
     finally:
         for f in extra:
             if not f.done():
@@ -426,6 +493,20 @@ async def _await_result(comm: Comm, family: Family, down: list[asyncio.Future[He
     if memory is not None:
         memory.remember(step, result, bounds, headers[-1].meta)
     return _result(result, step, headers[-1].meta, t0)
+
+
+def _complete(futs: list[asyncio.Future[Header]]) -> bool:
+    return all(f.done() and not f.cancelled() and f.exception() is None for f in futs)
+
+
+def _broken(futs: list[asyncio.Future[Header]]) -> bool:
+    return any(f.done() and not f.cancelled() and f.exception() is not None for f in futs)
+
+
+def _reason(futs: list[asyncio.Future[Header]]) -> str:
+    exc = next(f.exception() for f in futs if f.done() and not f.cancelled()
+               and f.exception() is not None)
+    return exc.reason if isinstance(exc, PeerLost) else str(exc)
 
 
 async def _finish_sends(comm: Comm, parent: int, sends: list[asyncio.Task[None]]) -> None:

@@ -153,6 +153,10 @@ class Inbox:
             if frame.payload is not None and not posted.future.done():
                 posted.future.set_result(header)
             return
+        if (header.step < self.floor and not header.payload_nbytes() and self._relayed(header)):
+            assert self.relay is not None
+            self.relay(header, memoryview(b""))  # a stale request is still an answerable one
+            return
         if header.step < self.floor or (frame.payload is None and header.payload_nbytes()):
             log.debug("dropped stale frame from rank %d step %d tag %d (floor %d)",
                       self.rank, header.step, header.tag, self.floor)

@@ -145,3 +145,23 @@ def test_no_frame_of_one_step_is_used_in_the_next(ranks) -> None:
     assert sum(1 in s["late"] for s in steps_of(done[0])) >= 10
     slow = steps_of(done[1])
     assert all(s["rel_err"] < 1e-9 for s in slow)  # the straggler itself gets exact results
+
+
+def test_stopped_intermediate_rank_does_not_strand_its_children(ranks) -> None:
+    # Rank 3 heads the family {10, 11, 12}. SIGSTOPped, it keeps its connections open but
+    # passes nothing on: its children ask rank 0 to adopt them and get every result from it.
+    job: Ranks = ranks(13)
+    job.start_all("coded-tree", "--steps", "14", "--stop", "3", "--die-step", "3",
+                  "--deadline", "0.5", prog=SCHEMEPROG, AIOREDUCE_STRAGGLE="all:delay=0.2")
+    try:
+        for rank, proc in job.procs.items():
+            if rank == 3:
+                continue
+            out, err = proc.communicate(timeout=90)
+            got = [json.loads(x[5:]) for x in out.splitlines() if x.startswith("STEP ")]
+            assert [s["step"] for s in got] == list(range(14)), (rank, err[-2000:])
+            assert all("error" not in s and s["rel_err"] < 1e-9 for s in got), (rank, got)
+            # The orphans lose about one deadline once, not one per step.
+            assert sum(s["seconds"] for s in got) < 14 * 0.2 + 4, (rank, got)
+    finally:
+        job.kill()

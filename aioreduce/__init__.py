@@ -13,6 +13,7 @@ from .errors import (
 from .node import Node
 from .schemes import CodedTree, GradientCoding, Result, Ring, Star, StragglerError, Tree
 from .straggle import StraggleModel, parse_straggle
+from .sync import SyncNode, connect
 from .transport import MeshOptions, run
 
 __version__ = "0.1.0"
@@ -35,7 +36,9 @@ __all__ = [
     "Star",
     "StraggleModel",
     "StragglerError",
+    "SyncNode",
     "Tree",
+    "connect",
     "discover",
     "parse_straggle",
     "run",

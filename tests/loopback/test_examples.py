@@ -54,3 +54,11 @@ def test_allreduce_demo_runs() -> None:
                           "--steps", "2"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("exact") == 6
+
+
+def test_blocking_facade_for_trainers_without_asyncio() -> None:
+    res = subprocess.run([*LAUNCH, "-n", "7", "--", sys.executable,
+                          str(ROOT / "tests" / "loopback" / "syncprog.py")],
+                         capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("SYNC OK") == 7

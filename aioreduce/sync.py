@@ -1,0 +1,102 @@
+"""A blocking facade for trainers that are not written with asyncio.
+
+    node = aioreduce.connect(scheme=aioreduce.Ring())   # joins the job
+    total = node.allreduce(grad)                         # blocks; a read-only numpy array
+    node.close()
+
+The node's event loop (uvloop) runs in a background thread, so while the trainer computes in
+its own thread the loop keeps receiving: frames of the next step land in their buffers as soon
+as their receives are posted, and results are forwarded to slower ranks without waiting for the
+trainer. Passing a function instead of an array (``node.aggregate(lambda: grad(...))``) posts
+the step's receives first and runs the function in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine, Mapping
+from types import TracebackType
+from typing import Any, TypeVar
+
+import numpy as np
+
+from .node import Node
+from .schemes import Result, Scheme
+from .transport.loop import loop_factory
+
+T = TypeVar("T")
+
+
+class SyncNode:
+    """A :class:`~aioreduce.Node` driven from ordinary (non-async) code."""
+
+    def __init__(self, node: Node, timeout: float | None = None) -> None:
+        self.node = node
+        self.timeout = timeout  # seconds any one call may block (None: no limit)
+        self._loop = loop_factory()()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="aioreduce-loop",
+                                        daemon=True)
+        self._thread.start()
+        try:
+            self._call(node.start())
+        except BaseException:
+            self._stop_loop()
+            raise
+        self._closed = False
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self.timeout)
+
+    @property
+    def rank(self) -> int:
+        return self.node.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.node.world_size
+
+    def allreduce(self, array: np.ndarray | Callable[[], np.ndarray]) -> np.ndarray:
+        """The sum of every rank's array (uncoded schemes); blocks until it is here."""
+        return self._call(self.node.allreduce(array)).value
+
+    def aggregate(self, vector: np.ndarray | Callable[[], np.ndarray]) -> Result:
+        """One coded step (see :meth:`Node.aggregate`); the full :class:`Result`."""
+        return self._call(self.node.aggregate(vector))
+
+    def placement(self, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+        """(sample ids, weights) this rank computes on under a coded scheme."""
+        return self.node.placement(num_samples)
+
+    def barrier(self, timeout: float = 60.0) -> None:
+        self._call(self.node.barrier(timeout))
+
+    def close(self) -> None:
+        """Leave the job (bounded barrier, then disconnect) and stop the loop thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._call(self.node.close())
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if not self._loop.is_running():
+            self._loop.close()
+
+    def __enter__(self) -> SyncNode:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def connect(scheme: Scheme | None = None, environ: Mapping[str, str] | None = None,
+            timeout: float | None = None, **kwargs: Any) -> SyncNode:
+    """Join the job described by the environment (see :func:`aioreduce.discover`) with a
+    blocking interface; ``kwargs`` go to :class:`~aioreduce.Node`."""
+    return SyncNode(Node.from_env(environ, scheme=scheme, **kwargs), timeout)

@@ -255,7 +255,9 @@ class Node:
         since_return = time.perf_counter() - self._last_return
         if callable(vector):
             if self._like is None:  # first step: the shape is not known before computing
+                t = time.perf_counter()
                 vector = await loop.run_in_executor(None, vector)
+                since_return = time.perf_counter() - t  # the compute time, not the start-up
             else:
                 compute = vector
 

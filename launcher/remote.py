@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import shlex
 import signal
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,8 +176,6 @@ class RemoteHost:
             while line := await self.process.stderr.readline():
                 text = line.decode(errors="replace").rstrip()
                 if text:
-                    import sys
-
                     sys.stderr.write(f"[{self.name}] {text}\n")
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
@@ -187,8 +186,6 @@ class RemoteHost:
         elif kind == "exit" and rank is not None:
             rank._exit(int(msg["code"]))
         elif kind == "error":
-            import sys
-
             sys.stderr.write(f"aioreduce-launch: {self.name}: {msg.get('message')}\n")
 
     async def close(self) -> None:

@@ -83,18 +83,10 @@ def build_scheme(name: str, cfg: Config) -> Scheme:
 def load_fraction(scheme: Scheme | None, nodes: int) -> float:
     """Share of the data set one rank computes on under ``scheme`` (None: Gloo)."""
     if isinstance(scheme, CodedTree):
-        topo = scheme.topology
-        return 1.0 / float(sum(np.prod([topo.fanout[k] / (_s(scheme, k) + 1)
-                                        for k in range(lv)])
-                               for lv in range(1, topo.levels + 1)))
+        return scheme.plan(scheme.min_samples).load / scheme.min_samples
     if isinstance(scheme, GradientCoding):
         return (scheme.code.s + scheme.code.m) / scheme.code.n
     return 1.0 / nodes
-
-
-def _s(tree: CodedTree, level: int) -> int:
-    s = tree.stragglers
-    return s if isinstance(s, int) else list(s)[level]
 
 
 class _Data:

@@ -241,7 +241,7 @@ async def reduce_broadcast(comm: Comm, family: Family, like: np.ndarray,
         if not kids:  # a leaf: its own vector is its message, sent without a copy
             assert parent is not None and down_err is not None
             up = chunk_bounds(own_len, dtype.itemsize, opts.chunk_bytes)
-            leaf_meta = {"used": [comm.rank], "late": [], "exact": True, "err": 0.0}
+            leaf_meta = _report(comm.rank, kids, gather, set(), True, 0.0)
             leaf_sends = [loop.create_task(comm.send(
                 parent, mine[lo:hi], step=step, tag=c,
                 meta=leaf_meta if c == len(up) - 1 else None)) for c, (lo, hi) in enumerate(up)]
@@ -256,7 +256,7 @@ async def reduce_broadcast(comm: Comm, family: Family, like: np.ndarray,
         sends: list[asyncio.Task[None]] = []
         for c, (lo, hi) in enumerate(msg_bounds):
             responders = await gather.ready[c]
-            a, c_exact, c_err = _coefficients(gather, responders, opts, step, kids)
+            a, c_exact, c_err = _coefficients(gather, responders, opts, len(kids))
             if a is None:
                 failure = StragglerError(step, _missing(gather, kids, responders))
                 break
@@ -312,10 +312,9 @@ def _child_error(gather: _Gather, i: int, fut: asyncio.Future[Header]) -> None:
     gather.child_failed(i, [int(r) for r in missing] if isinstance(missing, list) else [])
 
 
-def _coefficients(gather: _Gather, responders: list[int], opts: StepOptions, step: int,
-                  kids: list[int]) -> tuple[np.ndarray | None, bool, float]:
+def _coefficients(gather: _Gather, responders: list[int], opts: StepOptions,
+                  n: int) -> tuple[np.ndarray | None, bool, float]:
     """Decoding coefficients for one chunk: (a, exact, error factor), a is None on failure."""
-    n = len(kids)
     if gather.sufficient(responders):
         if gather.code is None:
             return np.ones(n), True, 0.0

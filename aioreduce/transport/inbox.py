@@ -77,13 +77,7 @@ class Inbox:
                                "is already posted")
         staged = self._staged.pop(key, None)
         if staged is not None:
-            header, data = staged
-            err = self._mismatch(header, view, dtype)
-            if err:
-                fut.set_exception(ValueError(err))
-            else:
-                view[:] = data
-                fut.set_result(header)
+            self._copy_in(fut, view, dtype, *staged)
             return fut
         if self.lost is not None and not self.conns:
             fut.set_exception(self.lost)
@@ -172,12 +166,7 @@ class Inbox:
                 assert self.relay is not None
                 self.relay(header, payload)
             return
-        err = self._mismatch(header, waiting.view, waiting.dtype)
-        if err:
-            waiting.future.set_exception(ValueError(err))
-        else:
-            waiting.view[:] = payload
-            waiting.future.set_result(header)
+        self._copy_in(waiting.future, waiting.view, waiting.dtype, header, payload)
 
     def connection_closed(self, conn: FrameProtocol, reason: str) -> None:
         self.conns.discard(conn)
@@ -207,6 +196,16 @@ class Inbox:
 
     def _stage_buffer(self, header: Header) -> memoryview:
         return np.empty(header.payload_nbytes(), dtype=np.uint8).data
+
+    def _copy_in(self, fut: asyncio.Future[Header], view: memoryview, dtype: str,
+                 header: Header, data: memoryview) -> None:
+        """Complete a receive from a frame that was staged first (a small copy)."""
+        err = self._mismatch(header, view, dtype)
+        if err:
+            fut.set_exception(ValueError(err))
+        else:
+            view[:] = data
+            fut.set_result(header)
 
     def _mismatch(self, header: Header, view: memoryview, dtype: str) -> str:
         nbytes = header.payload_nbytes()

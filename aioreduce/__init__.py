@@ -11,7 +11,17 @@ from .errors import (
     RendezvousError,
 )
 from .node import Node
-from .schemes import CodedTree, GradientCoding, Result, Ring, Star, StragglerError, Tree
+from .schemes import (
+    CodedTree,
+    FellBehind,
+    GradientCoding,
+    Result,
+    Ring,
+    Scheme,
+    Star,
+    StragglerError,
+    Tree,
+)
 from .straggle import StraggleModel, parse_straggle
 from .sync import SyncNode, connect
 from .transport import MeshOptions, run
@@ -23,6 +33,7 @@ __all__ = [
     "AuthError",
     "CodedTree",
     "ConfigError",
+    "FellBehind",
     "GradientCoding",
     "MeshOptions",
     "Node",
@@ -33,6 +44,7 @@ __all__ = [
     "RendezvousError",
     "Result",
     "Ring",
+    "Scheme",
     "Star",
     "StraggleModel",
     "StragglerError",

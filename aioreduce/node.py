@@ -7,7 +7,9 @@ rank 0), leaving it waits for the other ranks (bounded) and closes every connect
         await node.send(1, array, step=0)
         await node.recv_into(1, out, step=0)
 
-``send`` and ``recv_into`` are the Comm interface the collective schemes are written against.
+The node owns the mesh (connections) and one scheme *session* at a time; everything a scheme
+keeps from step to step lives in that session (see :mod:`aioreduce.schemes`). ``send`` and
+``recv_into`` give trainers point-to-point messages of their own.
 """
 
 from __future__ import annotations
@@ -16,22 +18,20 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
 
 import numpy as np
 
 from .env import NodeEnv, discover
-from .schemes import CodedTree, GradientCoding, Result, Scheme
+from .schemes import CodedScheme, FellBehind, Result, Scheme, Session
+from .schemes.broadcast import broadcast
 from .straggle import StraggleModel, parse_straggle
 from .transport import Mesh, MeshOptions, barrier, rendezvous
 from .wire import Header
 
 log = logging.getLogger("aioreduce")
-
-BACKLOG_SECONDS = 10.0
-BACKLOG_STEPS = 16
 
 
 class Node:
@@ -50,11 +50,7 @@ class Node:
         self._step = 0
         self._like: np.ndarray | None = None
         self._last_return = time.perf_counter()
-        self._background: dict[int, list[tuple[int, asyncio.Task[None]]]] = {}
-        self._forwarded: set[tuple[int, int]] = set()
-        self._background_started: dict[tuple[int, int], float] = {}
-        self.scheme_state: dict[str, Any] = {}  # what a scheme keeps from step to step
-        self.closing = False
+        self._session: Session | None = None
         if options is None and env.max_frame is not None:
             options = MeshOptions(max_payload=env.max_frame)
         self.mesh = Mesh(env.rank, env.world_size, env.secret, env.job, options)
@@ -96,6 +92,8 @@ class Node:
                          timeout=env.rendezvous_timeout)
         self._started = True
         await self._preconnect()
+        if self.scheme is not None:
+            self._session = self.scheme.open(self.mesh)
         log.debug("rank %d joined job %s (%d ranks)", env.rank, env.job, env.world_size)
 
     async def _preconnect(self) -> None:
@@ -111,16 +109,16 @@ class Node:
                 log.warning("rank %d: could not pre-connect to rank %d: %s", self.rank, p, r)
 
     async def close(self, *, wait_for_peers: bool = True) -> None:
-        """Leave the job: a bounded barrier so peers get their last frames, then disconnect."""
-        self.closing = True  # no new background sends, no replays to the children of the lost
-        pending = [t for tasks in self._background.values() for _s, t in tasks if not t.done()]
-        if pending:  # results still on their way to slower ranks
-            await asyncio.wait(pending, timeout=self.close_timeout)
+        """Leave the job: results still on their way to slower ranks get ``close_timeout``
+        seconds, a bounded barrier lets peers get their last frames, then disconnect."""
         if self._started and wait_for_peers:
-            try:
+            try:  # the session keeps serving slower ranks meanwhile
                 await barrier(self.mesh, self.close_timeout)
             except Exception as exc:  # a dead peer must not block shutdown
                 log.warning("rank %d: closing without a clean barrier: %s", self.rank, exc)
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close(self.close_timeout)
         self._started = False
         await self.mesh.close()
 
@@ -136,7 +134,7 @@ class Node:
                         exc: BaseException | None, tb: TracebackType | None) -> None:
         await self.close(wait_for_peers=exc is None)
 
-    # -- Comm interface -----------------------------------------------------------------------
+    # -- point-to-point messages ----------------------------------------------------------------
     async def send(self, rank: int, array: np.ndarray, *, step: int = 0, tag: int = 0,
                    meta: dict[str, Any] | None = None) -> None:
         """Send ``array`` to ``rank`` as frame (step, tag), with optional small ``meta``.
@@ -162,65 +160,38 @@ class Node:
         """Post a receive without waiting: a future that resolves when ``out`` is filled.
 
         Cancel the future to withdraw the receive (``out`` is then never written again).
-        Use it to post many receives at once and wait on them with your own deadline.
         """
         return self.mesh.post_recv(rank, out, step=step, tag=tag)
-
-    def discard_before(self, step: int) -> None:
-        """Frames of steps below ``step`` are stale: dropped on arrival, never delivered."""
-        self.mesh.set_floor(step)
 
     async def barrier(self, timeout: float = 60.0) -> None:
         """Wait until every rank has called ``barrier``."""
         await barrier(self.mesh, timeout)
 
-    def relay_from(self, rank: int, min_tag: int,
-                   relay: Callable[[Header, memoryview], None]) -> None:
-        """Forward frames from ``rank`` (tags >= ``min_tag``) as soon as they arrive."""
-        self.mesh.set_relay(rank, min_tag, relay)
-
-    def claim_forward(self, step: int, tag: int) -> bool:
-        """True the first time a (step, tag) result chunk is to be forwarded, False after."""
-        key = (step, tag)
-        if key in self._forwarded:
-            return False
-        if len(self._forwarded) > 4096:
-            self._forwarded = {k for k in self._forwarded if k[0] >= step - 2}
-        self._forwarded.add(key)
-        return True
-
-    def on_peer_lost(self, listener: Callable[[int], None]) -> None:
-        """Call ``listener(rank)`` whenever a peer's last connection breaks."""
-        self.mesh.lost_listeners.append(listener)
-
-    def is_lost(self, rank: int) -> bool:
-        """True if the connection to ``rank`` broke (killed process, reset) and is not back."""
-        return self.mesh.is_lost(rank)
-
-    def abort_peer(self, rank: int, reason: str) -> None:
-        """Cut every connection with ``rank`` (a peer that stopped reading)."""
-        log.warning("rank %d: dropping connections to rank %d: %s", self.rank, rank, reason)
-        self.mesh.abort(rank, reason)
-
     # -- aggregation --------------------------------------------------------------------------
     async def use(self, scheme: Scheme) -> None:
-        """Switch to another scheme between steps (every rank must switch at the same step);
-        its connections are opened right away. Benchmarks use it to alternate schemes."""
+        """Switch to another scheme between steps (every rank must switch at the same step).
+        The old scheme's session is closed (nothing of it stays behind) and the new one's
+        connections are opened right away. Benchmarks use it to alternate schemes."""
         scheme.validate(self.world_size)
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close(self.close_timeout)
         self.scheme = scheme
         self._like = None
         await self._preconnect()
+        if self._started:
+            self._session = scheme.open(self.mesh)
 
     @property
     def step(self) -> int:
-        """The number of the next aggregation step."""
+        """The number of the next step (aggregation or broadcast)."""
         return self._step
 
     def placement(self, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, weights) this rank computes its coded gradient on, for a data set of
         ``num_samples`` samples, under the node's coded scheme."""
         scheme = self._require(coded=True)
-        assert isinstance(scheme, CodedTree | GradientCoding)
+        assert isinstance(scheme, CodedScheme)
         return scheme.placement(self.rank, num_samples)
 
     async def aggregate(self, vector: np.ndarray | Callable[[], np.ndarray]) -> Result:
@@ -229,6 +200,10 @@ class Node:
         ``vector`` is this rank's weighted gradient over :meth:`placement`, or a function that
         computes it: then the receives from this rank's children are posted first and the
         function runs in a worker thread while their messages arrive.
+
+        Raises :class:`~aioreduce.StragglerError` when a step cannot be decoded in time and
+        :class:`~aioreduce.FellBehind` when this rank is further behind than its peers keep
+        results for (the node then stands at the job's current step).
         """
         self._require(coded=True)
         return await self._run(vector)
@@ -238,98 +213,70 @@ class Node:
         self._require(coded=False)
         return await self._run(array)
 
+    async def broadcast(self, array: np.ndarray, root: int = 0) -> Result:
+        """Every rank gets ``root``'s ``array`` exactly (others pass an array of the same
+        shape and dtype, which is not modified). A collective step: every rank calls it at the
+        same step, e.g. to re-sync a model after :class:`~aioreduce.FellBehind`."""
+        if not 0 <= root < self.world_size:
+            raise ValueError(f"rank {self.rank}: broadcast root {root} is not a rank "
+                             f"(world size {self.world_size})")
+        step = self._step
+        self._step += 1
+        return await broadcast(self.mesh, step, array, root)
+
     def _require(self, *, coded: bool) -> Scheme:
-        if self.scheme is None:
-            raise RuntimeError("this node has no scheme: Node.from_env(scheme=...)")
+        if self.scheme is None or self._session is None:
+            raise RuntimeError(f"rank {self.rank}: this node has no scheme (pass scheme=... "
+                               "and enter the node first)")
         if self.scheme.coded != coded:
             what = "aggregate() with a coded vector" if self.scheme.coded else "allreduce()"
-            raise TypeError(f"{type(self.scheme).__name__} is used through {what}")
+            raise TypeError(f"rank {self.rank}: {type(self.scheme).__name__} is used through "
+                            f"{what}")
         return self.scheme
 
     async def _run(self, vector: np.ndarray | Callable[[], np.ndarray]) -> Result:
-        scheme = self.scheme
-        assert scheme is not None  # aggregate()/allreduce() checked it
+        session = self._session
+        assert session is not None  # aggregate()/allreduce() checked it
         step = self._step
         self._step += 1
         loop = asyncio.get_running_loop()
         since_return = time.perf_counter() - self._last_return
+        if callable(vector) and self._like is None:
+            # First step: the shape is not known before computing.
+            t = time.perf_counter()
+            vector = await loop.run_in_executor(None, vector)
+            since_return = time.perf_counter() - t  # the compute time, not the start-up
         if callable(vector):
-            if self._like is None:  # first step: the shape is not known before computing
+            compute = vector
+
+            async def produce() -> np.ndarray:
                 t = time.perf_counter()
-                vector = await loop.run_in_executor(None, vector)
-                since_return = time.perf_counter() - t  # the compute time, not the start-up
-            else:
-                compute = vector
+                out = await loop.run_in_executor(None, compute)
+                return await self._straggle(step, out, time.perf_counter() - t)
 
-                async def produce() -> np.ndarray:
-                    t = time.perf_counter()
-                    out = await loop.run_in_executor(None, compute)
-                    return await self._finish_own(step, out, time.perf_counter() - t)
-
-                own = asyncio.ensure_future(produce())
-                try:
-                    return await self._step_with(scheme, self._like, own, step)
-                finally:
-                    own.cancel()
-        assert isinstance(vector, np.ndarray)
-        vec = np.ascontiguousarray(vector)
-        self._like = np.empty_like(vec)
-        own = asyncio.ensure_future(self._finish_own(step, vec, since_return))
+            own = asyncio.ensure_future(produce())
+            assert self._like is not None
+            like = self._like
+        else:
+            vec = np.ascontiguousarray(vector)
+            like = self._like = np.empty_like(vec)
+            own = asyncio.ensure_future(self._straggle(step, vec, since_return))
         try:
-            return await self._step_with(scheme, vec, own, step)
+            return await session.step(step, like, own)
+        except FellBehind as exc:
+            self._step = max(self._step, exc.current_step)
+            raise
         finally:
             own.cancel()
+            self._last_return = time.perf_counter()
 
-    async def _finish_own(self, step: int, vec: np.ndarray, compute_seconds: float
-                          ) -> np.ndarray:
-        """Encode (communication-efficient codes) and apply injected straggling."""
-        if isinstance(self.scheme, GradientCoding):
-            vec = self.scheme.encode(self.rank, vec.reshape(-1))
+    async def _straggle(self, step: int, vec: np.ndarray, compute_seconds: float
+                        ) -> np.ndarray:
+        """Apply injected straggling (a delay model per rank) to this rank's vector."""
         delay = self.straggle.extra_delay(self.rank, step, compute_seconds)
         if delay > 0:
             await asyncio.sleep(delay)
         return vec
-
-    async def _step_with(self, scheme: Scheme, like: np.ndarray,
-                         own: asyncio.Future[np.ndarray], step: int) -> Result:
-        try:
-            return await scheme.step(self, like, own, step, self._spawn)
-        finally:
-            self._last_return = time.perf_counter()
-
-    def _spawn(self, peer: int, step: int, coro: Coroutine[Any, Any, None]) -> None:
-        """Send to ``peer`` in the background. A peer that has not taken a result for
-        ``BACKLOG_SECONDS`` while newer ones queue up, or that falls ``BACKLOG_STEPS`` results
-        behind, has stopped reading (a stopped process): its connections are cut, so memory
-        stays bounded and later steps go on without it."""
-        if self.closing:
-            coro.close()
-            return
-        now = time.monotonic()
-        tasks = [(s, t) for s, t in self._background.get(peer, []) if not t.done()]
-        oldest = min((s for s, _t in tasks), default=step)
-        started = self._background_started.get((peer, oldest), now)
-        if tasks and oldest < step and (now - started > BACKLOG_SECONDS
-                                        or step - oldest > BACKLOG_STEPS):
-            self.abort_peer(peer, f"results of step {min(s for s, _ in tasks)} still unsent")
-            for _s, t in tasks:
-                t.cancel()
-            tasks = []
-        task = asyncio.ensure_future(coro)
-        task.add_done_callback(_quiet)
-        tasks.append((step, task))
-        self._background[peer] = tasks
-        self._background_started.setdefault((peer, step), now)
-        if len(self._background_started) > 4 * BACKLOG_STEPS * max(1, self.world_size):
-            live = {(p, s) for p, ts in self._background.items() for s, _t in ts}
-            self._background_started = {k: v for k, v in self._background_started.items()
-                                        if k in live}
-
-
-def _quiet(task: asyncio.Task[None]) -> None:
-    """Background sends to dead peers fail; that is expected and not an error of the step."""
-    if not task.cancelled() and task.exception() is not None:
-        log.debug("background send failed: %s", task.exception())
 
 
 def _bind_for(master_addr: str) -> str:

@@ -1,7 +1,7 @@
 """A blocking facade for trainers that are not written with asyncio.
 
     node = aioreduce.connect(scheme=aioreduce.Ring())   # joins the job
-    total = node.allreduce(grad)                         # blocks; a read-only numpy array
+    total = node.allreduce(grad).value                   # blocks; a Result, as in asyncio
     node.close()
 
 The node's event loop (uvloop) runs in a background thread, so while the trainer computes in
@@ -56,9 +56,14 @@ class SyncNode:
     def world_size(self) -> int:
         return self.node.world_size
 
-    def allreduce(self, array: np.ndarray | Callable[[], np.ndarray]) -> np.ndarray:
-        """The sum of every rank's array (uncoded schemes); blocks until it is here."""
-        return self._call(self.node.allreduce(array)).value
+    def allreduce(self, array: np.ndarray | Callable[[], np.ndarray]) -> Result:
+        """The sum of every rank's array (uncoded schemes) as a :class:`Result`, the same
+        type the async API returns; blocks until it is here."""
+        return self._call(self.node.allreduce(array))
+
+    def broadcast(self, array: np.ndarray, root: int = 0) -> Result:
+        """``root``'s array on every rank (see :meth:`Node.broadcast`)."""
+        return self._call(self.node.broadcast(array, root))
 
     def aggregate(self, vector: np.ndarray | Callable[[], np.ndarray]) -> Result:
         """One coded step (see :meth:`Node.aggregate`); the full :class:`Result`."""

@@ -1,11 +1,20 @@
 """Aggregation schemes, one small module each, over the :class:`~.base.Comm` interface."""
 
-from .base import Comm, Result, StepOptions, StragglerError
+from .base import (
+    CodedScheme,
+    Comm,
+    FellBehind,
+    Result,
+    Scheme,
+    Session,
+    StepOptions,
+    StragglerError,
+)
+from .registry import by_name, names
 from .ring import Ring
 from .star import GradientCoding, Star
 from .tree import CodedTree, Tree
 
-Scheme = CodedTree | GradientCoding | Ring | Tree | Star
-
-__all__ = ["CodedTree", "Comm", "GradientCoding", "Result", "Ring", "Scheme", "Star",
-           "StepOptions", "StragglerError", "Tree"]
+__all__ = ["CodedScheme", "CodedTree", "Comm", "FellBehind", "GradientCoding", "Result",
+           "Ring", "Scheme", "Session", "Star", "StepOptions", "StragglerError", "Tree",
+           "by_name", "names"]

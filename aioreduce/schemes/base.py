@@ -1,11 +1,19 @@
-"""What every scheme shares: the Comm interface, the step result, errors and options."""
+"""What every scheme shares: the Comm it talks through, the Scheme/Session protocols, the step
+result and the errors a step can end with.
+
+A *scheme* is a small frozen object with options (``Ring()``, ``CodedTree(3, 2, 1)``);
+``scheme.open(comm)`` returns a *session* that owns everything living across steps (what a
+parent remembers for its grandchildren, a bypassed parent, background sends). Closing the
+session removes every handler it installed on the comm, so switching schemes leaves nothing
+behind.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -13,15 +21,16 @@ from ..errors import AioreduceError
 from ..wire import Header
 
 OnInsufficient = Literal["raise", "approximate"]
-
-# Frame tags of one step. Upward chunks use 0..DOWN-1, the result's chunks DOWN + c.
-DOWN = 1 << 24
-ERROR_TAG = (1 << 30) + 1
-ADOPT_TAG = (1 << 30) + 2  # a grandchild asks its grandparent for a step's result
+EarlyHandler = Callable[[Header, memoryview], None]
 
 
 class Comm(Protocol):
-    """The point-to-point interface schemes are written against (:class:`~aioreduce.Node`)."""
+    """The point-to-point interface every scheme is written against.
+
+    The mesh of real connections implements it (:class:`aioreduce.transport.Mesh`), and so
+    does the in-memory network the unit tests use (:mod:`aioreduce.transport.memory`).
+    Frames are matched on (source rank, step, tag).
+    """
 
     @property
     def rank(self) -> int: ...
@@ -29,40 +38,28 @@ class Comm(Protocol):
     @property
     def world_size(self) -> int: ...
 
-    async def send(self, rank: int, array: np.ndarray, *, step: int = 0, tag: int = 0,
-                   meta: dict[str, Any] | None = None) -> None: ...
+    async def send(self, rank: int, array: np.ndarray, *, step: int, tag: int = 0,
+                   meta: dict[str, Any] | None = None) -> None:
+        """Send one frame; return when ``array`` may be modified (it is in the kernel)."""
 
-    def post_recv(self, rank: int, out: np.ndarray, *, step: int = 0,
-                  tag: int = 0) -> asyncio.Future[Header]: ...
+    def post_recv(self, rank: int, out: np.ndarray, *, step: int,
+                  tag: int = 0) -> asyncio.Future[Header]:
+        """Post a receive into ``out``; the future resolves with the frame's header or fails
+        with :class:`~aioreduce.PeerLost`. Cancelling it withdraws the receive."""
 
-    def discard_before(self, step: int) -> None: ...
+    def discard_before(self, step: int) -> None:
+        """Unclaimed frames of steps below ``step`` are stale: dropped, never delivered."""
 
-    def abort_peer(self, rank: int, reason: str) -> None: ...
+    def is_lost(self, rank: int) -> bool:
+        """True while the connection to ``rank`` is broken."""
 
-    def is_lost(self, rank: int) -> bool: ...
+    def on_peer_lost(self, listener: Callable[[int], None]) -> Callable[[], None]:
+        """Call ``listener(rank)`` when a peer's connection breaks; returns the remover."""
 
-    def relay_from(self, rank: int, min_tag: int,
-                   relay: Callable[[Header, memoryview], None]) -> None: ...
-
-    def claim_forward(self, step: int, tag: int) -> bool: ...
-
-    def on_peer_lost(self, listener: Callable[[int], None]) -> None: ...
-
-    @property
-    def scheme_state(self) -> dict[str, Any]: ...
-
-    @property
-    def closing(self) -> bool: ...
-
-
-class StragglerError(AioreduceError):
-    """A step could not be decoded exactly in time: too many ranks of one family missing."""
-
-    def __init__(self, step: int, missing: list[int], detail: str = "") -> None:
-        self.step = step
-        self.missing = sorted(missing)
-        msg = f"step {step}: cannot decode without ranks {self.missing}"
-        super().__init__(msg + (f" ({detail})" if detail else ""))
+    def on_early(self, rank: int, min_tag: int, handler: EarlyHandler) -> Callable[[], None]:
+        """Hand frames from ``rank`` with tag >= ``min_tag`` to ``handler`` when they arrive
+        before their receive is posted (payload-less ones even when stale); returns the
+        remover."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +81,66 @@ class Result:
     seconds: float = 0.0
 
 
+@runtime_checkable
+class Session(Protocol):
+    """One scheme running on one rank: the state that lives from step to step."""
+
+    async def step(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray]) -> Result:
+        """Run step ``step``. ``like`` fixes shape and dtype; ``own`` yields this rank's
+        vector (receives are posted before it is awaited, so compute overlaps arrival)."""
+
+    async def close(self, timeout: float) -> None:
+        """Finish background sends (bounded by ``timeout``) and remove every handler."""
+
+
+class Scheme(Protocol):
+    """A scheme's options; :meth:`open` starts a session of it on a comm."""
+
+    @property
+    def coded(self) -> bool:
+        """True if ranks pass coded vectors to ``Node.aggregate``, False for ``allreduce``."""
+
+    def validate(self, world_size: int) -> None:
+        """Raise ValueError if the scheme cannot run on ``world_size`` ranks."""
+
+    def neighbours(self, rank: int, world_size: int) -> list[int]:
+        """The ranks ``rank`` exchanges frames with (connections opened up front)."""
+
+    def open(self, comm: Comm) -> Session:
+        """A new session of this scheme on ``comm``."""
+
+
+@runtime_checkable
+class CodedScheme(Scheme, Protocol):
+    """A scheme whose ranks compute on a placement of the data set."""
+
+    def placement(self, rank: int, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+        """(sample ids, weights) rank ``rank`` computes its weighted gradient on."""
+
+
+class StragglerError(AioreduceError):
+    """A step could not be decoded exactly in time: too many ranks of one family missing."""
+
+    def __init__(self, step: int, missing: list[int], detail: str = "") -> None:
+        self.step = step
+        self.missing = sorted(missing)
+        msg = f"step {step}: cannot decode without ranks {self.missing}"
+        super().__init__(msg + (f" ({detail})" if detail else ""))
+
+
+class FellBehind(AioreduceError):
+    """This rank fell further behind than its peers keep results for.
+
+    The node now stands at ``current_step``: re-sync the model from a peer (for example with
+    ``Node.broadcast``) and continue from there.
+    """
+
+    def __init__(self, rank: int, step: int, current_step: int) -> None:
+        self.rank, self.step, self.current_step = rank, step, current_step
+        super().__init__(f"rank {rank}: the result of step {step} is no longer kept by its "
+                         f"peers; the job is at step {current_step}")
+
+
 @dataclass(frozen=True)
 class StepOptions:
     """Knobs shared by the tree and star schemes."""
@@ -91,6 +148,8 @@ class StepOptions:
     deadline: float = 30.0  # seconds a parent waits for a sufficient set of children
     on_insufficient: OnInsufficient = "raise"
     chunk_bytes: int = 1 << 20  # pipelining granularity
+    history_bytes: int = 256 << 20  # results kept for ranks that fell behind (at least 2)
+    backlog_steps: int = 8  # a peer with this many steps unsent is not reading
 
     def __post_init__(self) -> None:
         if self.deadline <= 0:
@@ -99,6 +158,8 @@ class StepOptions:
             raise ValueError("on_insufficient must be 'raise' or 'approximate'")
         if self.chunk_bytes < 1:
             raise ValueError("chunk_bytes must be positive")
+        if self.history_bytes < 0 or self.backlog_steps < 1:
+            raise ValueError("history_bytes must be >= 0 and backlog_steps >= 1")
 
 
 def chunk_bounds(length: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:

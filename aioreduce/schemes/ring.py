@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,8 +63,21 @@ class Ring:
     def neighbours(self, rank: int, world_size: int) -> list[int]:
         return sorted(set(ring_neighbours(rank, world_size)) - {rank})
 
-    async def step(self, comm: Comm, like: np.ndarray, own: asyncio.Future[np.ndarray],
-                   step: int, spawn: object) -> Result:
+    def open(self, comm: Comm) -> RingSession:
+        return RingSession(comm, self.bidirectional)
+
+
+class RingSession:
+    """A ring keeps nothing across steps."""
+
+    def __init__(self, comm: Comm, bidirectional: bool) -> None:
+        self.comm, self.bidirectional = comm, bidirectional
+
+    async def close(self, timeout: float) -> None:
+        pass
+
+    async def step(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray]) -> Result:
+        comm = self.comm
         t0 = time.perf_counter()
         comm.discard_before(step)
         mine = (await own).reshape(-1)

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
+import functools
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 
 from ..codes import GradientCode
-from .base import Comm, OnInsufficient, Result, StepOptions
-from .reduce import Family, Spawn, reduce_broadcast
+from .base import Comm, OnInsufficient, StepOptions
+from .reduce import Family, ReduceSession
 
 
 @dataclass(frozen=True)
@@ -27,11 +27,13 @@ class GradientCoding:
     deadline: float = 30.0
     on_insufficient: OnInsufficient = "raise"
     chunk_bytes: int = 1 << 20
+    history_bytes: int = 256 << 20  # results the master keeps for workers that fell behind
     coded: bool = field(default=True, init=False)
 
     @cached_property
     def options(self) -> StepOptions:
-        return StepOptions(self.deadline, self.on_insufficient, self.chunk_bytes)
+        return StepOptions(self.deadline, self.on_insufficient, self.chunk_bytes,
+                           self.history_bytes)
 
     def validate(self, world_size: int) -> None:
         if world_size != self.code.n + 1:
@@ -75,10 +77,12 @@ class GradientCoding:
             return Family(None, list(range(1, self.code.n + 1)), self.code)
         return Family(0, [], None, parent_m=self.code.m)
 
-    async def step(self, comm: Comm, like: np.ndarray, own: asyncio.Future[np.ndarray],
-                   step: int, spawn: Spawn) -> Result:
-        return await reduce_broadcast(comm, self.family(comm.rank), like, own, step,
-                                      self.options, spawn)
+    def open(self, comm: Comm) -> ReduceSession:
+        """A session; workers' vectors are encoded (``m > 1``) inside it."""
+        encode = None
+        if self.code.m > 1 and comm.rank != 0:
+            encode = functools.partial(self.encode, comm.rank)
+        return ReduceSession(comm, self.family(comm.rank), self.options, encode)
 
 
 def _grouped(code: GradientCode) -> bool:
@@ -97,6 +101,7 @@ class Star:
 
     chunk_bytes: int = 1 << 20
     deadline: float = 300.0
+    history_bytes: int = 256 << 20
     coded: bool = field(default=False, init=False)
 
     def validate(self, world_size: int) -> None:
@@ -105,9 +110,8 @@ class Star:
     def neighbours(self, rank: int, world_size: int) -> list[int]:
         return list(range(1, world_size)) if rank == 0 else [0]
 
-    async def step(self, comm: Comm, like: np.ndarray, own: asyncio.Future[np.ndarray],
-                   step: int, spawn: Spawn) -> Result:
+    def open(self, comm: Comm) -> ReduceSession:
         rank, world = comm.rank, comm.world_size
         fam = Family(None, list(range(1, world)), None) if rank == 0 else Family(0, [], None)
-        opts = StepOptions(self.deadline, "raise", self.chunk_bytes)
-        return await reduce_broadcast(comm, fam, like, own, step, opts, spawn)
+        opts = StepOptions(self.deadline, "raise", self.chunk_bytes, self.history_bytes)
+        return ReduceSession(comm, fam, opts)

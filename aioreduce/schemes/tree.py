@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -11,8 +10,8 @@ import numpy as np
 
 from ..codes import CodedTreePlan, GradientCode, TreeTopology, coded_tree_plan, coded_tree_unit
 from ..topology import heap_children, heap_parent
-from .base import Comm, OnInsufficient, Result, StepOptions
-from .reduce import Family, Spawn, reduce_broadcast
+from .base import Comm, OnInsufficient, StepOptions
+from .reduce import Family, ReduceSession
 
 
 @dataclass(frozen=True)
@@ -32,6 +31,7 @@ class CodedTree:
     deadline: float = 30.0
     on_insufficient: OnInsufficient = "raise"
     chunk_bytes: int = 1 << 20
+    history_bytes: int = 256 << 20  # results a parent keeps for ranks that fell behind
     coded: bool = field(default=True, init=False)
 
     @cached_property
@@ -40,7 +40,8 @@ class CodedTree:
 
     @cached_property
     def options(self) -> StepOptions:
-        return StepOptions(self.deadline, self.on_insufficient, self.chunk_bytes)
+        return StepOptions(self.deadline, self.on_insufficient, self.chunk_bytes,
+                           self.history_bytes)
 
     def validate(self, world_size: int) -> None:
         if world_size != self.topology.size:
@@ -74,10 +75,8 @@ class CodedTree:
         # The codes do not depend on the data-set size; plan the smallest one that fits.
         return self.plan(self.min_samples).codes
 
-    async def step(self, comm: Comm, like: np.ndarray, own: asyncio.Future[np.ndarray],
-                   step: int, spawn: Spawn) -> Result:
-        return await reduce_broadcast(comm, self.family(comm.rank), like, own, step,
-                                      self.options, spawn)
+    def open(self, comm: Comm) -> ReduceSession:
+        return ReduceSession(comm, self.family(comm.rank), self.options)
 
 
 def _tree_family(rank: int, parent_of: Callable[[int], int | None],
@@ -102,6 +101,7 @@ class Tree:
     fanout: int = 2
     chunk_bytes: int = 1 << 20
     deadline: float = 300.0
+    history_bytes: int = 256 << 20
     coded: bool = field(default=False, init=False)
 
     def validate(self, world_size: int) -> None:
@@ -115,8 +115,6 @@ class Tree:
         return _tree_family(rank, lambda r: heap_parent(r, self.fanout),
                             lambda r: heap_children(r, self.fanout, world_size), None)
 
-    async def step(self, comm: Comm, like: np.ndarray, own: asyncio.Future[np.ndarray],
-                   step: int, spawn: Spawn) -> Result:
-        opts = StepOptions(self.deadline, "raise", self.chunk_bytes)
-        return await reduce_broadcast(comm, self.family(comm.rank, comm.world_size), like, own,
-                                      step, opts, spawn)
+    def open(self, comm: Comm) -> ReduceSession:
+        opts = StepOptions(self.deadline, "raise", self.chunk_bytes, self.history_bytes)
+        return ReduceSession(comm, self.family(comm.rank, comm.world_size), opts)

@@ -3,7 +3,8 @@
 A receive is posted for a key ``(step, tag)`` with a destination view. When a frame's header is
 parsed, the inbox decides where its payload goes:
 
-* a receive is posted for its key: straight into the caller's array (zero-copy);
+* a receive is posted for its key: straight into the caller's array (zero-copy), even if its
+  step is below the floor (whoever posted it still wants it);
 * its step is below the *floor* (the caller said those steps are over): scratch, discarded, so
   a straggler's late frame is never mixed into a later step;
 * otherwise it arrived early. Small payloads (``stage_limit``) are staged in a fresh buffer and
@@ -13,8 +14,14 @@ parsed, the inbox decides where its payload goes:
   soon as someone waits for a different key from the same peer (TCP delivers in order, so that
   key can only come after it).
 
-When a peer's last connection closes, every receive waiting on it fails with :class:`PeerLost`
-naming the rank, and so does every later receive that is not already staged.
+Frames that arrive before their receive is posted are also offered to *early handlers*
+(:meth:`Inbox.on_early`): a scheme can act on them at once (a tree rank forwards a result it has
+not asked for yet, a parent answers a request). Handlers are removable, so a scheme session
+leaves nothing behind.
+
+The inbox is the connection's router: an authenticated connection hands it every frame
+directly. When a peer's last connection closes, every receive waiting on it fails with
+:class:`PeerLost` naming the rank, and so does every later receive that is not already staged.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import PeerLost
-from ..wire import DEFER, Frame, Header
+from ..wire import DEFER, Frame, Header, Kind
 from ..wire.decoder import Destination
 
 if TYPE_CHECKING:
@@ -38,6 +45,7 @@ log = logging.getLogger("aioreduce.transport")
 
 Key = tuple[int, int]  # (step, tag)
 NO_FLOOR = -(1 << 62)
+EarlyHandler = Callable[[Header, memoryview], None]
 
 
 @dataclass(eq=False)
@@ -63,10 +71,20 @@ class Inbox:
         self._receiving: dict[FrameProtocol, tuple[Key, _Posted]] = {}
         self._staged: dict[Key, tuple[Header, memoryview]] = {}
         self._held: dict[FrameProtocol, Header] = {}
-        # Frames with tags >= relay_min_tag are handed to `relay` as soon as they arrive, even
-        # before a receive is posted (a tree node forwards results it has not asked for yet).
-        self.relay: Callable[[Header, memoryview], None] | None = None
-        self.relay_min_tag = 0
+        self._early: list[tuple[int, EarlyHandler]] = []
+
+    def on_early(self, min_tag: int, handler: EarlyHandler) -> Callable[[], None]:
+        """Hand frames with tag >= ``min_tag`` to ``handler`` when they arrive before their
+        receive is posted (they stay staged for that receive too). Frames of steps below the
+        floor are handed over only if they carry no payload (requests). Returns the remover."""
+        entry = (min_tag, handler)
+        self._early.append(entry)
+
+        def remove() -> None:
+            if entry in self._early:
+                self._early.remove(entry)
+
+        return remove
 
     # -- the caller's side --------------------------------------------------------------------
     def post(self, key: Key, view: memoryview, dtype: str) -> asyncio.Future[Header]:
@@ -106,7 +124,7 @@ class Inbox:
             del self._posted[key]
         for conn, (_k, p) in list(self._receiving.items()):
             if p.future is fut:
-                conn.decoder.redirect_to_scratch()
+                conn.withdraw_payload()
 
     def set_floor(self, step: int) -> None:
         """Frames of steps below ``step`` are stale from now on: drop staged and held ones."""
@@ -118,11 +136,9 @@ class Inbox:
                 del self._held[conn]
                 conn.resume_with(None)
 
-    # -- the connection's side (Router callbacks, via the mesh) --------------------------------
+    # -- the connection's side (its Router) ----------------------------------------------------
     def choose(self, conn: FrameProtocol, header: Header) -> Destination:
         key = (header.step, header.tag)
-        if header.step < self.floor:
-            return None
         posted = self._posted.pop(key, None)
         if posted is not None:
             err = self._mismatch(header, posted.view, posted.dtype)
@@ -131,14 +147,22 @@ class Inbox:
                 return None
             self._receiving[conn] = (key, posted)
             return posted.view
+        if header.step < self.floor:
+            return None
         if (header.payload_nbytes() <= self.stage_limit or self._posted
-                or self._relayed(header)):
+                or self._handled(header)):
             return self._stage_buffer(header)
         self._held[conn] = header
         return DEFER
 
     def delivered(self, conn: FrameProtocol, frame: Frame) -> None:
         header = frame.header
+        if header.kind is Kind.CONTROL:
+            self.control.put_nowait(header.meta)
+            return
+        if header.kind is not Kind.DATA:
+            conn.abort(f"unexpected {header.kind.name} frame after the handshake")
+            return
         key = (header.step, header.tag)
         receiving = self._receiving.pop(conn, None)
         if receiving is not None:
@@ -147,9 +171,8 @@ class Inbox:
             if frame.payload is not None and not posted.future.done():
                 posted.future.set_result(header)
             return
-        if (header.step < self.floor and not header.payload_nbytes() and self._relayed(header)):
-            assert self.relay is not None
-            self.relay(header, memoryview(b""))  # a stale request is still an answerable one
+        if header.step < self.floor and not header.payload_nbytes() and self._handled(header):
+            self._hand_early(header, memoryview(b""))  # a stale request is still answerable
             return
         if header.step < self.floor or (frame.payload is None and header.payload_nbytes()):
             log.debug("dropped stale frame from rank %d step %d tag %d (floor %d)",
@@ -162,13 +185,11 @@ class Inbox:
                 log.debug("rank %d sent step %d tag %d twice; keeping the newer frame",
                           self.rank, header.step, header.tag)
             self._staged[key] = (header, payload)
-            if self._relayed(header):
-                assert self.relay is not None
-                self.relay(header, payload)
+            self._hand_early(header, payload)
             return
         self._copy_in(waiting.future, waiting.view, waiting.dtype, header, payload)
 
-    def connection_closed(self, conn: FrameProtocol, reason: str) -> None:
+    def closed(self, conn: FrameProtocol, reason: str) -> None:
         self.conns.discard(conn)
         self._held.pop(conn, None)
         lost = PeerLost(self.rank, reason)
@@ -191,8 +212,16 @@ class Inbox:
         self.lost = None
 
     # -- helpers ------------------------------------------------------------------------------
-    def _relayed(self, header: Header) -> bool:
-        return self.relay is not None and header.tag >= self.relay_min_tag
+    def _handled(self, header: Header) -> bool:
+        return any(header.tag >= lo for lo, _h in self._early)
+
+    def _hand_early(self, header: Header, payload: memoryview) -> None:
+        for lo, handler in list(self._early):
+            if header.tag >= lo:
+                try:
+                    handler(header, payload)
+                except Exception:  # a scheme's bug must not break the connection
+                    log.exception("early-frame handler for rank %d failed", self.rank)
 
     def _stage_buffer(self, header: Header) -> memoryview:
         return np.empty(header.payload_nbytes(), dtype=np.uint8).data

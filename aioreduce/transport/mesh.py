@@ -19,8 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import AuthError, PeerLost, RecvTimeout
-from ..wire import Frame, Header, Kind, as_payload, byte_view, encode_frame
-from ..wire.decoder import Destination
+from ..wire import Header, Kind, as_payload, byte_view, encode_frame
 from ..wire.handshake import check, new_nonce, proof
 from .inbox import Inbox
 from .protocol import FrameProtocol
@@ -52,7 +51,7 @@ class Mesh:
         self.options = options or MeshOptions()
         self._secret = secret
         self.addresses: dict[int, tuple[str, int]] = {}
-        self.lost_listeners: list[Callable[[int], None]] = []
+        self._lost_listeners: list[Callable[[int], None]] = []
         self._inbox = {r: Inbox(r, self.options.stage_limit, self._peer_lost)
                        for r in range(world_size)}
         self._dial_locks: dict[int, asyncio.Lock] = {}
@@ -130,7 +129,7 @@ class Mesh:
         return header
 
     def _attach(self, conn: FrameProtocol, rank: int) -> None:
-        conn.authenticated(rank, self)
+        conn.authenticated(rank, self._inbox[rank])  # frames go straight to the peer's inbox
         self._inbox[rank].connection_added(conn)
 
     # -- dialing ------------------------------------------------------------------------------
@@ -150,18 +149,29 @@ class Mesh:
             return await self._dial(rank, addr)
 
     def _peer_lost(self, rank: int) -> None:
-        for listener in list(self.lost_listeners):
+        for listener in list(self._lost_listeners):
             try:
                 listener(rank)
             except Exception:  # a listener's bug must not break the transport
                 log.exception("peer-lost listener failed")
 
-    def set_relay(self, rank: int, min_tag: int,
-                  relay: Callable[[Header, memoryview], None] | None) -> None:
-        """Hand frames from ``rank`` with tag >= ``min_tag`` to ``relay`` on arrival, even
-        before their receive is posted (they stay staged for that receive too)."""
-        inbox = self._inbox[rank]
-        inbox.relay, inbox.relay_min_tag = relay, min_tag
+    def on_peer_lost(self, listener: Callable[[int], None]) -> Callable[[], None]:
+        """Call ``listener(rank)`` whenever a peer's last connection breaks; returns the
+        remover."""
+        self._lost_listeners.append(listener)
+
+        def remove() -> None:
+            if listener in self._lost_listeners:
+                self._lost_listeners.remove(listener)
+
+        return remove
+
+    def on_early(self, rank: int, min_tag: int,
+                 handler: Callable[[Header, memoryview], None]) -> Callable[[], None]:
+        """Hand frames from ``rank`` with tag >= ``min_tag`` to ``handler`` when they arrive
+        before their receive is posted (see :meth:`Inbox.on_early`); returns the remover."""
+        self._check_rank(rank)
+        return self._inbox[rank].on_early(min_tag, handler)
 
     def is_lost(self, rank: int) -> bool:
         """True if ``rank`` had a connection that broke and has not come back."""
@@ -193,7 +203,7 @@ class Mesh:
             if not check(expected, challenge.meta.get("proof")):
                 raise AuthError(f"rank {rank} at {addr[0]}:{addr[1]} could not prove the job "
                                 "secret")
-            conn.arm(rank, self)
+            conn.arm(rank, self._inbox[rank])
             mine = proof(self._secret, "connector", self.job, self.rank, nonce_c, nonce_s)
             await conn.send(encode_frame(Header(Kind.AUTH, src=self.rank, meta={"proof": mine})))
             await self._next_handshake(conn, Kind.WELCOME)
@@ -270,8 +280,9 @@ class Mesh:
         fut.add_done_callback(withdrawn)
         return fut
 
-    def set_floor(self, step: int) -> None:
-        """Frames of steps below ``step`` from any peer are stale: drop them, now and later."""
+    def discard_before(self, step: int) -> None:
+        """Unclaimed frames of steps below ``step`` from any peer are stale: drop them, now
+        and later."""
         for inbox in self._inbox.values():
             inbox.set_floor(step)
 
@@ -289,24 +300,6 @@ class Mesh:
         if msg is None:
             raise inbox.lost or PeerLost(rank, "connection closed")
         return msg
-
-    # -- Router -------------------------------------------------------------------------------
-    def choose(self, conn: FrameProtocol, header: Header) -> Destination:
-        assert conn.peer is not None
-        return self._inbox[conn.peer].choose(conn, header)
-
-    def delivered(self, conn: FrameProtocol, frame: Frame) -> None:
-        assert conn.peer is not None
-        if frame.header.kind is Kind.CONTROL:
-            self._inbox[conn.peer].control.put_nowait(frame.header.meta)
-        elif frame.header.kind is Kind.DATA:
-            self._inbox[conn.peer].delivered(conn, frame)
-        else:
-            conn.abort(f"unexpected {frame.header.kind.name} frame after the handshake")
-
-    def closed(self, conn: FrameProtocol, reason: str) -> None:
-        if conn.peer is not None:
-            self._inbox[conn.peer].connection_closed(conn, reason)
 
     # -- teardown -----------------------------------------------------------------------------
     async def close(self) -> None:

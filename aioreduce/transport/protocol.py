@@ -33,7 +33,7 @@ _HANDSHAKE = (Kind.HELLO, Kind.CHALLENGE, Kind.AUTH, Kind.WELCOME)
 
 
 class Router(Protocol):
-    """Where an authenticated connection delivers what it receives (the mesh implements it)."""
+    """Where an authenticated connection delivers what it receives (its peer's inbox)."""
 
     def choose(self, conn: FrameProtocol, header: Header) -> Destination: ...
 
@@ -115,6 +115,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
         frames = self.decoder.buffer_updated(nbytes)
         if frames is not NO_FRAMES:  # mid-payload reads skip the dispatch machinery
             self._dispatch(frames)
+
+    def withdraw_payload(self) -> None:
+        """The receive this connection is filling was withdrawn: land the rest in scratch."""
+        self.decoder.redirect_to_scratch()
 
     def resume_with(self, dest: memoryview | None) -> None:
         """Give a held-back frame its destination and start reading again."""

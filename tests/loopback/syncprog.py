@@ -13,7 +13,7 @@ def main() -> None:
     with ar.connect(scheme=ar.Ring()) as node:
         for step in range(5):
             mine = np.random.default_rng([node.rank, step]).standard_normal(1000)
-            total = node.allreduce(mine)
+            total = node.allreduce(mine).value
             want = sum(np.random.default_rng([r, step]).standard_normal(1000)
                        for r in range(node.world_size))
             assert np.allclose(total, want, rtol=1e-12, atol=1e-12), step

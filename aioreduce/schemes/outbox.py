@@ -1,0 +1,91 @@
+"""Background sends, bounded per peer by what that peer has not read yet.
+
+A tree rank passes results on without waiting for slow children, so its sends run in the
+background. A child that stopped reading (a paused process) must not make us queue results
+without end: once a peer has ``max_steps`` steps unsent, further sends to it are skipped
+(and logged once) until its backlog drains; a peer that comes back asks for what it missed.
+"Stopped reading" is judged only by that peer's unsent frames, never by wall time, so our
+own pause cannot make a healthy peer look dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .base import Comm
+
+log = logging.getLogger("aioreduce.schemes")
+
+
+@dataclass(eq=False)
+class _Pending:
+    step: int
+    nbytes: int
+    task: asyncio.Task[None]
+
+
+class Outbox:
+    """Sends to peers in the background; see the module docstring."""
+
+    def __init__(self, comm: Comm, max_steps: int = 8) -> None:
+        self.comm = comm
+        self.max_steps = max_steps
+        self._pending: dict[int, list[_Pending]] = {}
+        self._skipping: set[int] = set()
+        self._closed = False
+
+    def send(self, peer: int, array: np.ndarray, *, step: int, tag: int,
+             meta: dict[str, Any] | None = None) -> bool:
+        """Queue a send; False if it was skipped (closed, or the peer is not reading)."""
+        if self._closed:
+            return False
+        pending = self._pending.setdefault(peer, [])
+        behind = {p.step for p in pending if p.step != step}
+        if len(behind) >= self.max_steps:
+            if peer not in self._skipping:
+                self._skipping.add(peer)
+                log.warning("rank %d: rank %d is not reading (%d steps, %d bytes unsent); "
+                            "holding frames back until it drains", self.comm.rank, peer,
+                            len(behind), sum(p.nbytes for p in pending))
+            return False
+        task = asyncio.ensure_future(self.comm.send(peer, array, step=step, tag=tag,
+                                                    meta=meta))
+        entry = _Pending(step, array.nbytes, task)
+        pending.append(entry)
+        task.add_done_callback(lambda t: self._done(peer, entry))
+        return True
+
+    def unsent(self, peer: int) -> tuple[int, int]:
+        """(steps, bytes) of frames to ``peer`` not yet in the kernel."""
+        pending = self._pending.get(peer, [])
+        return len({p.step for p in pending}), sum(p.nbytes for p in pending)
+
+    def reading(self, peer: int) -> bool:
+        """False while sends to ``peer`` are being skipped."""
+        return peer not in self._skipping
+
+    def _done(self, peer: int, entry: _Pending) -> None:
+        pending = self._pending.get(peer, [])
+        if entry in pending:
+            pending.remove(entry)
+        task = entry.task
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("rank %d: send to rank %d failed: %s", self.comm.rank, peer,
+                      task.exception())
+        if not pending and peer in self._skipping:
+            self._skipping.discard(peer)
+            log.info("rank %d: rank %d reads again", self.comm.rank, peer)
+
+    async def close(self, timeout: float) -> None:
+        """Let queued sends finish for up to ``timeout`` seconds, then cancel the rest."""
+        self._closed = True
+        tasks = [p.task for ps in self._pending.values() for p in ps]
+        if tasks:
+            _done, late = await asyncio.wait(tasks, timeout=timeout)
+            for t in late:
+                t.cancel()

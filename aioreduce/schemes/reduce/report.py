@@ -1,0 +1,76 @@
+"""What a step's message says about how it was made, typed, and how it travels in meta."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+def _ints(value: object) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple):
+        return ()
+    return tuple(sorted(int(v) for v in value if isinstance(v, int)))
+
+
+@dataclass(frozen=True)
+class Report:
+    """Ranks a (partial) sum used and skipped, and whether it is exact.
+
+    ``error_bound`` is the approximate decode's error factor (0 when exact). A rank's report
+    combines its own and those of the children it decoded from.
+    """
+
+    used: tuple[int, ...] = ()
+    late: tuple[int, ...] = ()
+    exact: bool = True
+    error_bound: float = 0.0
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"used": list(self.used), "late": list(self.late), "exact": self.exact,
+                "err": self.error_bound}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> Report:
+        """Read a peer's report, tolerating missing or mistyped fields."""
+        err = meta.get("err", 0.0)
+        return cls(_ints(meta.get("used")), _ints(meta.get("late")),
+                   bool(meta.get("exact", True)),
+                   float(err) if isinstance(err, int | float) else 0.0)
+
+    @classmethod
+    def combine(cls, rank: int, kids: list[int], reports: dict[int, Report],
+                used_kids: set[int], exact: bool, err: float) -> Report:
+        """This rank's report from its children's (``reports`` by child index)."""
+        used: list[int] = [rank]
+        late: list[int] = []
+        for i, child in enumerate(kids):
+            if i in used_kids:
+                rep = reports.get(i, Report((child,)))
+                used += rep.used
+                late += rep.late
+                exact = exact and rep.exact
+                err = max(err, rep.error_bound)
+            else:
+                late.append(child)
+        return cls(tuple(sorted(used)), tuple(sorted(late)), exact, err)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Why a step has no result for the asking rank: ranks missing (every rank raises
+    StragglerError) or the step is older than what is kept (FellBehind at ``current``)."""
+
+    missing: tuple[int, ...] = ()
+    behind: int | None = None
+
+    def to_meta(self) -> dict[str, Any]:
+        if self.behind is not None:
+            return {"behind": self.behind}
+        return {"missing": list(self.missing)}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> Verdict:
+        behind = meta.get("behind")
+        if isinstance(behind, int):
+            return cls(behind=behind)
+        return cls(_ints(meta.get("missing")))

@@ -1,0 +1,243 @@
+"""A reduce-broadcast session: the state one rank keeps across the steps of a tree or star.
+
+Per step (``step`` tags every frame, so nothing mixes across steps):
+
+1. post the receives for every chunk from every child and the result from the parent,
+   *before* this rank's own vector is awaited;
+2. up: per chunk, decode from the first sufficient set of children (or what arrived by the
+   deadline) and pass it on at once, so levels overlap (:class:`~.paths.UpPath`);
+3. down: the root's decoded chunks are the result; every rank forwards result chunks to its
+   children as they arrive, in the background, so a slow child never holds up a fast parent;
+   a rank takes the result from its parent, or from its grandparent when the failover machine
+   says so (:class:`~.paths.DownPath`, :mod:`.failover`). A step returns as soon as its result
+   is known, even if this rank's own decode is still under way (it is no longer needed).
+
+Across steps the session keeps: the outcomes of recent steps (a bounded :class:`ResultLog`)
+to answer children and grandchildren that ask for them, requests for steps not known yet,
+which result chunks it already forwarded, the failover state, and the background sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+
+from ...wire import Header
+from ..base import Comm, Result, StepOptions
+from ..outbox import Outbox
+from .failover import Link, ParentFailover
+from .family import DOWN, REQUEST_TAG, VERDICT_TAG, Family
+from .history import Outcome, ResultLog
+from .paths import EMPTY, DownPath, Layout, UpPath
+from .report import Report, Verdict
+
+log = logging.getLogger("aioreduce.schemes")
+
+MAX_PENDING_STEPS = 64  # requests for future steps kept at most (an authenticated peer's)
+CLAIM_STEPS = 64  # steps whose forwarded chunks are remembered
+
+
+class ReduceSession:
+    """One rank's session of a reduce-broadcast scheme (CodedTree, GradientCoding, Tree, Star)."""
+
+    def __init__(self, comm: Comm, family: Family, opts: StepOptions,
+                 encode: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        self.comm, self.family, self.opts, self.encode = comm, family, opts, encode
+        self.outbox = Outbox(comm, opts.backlog_steps)
+        self.log = ResultLog(opts.history_bytes)
+        self.failover = (ParentFailover(family.parent, family.grandparent)
+                         if family.parent is not None else None)
+        self._pending: dict[int, set[int]] = {}  # step -> ranks that asked before it was known
+        self._claimed: dict[int, set[int]] = {}  # step -> tags already forwarded
+        self._probe: DownPath | None = None
+        self._removers: list[Callable[[], None]] = []
+        if family.children:
+            for src in (family.parent, family.grandparent):
+                if src is not None:
+                    self._removers.append(comm.on_early(
+                        src, DOWN, functools.partial(self._early_outcome, src)))
+            for peer in family.served():
+                self._removers.append(comm.on_early(
+                    peer, REQUEST_TAG, functools.partial(self._early_request, peer)))
+
+    # -- one step ---------------------------------------------------------------------------
+    async def step(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray]) -> Result:
+        t0 = time.perf_counter()
+        fam, comm = self.family, self.comm
+        comm.discard_before(step)
+        lay = Layout.of(like, fam, self.opts.chunk_bytes)
+        self._end_probe()
+        up = UpPath(self, step, lay) if fam.children else None
+        down = (DownPath(self, step, lay, self.failover) if self.failover is not None
+                else None)
+        up_task: asyncio.Task[Outcome | None] | None = None
+        try:
+            mine = await self._own(step, lay, own)
+            if down is None:
+                assert up is not None
+                outcome = await up.run(mine)
+                assert outcome is not None
+                self.conclude(outcome)
+            else:
+                if up is not None:
+                    up_task = asyncio.ensure_future(up.run(mine))
+                else:
+                    self._send_own(step, lay, mine)
+                outcome = await down.wait(time.perf_counter() - t0)
+                self.conclude(outcome)
+            return _result(outcome, like, t0)
+        finally:
+            if up_task is not None and not up_task.done():
+                up_task.cancel()  # the result is known: our own decode is no longer needed
+            if up is not None:
+                up.close()
+            if down is not None:
+                down.close()
+                if down.probe is not None:
+                    self._probe = down
+            comm.discard_before(step + 1)
+
+    async def _own(self, step: int, lay: Layout, own: Awaitable[np.ndarray]) -> np.ndarray:
+        mine = (await own).reshape(-1)
+        if self.encode is not None:
+            mine = self.encode(mine)
+        if mine.size != lay.own_len or mine.dtype != lay.dtype:
+            raise ValueError(f"rank {self.comm.rank}, step {step}: vector of {mine.size} "
+                             f"{mine.dtype} differs from the {lay.own_len} {lay.dtype} this "
+                             "step was posted for")
+        return mine
+
+    def _send_own(self, step: int, lay: Layout, mine: np.ndarray) -> None:
+        """A leaf's message: its own vector, sent without a copy."""
+        last = len(lay.own_bounds) - 1
+        for c, (lo, hi) in enumerate(lay.own_bounds):
+            meta = Report((self.comm.rank,)).to_meta() if c == last else None
+            self.send_up(step, c, mine[lo:hi], meta)
+
+    def _end_probe(self) -> None:
+        """A bypassed parent whose result of the last step arrived after all is back."""
+        down, self._probe = self._probe, None
+        if down is None or down.probe is None:
+            return
+        if down.probe.complete() and self.failover is not None:
+            self.failover.answered(down.probe.rank, down.step)
+        down.probe.cancel()
+
+    # -- sending ----------------------------------------------------------------------------
+    def send_up(self, step: int, tag: int, chunk: np.ndarray,
+                meta: dict[str, object] | None) -> None:
+        parent = self.family.parent
+        assert parent is not None and self.failover is not None
+        if self.failover.state is Link.LOST:
+            return  # nobody there to decode it
+        self.outbox.send(parent, chunk, step=step, tag=tag, meta=meta)
+
+    def request(self, rank: int, step: int) -> None:
+        """Ask ``rank`` for the outcomes from ``step`` on."""
+        log.info("rank %d: asking rank %d for the outcomes from step %d on (parent %s)",
+                 self.comm.rank, rank, step,
+                 self.failover.state.value if self.failover is not None else "-")
+        self.outbox.send(rank, EMPTY, step=step, tag=REQUEST_TAG)
+
+    def forward(self, step: int, tag: int, chunk: np.ndarray,
+                meta: dict[str, object] | None) -> None:
+        """Pass a result chunk or verdict to our children, once per (step, tag); the children
+        of a child whose connection broke get it from us directly."""
+        claimed = self._claimed.setdefault(step, set())
+        if tag in claimed:
+            return
+        claimed.add(tag)
+        if len(self._claimed) > CLAIM_STEPS:
+            del self._claimed[min(self._claimed)]
+        for child in self.family.children:
+            targets = (self.family.grandchildren.get(child, []) if self.comm.is_lost(child)
+                       else [child])
+            for target in targets:
+                self.outbox.send(target, chunk, step=step, tag=tag, meta=meta)
+
+    def chunk_arrived(self, step: int, c: int, chunk: np.ndarray,
+                      fut: asyncio.Future[Header]) -> None:
+        """A result chunk landed in a source's buffer: forward it."""
+        if self.family.children and not fut.cancelled() and fut.exception() is None:
+            self.forward(step, DOWN + c, chunk, fut.result().meta or None)
+
+    def conclude(self, outcome: Outcome, *, forward: bool = False) -> None:
+        """A step's outcome is known: keep it and answer whoever asked for it."""
+        if not self.family.children:
+            return
+        if forward and outcome.verdict is not None:
+            self.forward(outcome.step, VERDICT_TAG, EMPTY, outcome.verdict.to_meta())
+        self.log.add(outcome)
+        for peer in sorted(self._pending.pop(outcome.step, ())):
+            self._send_outcome(peer, outcome)
+
+    # -- serving requests ----------------------------------------------------------------------
+    def _early_request(self, peer: int, header: Header, _payload: memoryview) -> None:
+        if header.tag == REQUEST_TAG:
+            self.serve(peer, header.step)
+
+    def serve(self, peer: int, step: int) -> None:
+        """Send ``peer`` the outcomes from ``step`` on: what is kept now, the rest when known;
+        a step older than the window gets FellBehind's verdict at once."""
+        if self.log.too_old(step):
+            behind = Verdict(behind=self.log.latest + 1)
+            self.outbox.send(peer, EMPTY, step=step, tag=VERDICT_TAG, meta=behind.to_meta())
+            return
+        kept = self.log.since(step)
+        for outcome in kept:
+            self._send_outcome(peer, outcome)
+        if not kept or kept[0].step != step:
+            self._pending.setdefault(step, set()).add(peer)
+            while len(self._pending) > MAX_PENDING_STEPS:
+                del self._pending[min(self._pending)]
+
+    def _send_outcome(self, peer: int, outcome: Outcome) -> None:
+        if outcome.value is None:
+            verdict = outcome.verdict or Verdict()
+            self.outbox.send(peer, EMPTY, step=outcome.step, tag=VERDICT_TAG,
+                             meta=verdict.to_meta())
+            return
+        meta = outcome.report.to_meta() if outcome.report is not None else {}
+        last = len(outcome.bounds) - 1
+        for c, (lo, hi) in enumerate(outcome.bounds):
+            self.outbox.send(peer, outcome.value[lo:hi], step=outcome.step, tag=DOWN + c,
+                             meta=meta if c == last else None)
+
+    def _early_outcome(self, src: int, header: Header, payload: memoryview) -> None:
+        """A result chunk or verdict from our parent or grandparent arrived before we posted
+        for it (we are busy with an earlier step): pass it on to our children now."""
+        if DOWN <= header.tag < VERDICT_TAG:
+            data = np.frombuffer(payload, dtype=header.dtype or np.uint8)
+            self.forward(header.step, header.tag, data, header.meta or None)
+        elif header.tag == VERDICT_TAG:
+            verdict = Verdict.from_meta(header.meta)
+            if verdict.behind is None:  # FellBehind is an answer to us alone
+                self.forward(header.step, VERDICT_TAG, EMPTY, verdict.to_meta())
+
+    # -- lifetime -----------------------------------------------------------------------------
+    async def close(self, timeout: float) -> None:
+        for remove in self._removers:
+            remove()
+        self._removers.clear()
+        if self._probe is not None and self._probe.probe is not None:
+            self._probe.probe.cancel()
+        await self.outbox.close(timeout)
+
+
+def _result(outcome: Outcome, like: np.ndarray, t0: float) -> Result:
+    assert outcome.value is not None and outcome.report is not None
+    value = outcome.value.reshape(like.shape)
+    with contextlib.suppress(ValueError):
+        value.setflags(write=False)  # it may still be on its way to slower ranks
+    rep = outcome.report
+    return Result(value, outcome.step, list(rep.used), list(rep.late), rep.exact,
+                  rep.error_bound, time.perf_counter() - t0)
+
+
+__all__ = ["ReduceSession"]

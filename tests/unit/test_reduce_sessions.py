@@ -1,0 +1,185 @@
+"""Scheme sessions on the in-memory network: exact sums, decoding from each sufficient set,
+every failover transition, stale frames, FellBehind, and switching schemes.
+
+One process, no sockets, deadlines of a few hundredths of a second: scheme logic only (the
+network claims are proven by the loopback and cluster tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import numpy as np
+import pytest
+
+import aioreduce as ar
+from aioreduce.codes import cyclic_mds, frc, gaussian_mds
+from aioreduce.schemes import FellBehind, StragglerError
+from aioreduce.schemes.reduce import Link, ReduceSession
+
+from .memjob import Job
+
+D = 0.05  # deadline (seconds)
+TREE = dict(fanout=3, levels=2, stragglers=1, deadline=D)
+KIDS = {1: (4, 5, 6), 2: (7, 8, 9), 3: (10, 11, 12)}
+
+
+def fo(job: Job, rank: int) -> Link:
+    session = job.sessions[rank]
+    assert isinstance(session, ReduceSession) and session.failover is not None
+    return session.failover.state
+
+
+@pytest.mark.parametrize("scheme, world", [
+    (ar.CodedTree(**TREE), 13),
+    (ar.GradientCoding(cyclic_mds(4, 1), deadline=D), 5),
+    (ar.GradientCoding(gaussian_mds(6, 1, 2), deadline=D), 7),
+    (ar.Tree(2, deadline=D), 7),
+    (ar.Star(deadline=D), 4),
+    (ar.Ring(), 5),
+], ids=["coded-tree", "gc-cyclic", "gc-gaussian-m2", "tree", "star", "ring"])
+async def test_every_rank_gets_the_exact_sum(scheme: ar.Scheme, world: int) -> None:
+    job = Job(scheme, world)
+    for step in range(3):
+        job.assert_exact(step, await job.run(step))
+    await job.close()
+
+
+async def test_master_decodes_from_each_sufficient_set() -> None:
+    job = Job(ar.GradientCoding(cyclic_mds(4, 1), deadline=D), 5)
+    for step, missing in enumerate([None, 1, 2, 3, 4]):
+        if missing is not None:
+            job.net.hold(missing, 0)  # its message arrives only after the step
+        res = await job.run(step)
+        job.assert_exact(step, res)
+        if missing is not None:
+            assert missing in res[0].late and missing not in res[0].used
+            job.net.release(missing, 0)  # now stale: dropped, never used in a later step
+
+
+async def test_each_tree_family_decodes_from_any_two_children() -> None:
+    job = Job(ar.CodedTree(**TREE), 13)
+    for step, (a, r) in enumerate(itertools.product(range(3), (1, 2, 3))):
+        # The root decodes without child r; every other family without its a-th child.
+        held = [(r, 0)] + [(KIDS[f][a], f) for f in (1, 2, 3) if f != r]
+        for src, dst in held:
+            job.net.hold(src, dst)
+        res = await job.run(step)
+        job.assert_exact(step, res)
+        assert {src for src, _ in held} <= set(res[0].late)
+        for src, dst in held:
+            job.net.release(src, dst)
+
+
+async def test_parent_lost_before_sending() -> None:
+    job = Job(ar.CodedTree(**TREE), 13)
+    job.assert_exact(0, await job.run(0))
+    job.net.kill(1)
+    alive = [r for r in range(13) if r != 1]
+    for step in (1, 2):
+        res = await job.run(step, alive)
+        job.assert_exact(step, res)
+        assert 1 in res[0].late
+    assert all(fo(job, k) is Link.LOST for k in KIDS[1])
+    assert all(fo(job, k) is Link.HEALTHY for k in KIDS[2])
+
+
+async def test_parent_lost_after_sending_up() -> None:
+    job = Job(ar.CodedTree(**TREE), 13)
+    for k in KIDS[1]:
+        job.net.hold(1, k)  # rank 1 gets the result but cannot pass it on
+    tasks = job.start(0, range(13))
+    await tasks[0]  # the root has the result, so rank 1 contributed and got it
+    await tasks[1]
+    job.net.kill(1)
+    await asyncio.wait(tasks.values())
+    res = {r: t.result() for r, t in tasks.items()}
+    job.assert_exact(0, res)
+    assert 1 in res[0].used  # it was lost after its message went up
+    assert all(fo(job, k) is Link.LOST for k in KIDS[1])
+
+
+async def test_parent_frozen_then_resumed_is_used_again() -> None:
+    job = Job(ar.CodedTree(**TREE), 13)
+    job.assert_exact(0, await job.run(0))
+    job.net.freeze(1)
+    others = [r for r in range(13) if r != 1]
+    for step in (1, 2, 3):
+        job.assert_exact(step, await job.run(step, others))
+    assert all(fo(job, k) is Link.BYPASSED for k in KIDS[1])
+    job.net.thaw(1)
+    for step in (1, 2, 3):  # rank 1 catches up on the results it missed
+        job.assert_exact(step, await job.run(step, [1]))
+    for step in (4, 5, 6):
+        res = await job.run(step)
+        job.assert_exact(step, res)
+    assert 1 in res[0].used
+    assert all(fo(job, k) is Link.HEALTHY for k in KIDS[1])
+    session = job.sessions[4]
+    assert isinstance(session, ReduceSession) and session.failover is not None
+    assert [(a.value, b.value) for a, b, _ in session.failover.transitions] == [
+        ("healthy", "silent"), ("silent", "bypassed"), ("bypassed", "healthy")]
+
+
+async def test_a_rank_further_behind_than_the_window_gets_fell_behind() -> None:
+    job = Job(ar.CodedTree(**TREE, history_bytes=0), 13)  # keep only the last 2 outcomes
+    job.net.freeze(4)
+    others = [r for r in range(13) if r != 4]
+    for step in range(12):
+        job.assert_exact(step, await job.run(step, others))
+    job.net.thaw(4)
+    got: list[int] = []
+    with pytest.raises(FellBehind) as err:
+        for step in range(12):
+            res = (await job.run(step, [4]))[4]
+            if isinstance(res, BaseException):
+                raise res
+            np.testing.assert_allclose(res.value, job.truth(step), rtol=1e-9)
+            got.append(step)
+    assert got == list(range(8))  # the parent queued 8 steps, then held back
+    assert err.value.current_step == 12 and err.value.step == 8 and err.value.rank == 4
+    job.assert_exact(12, await job.run(12))  # it goes on at the current step
+
+
+async def test_two_children_of_one_family_frozen_every_rank_raises() -> None:
+    job = Job(ar.CodedTree(**TREE), 13)
+    job.net.freeze(1)
+    job.net.freeze(2)
+    others = [r for r in range(13) if r not in (1, 2)]
+    for step in (0, 1):
+        res = await job.run(step, others)
+        for rank, r in res.items():
+            assert isinstance(r, StragglerError), (rank, r)
+            assert r.missing == [1, 2], (rank, r.missing)
+    job.net.thaw(1)
+    job.net.thaw(2)
+    for step in (0, 1):  # they learn the same verdict when they catch up
+        for rank, r in (await job.run(step, [1, 2])).items():
+            assert isinstance(r, StragglerError) and r.missing == [1, 2], (rank, r)
+    for step in (2, 3):
+        job.assert_exact(step, await job.run(step))
+
+
+async def test_a_slow_childs_frame_is_never_used_in_a_later_step() -> None:
+    job = Job(ar.GradientCoding(frc(6, 1), deadline=D), 7)
+    job.net.hold(1, 0)
+    res = await job.run(0)
+    job.assert_exact(0, res)
+    tasks = job.start(1, range(7))
+    job.net.release(1, 0)  # step 0's frame arrives while the master is in step 1
+    await asyncio.wait(tasks.values())
+    job.assert_exact(1, {r: t.result() for r, t in tasks.items()})
+    assert (1, 0, 0, 0) in job.net.sent
+
+
+async def test_switching_schemes_leaves_nothing_behind() -> None:
+    job = Job(ar.CodedTree(**TREE), 13)
+    for step in (0, 1):
+        job.assert_exact(step, await job.run(step))
+    await job.close()
+    assert all(c.installed() == 0 for c in job.net.comms)
+    ring = Job(ar.Ring(), 13, net=job.net)
+    for step in (2, 3):
+        ring.assert_exact(step, await ring.run(step))
+    await ring.close()

@@ -199,7 +199,9 @@ class Node:
 
         ``vector`` is this rank's weighted gradient over :meth:`placement`, or a function that
         computes it: then the receives from this rank's children are posted first and the
-        function runs in a worker thread while their messages arrive.
+        function runs in a worker thread while their messages arrive. A function is not
+        called at all for a step whose result is already here (this rank was paused and is
+        catching up), so pass one where you can.
 
         Raises :class:`~aioreduce.StragglerError` when a step cannot be decoded in time and
         :class:`~aioreduce.FellBehind` when this rank is further behind than its peers keep
@@ -246,6 +248,13 @@ class Node:
             t = time.perf_counter()
             vector = await loop.run_in_executor(None, vector)
             since_return = time.perf_counter() - t  # the compute time, not the start-up
+        if callable(vector) and self._like is not None and session.known(step):
+            # This rank is behind and the step's result is already here: skip the compute
+            # (and any injected delay), so a rank that was paused catches up instead of
+            # replaying at compute speed.
+            skipped: asyncio.Future[np.ndarray] = loop.create_future()
+            skipped.set_result(np.zeros_like(self._like))
+            return await self._step_session(session, step, self._like, skipped)
         if callable(vector):
             compute = vector
 
@@ -261,6 +270,10 @@ class Node:
             vec = np.ascontiguousarray(vector)
             like = self._like = np.empty_like(vec)
             own = asyncio.ensure_future(self._straggle(step, vec, since_return))
+        return await self._step_session(session, step, like, own)
+
+    async def _step_session(self, session: Session, step: int, like: np.ndarray,
+                            own: asyncio.Future[np.ndarray]) -> Result:
         try:
             return await session.step(step, like, own)
         except FellBehind as exc:

@@ -125,5 +125,7 @@ def polynomial_code(n: int, s: int, m: int, points: np.ndarray | None = None) ->
             rhs[len(others) + u] = 1.0
             t = np.linalg.solve(system, rhs)
             B[:, j * m + u] = V @ t
-    B[np.abs(B) < 1e-12] = 0.0  # exact zeros for parts a worker does not hold
+            # The polynomial vanishes at these workers in exact arithmetic; round-off leaves
+            # non-zeros that grow with the points' scale, so zero them from the placement.
+            B[others, j * m + u] = 0.0
     return GradientCode(f"polynomial_code(n={n}, s={s}, m={m})", n, s, B, m)

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from .gradient import GradientCode, straggler_patterns
+from .gradient import FP32_BUDGET, GradientCode, straggler_patterns
 
 
 def frc(n: int, s: int) -> GradientCode:
@@ -104,9 +104,22 @@ def random_cyclic(n: int, s: int, seed: int = 0, candidates: int = 16) -> Gradie
 
 
 def default_code(n: int, s: int) -> GradientCode:
-    """The recommended code for a family of ``n`` children tolerating ``s``."""
+    """The recommended code for a family of ``n`` children tolerating ``s``.
+
+    FRC where the groups divide evenly, else cyclic MDS where it exists; otherwise a random
+    cyclic code if one within the fp32 budget is found, else the better conditioned of that
+    and cyclic MDS at the next feasible tolerance (more load per worker). Not for the hot
+    path: it surveys the candidates' worst cases.
+    """
     if n % (s + 1) == 0:
         return frc(n, s)
     if (n - s) % 2 == 1:
         return cyclic_mds(n, s)
-    return random_cyclic(n, s)
+    rand = random_cyclic(n, s, candidates=64)
+    if rand.stability.amplification <= FP32_BUDGET:
+        return rand
+    wider = next((w for w in range(s + 1, n) if (n - w) % 2 == 1), None)
+    if wider is None:
+        return rand
+    mds = cyclic_mds(n, wider)
+    return min((rand, mds), key=lambda c: c.stability.amplification)

@@ -190,7 +190,7 @@ class GradientCode:
         A, residual = self._solve(frozenset(order))
         if residual > self.tol:
             raise NotDecodable(order, self.n, residual)
-        self._stability_check()
+        self._check_amplification(A, order)
         return A[0].copy() if self.m == 1 else A.copy()
 
     def is_sufficient(self, responders: Iterable[int]) -> bool:
@@ -269,16 +269,26 @@ class GradientCode:
         return Stability(max_coef, max_sum, max_cond, max_sum * row_l1, len(patterns),
                          exhaustive)
 
-    def _stability_check(self) -> None:
+    @functools.cached_property
+    def _row_l1(self) -> float:
+        return float(np.max(np.sum(np.abs(self.B), axis=1)))
+
+    def _check_amplification(self, A: np.ndarray, order: list[int]) -> None:
+        """Warn (once per code) when *this* decode amplifies fp32 error past the budget.
+
+        O(n) on the pattern in hand: the worst case over every pattern (:attr:`stability`)
+        is a survey that can take seconds, and must never run inside a step.
+        """
         if "_warned" in self.__dict__:
             return
-        object.__setattr__(self, "_warned", True)
-        amp = self.stability.amplification
+        amp = float(np.max(np.sum(np.abs(A), axis=1))) * self._row_l1
         if amp > FP32_BUDGET:
-            warnings.warn(f"{self.name}: worst-case error amplification {amp:.3g} exceeds the "
-                          f"fp32 budget {FP32_BUDGET:g}; decode fp32 gradients with care or pick "
-                          "a better-conditioned code (see docs/codes.md)", StabilityWarning,
-                          stacklevel=3)
+            object.__setattr__(self, "_warned", True)
+            missing = sorted(set(range(self.n)) - set(order))
+            warnings.warn(f"{self.name}: decoding without workers {missing} amplifies error "
+                          f"by {amp:.3g}, over the fp32 budget {FP32_BUDGET:g}; decode fp32 "
+                          "gradients with care or pick a better-conditioned code (see "
+                          "docs/codes.md)", StabilityWarning, stacklevel=3)
 
     # -- construction from a matrix ---------------------------------------------------------------
     @classmethod

@@ -92,6 +92,10 @@ class Session(Protocol):
     async def close(self, timeout: float) -> None:
         """Finish background sends (bounded by ``timeout``) and remove every handler."""
 
+    def known(self, step: int) -> bool:
+        """True if the outcome of ``step`` is already here: this rank is behind and its own
+        vector for that step is not needed (the node then skips computing it)."""
+
 
 class Scheme(Protocol):
     """A scheme's options; :meth:`open` starts a session of it on a comm."""

@@ -26,7 +26,8 @@ log = logging.getLogger("aioreduce.schemes")
 class _Pending:
     step: int
     nbytes: int
-    task: asyncio.Task[None]
+    task: asyncio.Task[None] | None = None
+    started: bool = False  # handed to the transport, waiting for the peer to take it
 
 
 class Outbox:
@@ -45,7 +46,10 @@ class Outbox:
         if self._closed:
             return False
         pending = self._pending.setdefault(peer, [])
-        behind = {p.step for p in pending if p.step != step}
+        # Only frames already handed to the transport count: a send whose task has not run
+        # yet says nothing about the peer (we may be catching up through several steps
+        # without yielding to the event loop).
+        behind = {p.step for p in pending if p.started and p.step != step}
         if len(behind) >= self.max_steps:
             if peer not in self._skipping:
                 self._skipping.add(peer)
@@ -53,16 +57,20 @@ class Outbox:
                             "holding frames back until it drains", self.comm.rank, peer,
                             len(behind), sum(p.nbytes for p in pending))
             return False
-        task = asyncio.ensure_future(self.comm.send(peer, array, step=step, tag=tag,
-                                                    meta=meta))
-        entry = _Pending(step, array.nbytes, task)
+        entry = _Pending(step, array.nbytes)
+
+        async def run() -> None:
+            entry.started = True
+            await self.comm.send(peer, array, step=step, tag=tag, meta=meta)
+
+        entry.task = asyncio.ensure_future(run())
         pending.append(entry)
-        task.add_done_callback(lambda t: self._done(peer, entry))
+        entry.task.add_done_callback(lambda t: self._done(peer, entry))
         return True
 
     def unsent(self, peer: int) -> tuple[int, int]:
         """(steps, bytes) of frames to ``peer`` not yet in the kernel."""
-        pending = self._pending.get(peer, [])
+        pending = [p for p in self._pending.get(peer, []) if p.started]
         return len({p.step for p in pending}), sum(p.nbytes for p in pending)
 
     def reading(self, peer: int) -> bool:
@@ -74,6 +82,7 @@ class Outbox:
         if entry in pending:
             pending.remove(entry)
         task = entry.task
+        assert task is not None
         if not task.cancelled() and task.exception() is not None:
             log.debug("rank %d: send to rank %d failed: %s", self.comm.rank, peer,
                       task.exception())
@@ -84,7 +93,7 @@ class Outbox:
     async def close(self, timeout: float) -> None:
         """Let queued sends finish for up to ``timeout`` seconds, then cancel the rest."""
         self._closed = True
-        tasks = [p.task for ps in self._pending.values() for p in ps]
+        tasks = [p.task for ps in self._pending.values() for p in ps if p.task is not None]
         if tasks:
             _done, late = await asyncio.wait(tasks, timeout=timeout)
             for t in late:

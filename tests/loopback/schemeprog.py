@@ -3,7 +3,9 @@
 Every rank computes deterministic data, runs ``--steps`` aggregation steps and prints one JSON
 line per step (``STEP {...}``) with the relative error of the result against the exact sum,
 which every rank can compute on its own. Ranks listed in ``--die`` SIGKILL themselves at
-``--die-step``; ``--stop`` ranks SIGSTOP themselves instead.
+``--die-step``; ``--stop`` ranks SIGSTOP themselves instead. ``--pace S`` makes each step's
+compute a function that takes S seconds (as a trainer's would); each line then also carries
+the wall-clock start and end (``t0``, ``t1``) and the rank's failover state (``link``).
 """
 
 from __future__ import annotations
@@ -93,21 +95,41 @@ async def main(args: argparse.Namespace) -> None:
                 truth = sum(np.random.default_rng([r, step]).standard_normal(args.dim)
                             for r in range(node.world_size))
             t0 = time.monotonic()
+            wall0 = time.time()
+            arg = mine if not args.pace else _paced(mine, args.pace)
             try:
-                res = await (node.aggregate(mine) if scheme.coded else node.allreduce(mine))
-            except ar.StragglerError as exc:
-                print("STEP " + json.dumps({"step": step, "error": "straggler",
-                                            "missing": exc.missing, "message": str(exc),
+                res = await (node.aggregate(arg) if scheme.coded else node.allreduce(arg))
+            except (ar.StragglerError, ar.FellBehind) as exc:
+                kind = "straggler" if isinstance(exc, ar.StragglerError) else "behind"
+                print("STEP " + json.dumps({"step": step, "error": kind,
+                                            "missing": getattr(exc, "missing", []),
+                                            "message": str(exc), "t0": wall0,
+                                            "t1": time.time(), "link": _link(node),
                                             "seconds": time.monotonic() - t0}), flush=True)
                 continue
             err = float(np.linalg.norm(res.value - truth) / np.linalg.norm(truth))
             out = {"step": step, "result_step": res.step, "rel_err": err,
                    "seconds": res.seconds, "used": res.used, "late": res.late,
-                   "exact": res.exact, "error_bound": res.error_bound}
+                   "exact": res.exact, "error_bound": res.error_bound, "t0": wall0,
+                   "t1": time.time(), "link": _link(node)}
             if part_norms is not None and not res.exact:
                 out["abs_err"] = float(np.linalg.norm(res.value - truth))
                 out["bound"] = res.error_bound * float(np.linalg.norm(part_norms))
             print("STEP " + json.dumps(out), flush=True)
+
+
+def _paced(vector: np.ndarray, seconds: float):  # type: ignore[no-untyped-def]
+    """This step's compute as a function that takes ``seconds`` (run in a worker thread)."""
+    def compute() -> np.ndarray:
+        time.sleep(seconds)
+        return vector
+    return compute
+
+
+def _link(node: ar.Node) -> str | None:
+    """Where this rank takes results from (its failover state), for the soak's checks."""
+    failover = getattr(getattr(node, "_session", None), "failover", None)
+    return None if failover is None else str(failover.state.value)
 
 
 def _fit(scheme: ar.CodedTree) -> int:
@@ -132,4 +154,5 @@ if __name__ == "__main__":
     p.add_argument("--die", type=lambda s: [int(x) for x in s.split(",") if x], default=[])
     p.add_argument("--stop", type=lambda s: [int(x) for x in s.split(",") if x], default=[])
     p.add_argument("--die-step", type=int, default=5)
+    p.add_argument("--pace", type=float, default=0.0)
     ar.run(main(p.parse_args(sys.argv[1:])))

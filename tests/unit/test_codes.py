@@ -12,13 +12,17 @@ from aioreduce.codes import (
     GradientCode,
     NotDecodable,
     StabilityWarning,
+    coded_tree_plan,
+    coded_tree_unit,
     cyclic_mds,
+    default_code,
     frc,
     gaussian_mds,
     group_code,
     polynomial_code,
     random_cyclic,
 )
+from aioreduce.codes.gradient import FP32_BUDGET
 
 
 def constructions(n: int, s: int) -> list[GradientCode]:
@@ -147,7 +151,7 @@ def test_stability_warning_for_an_ill_conditioned_code() -> None:
     bad = GradientCode.from_matrix(np.array([[1e-4, 1e-4], [1.0, 1.0]]), 1, name="tiny-row")
     assert bad.stability.amplification > 1e3
     with pytest.warns(StabilityWarning, match="fp32 budget"):
-        bad.decoder([0, 1])
+        bad.decoder([0])  # the warning is judged on the pattern decoded, without a survey
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         frc(4, 1).decoder([0, 2])
@@ -219,3 +223,41 @@ def test_ye_abbe_bound_is_enforced() -> None:
         polynomial_code(4, 3, 2)  # d = 5 > n
     code = group_code(6, np.random.default_rng(1).standard_normal((2, 3)))
     assert code.s == 3 - 2  # d - m: an MDS code meets d = s + m and no better
+
+
+# --- found while reading (issue 8): each test failed before its fix -------------------------
+
+def test_first_decode_runs_no_stability_survey() -> None:
+    # The worst-case survey took 1.5 s at n=64 (79 s at n=156) inside the first step.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StabilityWarning)
+        code = random_cyclic(64, 2)
+        code.decoder([i for i in range(64) if i not in (3, 9)])
+    assert "stability" not in code.__dict__  # the survey never ran
+    plan = coded_tree_plan(coded_tree_unit(12, 2, 2), 12, 2, 2)
+    for c in plan.codes:
+        c.decoder(range(2, 12))
+        assert "stability" not in c.__dict__
+
+
+def test_polynomial_code_placement_is_exactly_zero_outside_held_parts() -> None:
+    # Wide evaluation points (B reaches ~1e7) left round-off where B must be exactly 0.
+    code = polynomial_code(6, 1, 2, points=np.linspace(-1, 1, 6) * 3e2)
+    assert [code.parts_of(i) for i in range(6)] == [
+        [0, 1, 2], [1, 2, 3], [2, 3, 4], [3, 4, 5], [0, 4, 5], [0, 1, 5]]
+    for missing in range(6):
+        survivors = [i for i in range(6) if i != missing]
+        assert code.is_sufficient(survivors)
+
+
+@pytest.mark.parametrize("n, s", [(10, 2), (5, 1), (8, 2), (7, 3)])
+def test_default_code_stays_within_the_fp32_budget(n: int, s: int) -> None:
+    code = default_code(n, s)
+    assert code.s >= s
+    assert code.stability.amplification <= FP32_BUDGET, code.name
+
+
+def test_default_code_without_a_code_in_budget_takes_the_best_conditioned() -> None:
+    code = default_code(14, 4)  # no candidate is within budget here
+    assert code.s >= 4
+    assert code.stability.amplification <= random_cyclic(14, 4).stability.amplification / 100

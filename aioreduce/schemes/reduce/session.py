@@ -57,11 +57,12 @@ class ReduceSession:
         self._claimed: dict[int, set[int]] = {}  # step -> tags already forwarded
         self._probe: DownPath | None = None
         self._removers: list[Callable[[], None]] = []
+        self._known_up_to = -1  # the latest step whose outcome arrived before we asked
+        for src in (family.parent, family.grandparent):
+            if src is not None:
+                self._removers.append(comm.on_early(
+                    src, DOWN, functools.partial(self._early_outcome, src)))
         if family.children:
-            for src in (family.parent, family.grandparent):
-                if src is not None:
-                    self._removers.append(comm.on_early(
-                        src, DOWN, functools.partial(self._early_outcome, src)))
             for peer in family.served():
                 self._removers.append(comm.on_early(
                     peer, REQUEST_TAG, functools.partial(self._early_request, peer)))
@@ -209,16 +210,24 @@ class ReduceSession:
             self.outbox.send(peer, outcome.value[lo:hi], step=outcome.step, tag=DOWN + c,
                              meta=meta if c == last else None)
 
+    def known(self, step: int) -> bool:
+        return step <= self._known_up_to
+
     def _early_outcome(self, src: int, header: Header, payload: memoryview) -> None:
         """A result chunk or verdict from our parent or grandparent arrived before we posted
         for it (we are busy with an earlier step): pass it on to our children now."""
         if DOWN <= header.tag < VERDICT_TAG:
-            data = np.frombuffer(payload, dtype=header.dtype or np.uint8)
-            self.forward(header.step, header.tag, data, header.meta or None)
+            if header.meta:  # the last chunk carries the report: the whole result is here
+                self._known_up_to = max(self._known_up_to, header.step)
+            if self.family.children:
+                data = np.frombuffer(payload, dtype=header.dtype or np.uint8)
+                self.forward(header.step, header.tag, data, header.meta or None)
         elif header.tag == VERDICT_TAG:
             verdict = Verdict.from_meta(header.meta)
             if verdict.behind is None:  # FellBehind is an answer to us alone
-                self.forward(header.step, VERDICT_TAG, EMPTY, verdict.to_meta())
+                self._known_up_to = max(self._known_up_to, header.step)
+                if self.family.children:
+                    self.forward(header.step, VERDICT_TAG, EMPTY, verdict.to_meta())
 
     # -- lifetime -----------------------------------------------------------------------------
     async def close(self, timeout: float) -> None:

@@ -99,7 +99,7 @@ async def main(args: argparse.Namespace) -> None:
             arg = mine if not args.pace else _paced(mine, args.pace)
             try:
                 res = await (node.aggregate(arg) if scheme.coded else node.allreduce(arg))
-            except (ar.StragglerError, ar.FellBehind) as exc:
+            except (ar.StragglerError, getattr(ar, "FellBehind", ar.StragglerError)) as exc:
                 kind = "straggler" if isinstance(exc, ar.StragglerError) else "behind"
                 print("STEP " + json.dumps({"step": step, "error": kind,
                                             "missing": getattr(exc, "missing", []),

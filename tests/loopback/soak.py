@@ -151,8 +151,9 @@ class Soak:
                 "median_step": round(statistics.median(unpaused), 4) if unpaused else None,
                 "max_catch_up": max((p.caught_up or 0 for p in self.pauses), default=0.0),
                 "not_caught_up": sum(p.caught_up is None for p in self.pauses),
-                "complete": all([s["step"] for s in self.lines[r]] == list(range(self.steps))
-                                for r in alive)}
+                "complete": all(len(self.lines[r]) >= self.steps and
+                                [s["step"] for s in self.lines[r]]
+                                == list(range(len(self.lines[r]))) for r in alive)}
 
 
 def random_soak(steps: int, seed: int, deadline: float = 2.0, pace: float = 0.02) -> Soak:

@@ -1,0 +1,47 @@
+"""Stragglers that come back: real processes paused with SIGSTOP and resumed with SIGCONT.
+
+Short versions of the soaks in :mod:`tests.loopback.soak` (the long ones run as a script).
+Every result of every rank is checked against the exact sum.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .soak import MARGIN, family_check, family_soak, intermediate_soak, random_soak
+
+pytestmark = pytest.mark.loopback
+
+
+def test_intermediate_rank_paused_two_deadlines_serves_its_children_again() -> None:
+    soak = intermediate_soak(deadline=1.0, after=20)
+    rep = soak.report()
+    assert rep["wrong"] == 0 and rep["errors"] == 0, rep
+    assert rep["complete"], rep
+    kids = (10, 11, 12)
+    # The path we mean: while rank 3 was out its children took results from rank 0 ...
+    assert all(any(s["link"] == "bypassed" for s in soak.lines[k]) for k in kids)
+    # ... and from rank 3 again a few steps after its resume, to the end.
+    resumed = soak.pauses[0].cont
+    for k in kids:
+        after = [s["link"] for s in soak.lines[k] if s["t0"] >= resumed]
+        assert len(after) >= 20 and set(after[3:]) == {"healthy"}, (k, after)
+    assert rep["max_unpaused_step"] <= 1.0 + MARGIN, rep
+
+
+def test_random_pauses_and_a_killed_leaf_no_error_no_wrong_result() -> None:
+    soak = random_soak(steps=150, seed=2)
+    rep = soak.report()
+    assert rep["pauses"] >= 2 and rep["killed"] is not None, rep
+    assert rep["wrong"] == 0 and rep["errors"] == 0 and rep["complete"], rep
+    assert rep["not_caught_up"] == 0, rep
+    assert rep["max_unpaused_step"] <= soak.deadline + MARGIN, rep
+
+
+def test_two_children_of_one_family_paused_every_rank_raises_then_recovers() -> None:
+    soak = family_soak(steps=100, seconds=4.0)
+    rep = {**soak.report(), **family_check(soak)}
+    assert rep["complete"] and rep["wrong"] == 0, rep
+    assert rep["errors_while_out"] >= 10, rep  # every other rank raised, at least once
+    assert rep["slow_errors"] == 0, rep  # each within deadline + margin
+    assert rep["steps_until_exact_after_resume"] <= 3, rep

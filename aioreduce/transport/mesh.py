@@ -20,7 +20,13 @@ import numpy as np
 
 from ..errors import AuthError, PeerLost, RecvTimeout
 from ..wire import Header, Kind, as_payload, byte_view, encode_frame
-from ..wire.handshake import check, new_nonce, proof
+from ..wire.handshake import (
+    Accepted,
+    ConnectorHandshake,
+    ListenerHandshake,
+    Proved,
+    Refused,
+)
 from .inbox import Inbox
 from .protocol import FrameProtocol
 
@@ -84,25 +90,18 @@ class Mesh:
 
     async def _accept(self, conn: FrameProtocol) -> None:
         """Listener side of the handshake; never raises (a bad peer must not hurt the node)."""
+        hs = ListenerHandshake(self._secret, self.job, self.rank, self.world_size)
         try:
-            hello = await self._next_handshake(conn, Kind.HELLO)
-            job, rank, nonce_c = (hello.meta.get(k) for k in ("job", "rank", "nonce"))
-            if job != self.job:
-                raise AuthError(f"wrong job id {job!r}")
-            if not isinstance(rank, int) or not 0 <= rank < self.world_size or rank == self.rank:
-                raise AuthError(f"invalid rank {rank!r}")
-            if not isinstance(nonce_c, bytes):
-                raise AuthError("no nonce")
-            nonce_s = new_nonce()
-            mine = proof(self._secret, "listener", self.job, rank, nonce_c, nonce_s)
-            await conn.send(encode_frame(Header(Kind.CHALLENGE, src=self.rank,
-                                                meta={"nonce": nonce_s, "proof": mine})))
-            auth = await self._next_handshake(conn, Kind.AUTH)
-            theirs = proof(self._secret, "connector", self.job, rank, nonce_c, nonce_s)
-            if not check(theirs, auth.meta.get("proof")):
-                raise AuthError("wrong proof of the job secret")
-            self._attach(conn, rank)  # before WELCOME: data may follow it immediately
-            await conn.send(encode_frame(Header(Kind.WELCOME, src=self.rank)))
+            while True:
+                out, event = hs.receive(await self._next_handshake(conn))
+                if isinstance(event, Refused):
+                    raise AuthError(event.reason)
+                if isinstance(event, Accepted):
+                    self._attach(conn, event.rank)  # before WELCOME: data may follow it
+                for header in out:
+                    await conn.send(encode_frame(header))
+                if event is not None:
+                    return
         except (AuthError, TimeoutError, PeerLost, ConnectionError) as exc:
             self.refused += 1
             log.warning("refused connection from %s: %s", conn.peername,
@@ -113,7 +112,8 @@ class Mesh:
             log.exception("handshake with %s failed unexpectedly", conn.peername)
             conn.abort("handshake failed")
 
-    async def _next_handshake(self, conn: FrameProtocol, kind: Kind) -> Header:
+    async def _next_handshake(self, conn: FrameProtocol) -> Header:
+        """The next handshake frame, within the handshake timeout."""
         get = asyncio.ensure_future(conn.handshake.get())
         waits: set[asyncio.Future[Any]] = {get, conn.closed}
         done, _ = await asyncio.wait(waits, timeout=self.options.handshake_timeout,
@@ -122,11 +122,8 @@ class Mesh:
             get.cancel()
             if conn.closed.done():
                 raise PeerLost(-1, f"{conn.peername} closed during the handshake")
-            raise TimeoutError(f"no {kind.name} within {self.options.handshake_timeout} s")
-        header = get.result()
-        if header.kind is not kind:
-            raise AuthError(f"expected {kind.name}, got {header.kind.name}")
-        return header
+            raise TimeoutError(f"no handshake frame within {self.options.handshake_timeout} s")
+        return get.result()
 
     def _attach(self, conn: FrameProtocol, rank: int) -> None:
         conn.authenticated(rank, self._inbox[rank])  # frames go straight to the peer's inbox
@@ -191,29 +188,29 @@ class Mesh:
                 _t, conn = await loop.create_connection(self._new_protocol, addr[0], addr[1])
         except (OSError, TimeoutError) as exc:
             raise PeerLost(rank, f"cannot connect to {addr[0]}:{addr[1]}: {exc}") from None
+        hs = ConnectorHandshake(self._secret, self.job, self.rank, rank)
+        where = f"rank {rank} at {addr[0]}:{addr[1]}"
         try:
-            nonce_c = new_nonce()
-            await conn.send(encode_frame(Header(Kind.HELLO, src=self.rank, meta={
-                "job": self.job, "rank": self.rank, "nonce": nonce_c})))
-            challenge = await self._next_handshake(conn, Kind.CHALLENGE)
-            nonce_s = challenge.meta.get("nonce")
-            if not isinstance(nonce_s, bytes):
-                raise AuthError("no nonce")
-            expected = proof(self._secret, "listener", self.job, self.rank, nonce_c, nonce_s)
-            if not check(expected, challenge.meta.get("proof")):
-                raise AuthError(f"rank {rank} at {addr[0]}:{addr[1]} could not prove the job "
-                                "secret")
-            conn.arm(rank, self._inbox[rank])
-            mine = proof(self._secret, "connector", self.job, self.rank, nonce_c, nonce_s)
-            await conn.send(encode_frame(Header(Kind.AUTH, src=self.rank, meta={"proof": mine})))
-            await self._next_handshake(conn, Kind.WELCOME)
+            await conn.send(encode_frame(hs.start()))
+            while True:
+                out, event = hs.receive(await self._next_handshake(conn))
+                if isinstance(event, Refused):
+                    raise AuthError(f"{where}: {event.reason}")
+                if isinstance(event, Proved):
+                    conn.arm(rank, self._inbox[rank])  # WELCOME may carry data behind it
+                for header in out:
+                    await conn.send(encode_frame(header))
+                if isinstance(event, Accepted):
+                    break
         except PeerLost:
             conn.abort("handshake failed")
-            raise AuthError(f"rank {rank} at {addr[0]}:{addr[1]} refused our handshake "
-                            "(wrong secret or job id?)") from None
-        except (AuthError, TimeoutError) as exc:
+            raise AuthError(f"{where} refused our handshake (wrong secret or job id?)") from None
+        except AuthError:
             conn.abort("handshake failed")
-            raise AuthError(f"handshake with rank {rank} at {addr[0]}:{addr[1]}: {exc}") from None
+            raise
+        except TimeoutError as exc:
+            conn.abort("handshake failed")
+            raise AuthError(f"handshake with {where}: {exc}") from None
         self._inbox[rank].connection_added(conn)
         return conn
 

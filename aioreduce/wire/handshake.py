@@ -10,9 +10,13 @@ constant-time (:func:`hmac.compare_digest`). Until WELCOME, frames may carry no 
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import os
+from dataclasses import dataclass
+
+from .frame import Header, Kind
 
 NONCE_BYTES = 32
 
@@ -32,3 +36,140 @@ def proof(secret: bytes, role: str, job: str, rank: int, nonce_c: bytes, nonce_s
 def check(expected: bytes, received: object) -> bool:
     """Constant-time comparison that tolerates a wrong type from the peer."""
     return isinstance(received, bytes) and hmac.compare_digest(expected, received)
+
+
+# -- the two sides as state machines: headers in, headers to send and an event out ---------------
+
+@dataclass(frozen=True)
+class Proved:
+    """Connector side: the listener proved the secret; authenticate the connection the moment
+    WELCOME is parsed (data may follow it in the same read), then send the outputs."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The handshake is complete: the peer is ``rank``."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The handshake failed; drop the connection. ``reason`` says why (for the log)."""
+
+    reason: str
+
+
+Event = Proved | Accepted | Refused | None
+
+
+class _Fail(Exception):
+    """Internal: the handshake fails with this reason (reported as :class:`Refused`)."""
+
+Step = tuple[list[Header], Event]
+
+
+class _State(enum.Enum):
+    START = 0
+    SENT_CHALLENGE = 1  # listener
+    SENT_HELLO = 2  # connector
+    SENT_AUTH = 3  # connector
+    DONE = 4
+    FAILED = 5
+
+
+class ListenerHandshake:
+    """The accepting side: HELLO in, CHALLENGE out; AUTH in, WELCOME out and Accepted.
+
+    Bounded and cheap before the peer proves the secret: one HMAC per connection, no payload
+    (the decoder refuses payloads until the handshake is done).
+    """
+
+    def __init__(self, secret: bytes, job: str, rank: int, world_size: int) -> None:
+        self._secret, self._job, self._rank, self._world = secret, job, rank, world_size
+        self._state = _State.START
+        self._peer = -1
+        self._nonces = (b"", b"")
+
+    def receive(self, header: Header) -> Step:
+        try:
+            if self._state is _State.START:
+                return self._hello(_expect(header, Kind.HELLO))
+            if self._state is _State.SENT_CHALLENGE:
+                return self._auth(_expect(header, Kind.AUTH))
+            raise _Fail(f"unexpected {header.kind.name} frame")
+        except _Fail as exc:
+            self._state = _State.FAILED
+            return [], Refused(str(exc))
+
+    def _hello(self, hello: Header) -> Step:
+        job, rank, nonce_c = (hello.meta.get(k) for k in ("job", "rank", "nonce"))
+        if job != self._job:
+            raise _Fail(f"wrong job id {job!r}")
+        if (not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self._world
+                or rank == self._rank):
+            raise _Fail(f"invalid rank {rank!r}")
+        if not isinstance(nonce_c, bytes):
+            raise _Fail("no nonce")
+        nonce_s = new_nonce()
+        self._peer, self._nonces = rank, (nonce_c, nonce_s)
+        mine = proof(self._secret, "listener", self._job, rank, nonce_c, nonce_s)
+        self._state = _State.SENT_CHALLENGE
+        return [Header(Kind.CHALLENGE, src=self._rank,
+                       meta={"nonce": nonce_s, "proof": mine})], None
+
+    def _auth(self, auth: Header) -> Step:
+        theirs = proof(self._secret, "connector", self._job, self._peer, *self._nonces)
+        if not check(theirs, auth.meta.get("proof")):
+            raise _Fail("wrong proof of the job secret")
+        self._state = _State.DONE
+        return [Header(Kind.WELCOME, src=self._rank)], Accepted(self._peer)
+
+
+class ConnectorHandshake:
+    """The dialing side: :meth:`start` gives HELLO; CHALLENGE in, AUTH out and Proved;
+    WELCOME in, Accepted."""
+
+    def __init__(self, secret: bytes, job: str, rank: int, peer: int) -> None:
+        self._secret, self._job, self._rank, self._peer = secret, job, rank, peer
+        self._state = _State.START
+        self._nonce_c = b""
+
+    def start(self) -> Header:
+        self._nonce_c = new_nonce()
+        self._state = _State.SENT_HELLO
+        return Header(Kind.HELLO, src=self._rank,
+                      meta={"job": self._job, "rank": self._rank, "nonce": self._nonce_c})
+
+    def receive(self, header: Header) -> Step:
+        try:
+            if self._state is _State.SENT_HELLO:
+                return self._challenge(_expect(header, Kind.CHALLENGE))
+            if self._state is _State.SENT_AUTH:
+                _expect(header, Kind.WELCOME)
+                self._state = _State.DONE
+                return [], Accepted(self._peer)
+            raise _Fail(f"unexpected {header.kind.name} frame")
+        except _Fail as exc:
+            self._state = _State.FAILED
+            return [], Refused(str(exc))
+
+    def _challenge(self, challenge: Header) -> Step:
+        nonce_s = challenge.meta.get("nonce")
+        if not isinstance(nonce_s, bytes):
+            raise _Fail("no nonce")
+        expected = proof(self._secret, "listener", self._job, self._rank, self._nonce_c,
+                         nonce_s)
+        if not check(expected, challenge.meta.get("proof")):
+            raise _Fail("could not prove the job secret")
+        mine = proof(self._secret, "connector", self._job, self._rank, self._nonce_c, nonce_s)
+        self._state = _State.SENT_AUTH
+        return [Header(Kind.AUTH, src=self._rank, meta={"proof": mine})], Proved(self._peer)
+
+
+def _expect(header: Header, kind: Kind) -> Header:
+    if header.kind is not kind:
+        raise _Fail(f"expected {kind.name}, got {header.kind.name}")
+    return header

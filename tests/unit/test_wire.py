@@ -21,7 +21,16 @@ from aioreduce.wire import (
     encode_frame,
 )
 from aioreduce.wire.frame import MAGIC, PREFIX, VERSION
-from aioreduce.wire.handshake import check, new_nonce, proof
+from aioreduce.wire.handshake import (
+    Accepted,
+    ConnectorHandshake,
+    ListenerHandshake,
+    Proved,
+    Refused,
+    check,
+    new_nonce,
+    proof,
+)
 
 DTYPES = ["<f4", "<f8", "<i8", "|u1", "<c16", "<f2", "|b1"]
 
@@ -199,3 +208,64 @@ def test_prefix_layout_is_stable() -> None:
     magic, version, flags, hlen, plen = struct.unpack_from("<4sBBHQ", raw)
     assert (magic, version, flags, plen) == (b"AIOR", 1, 0, 8)
     assert len(raw) == PREFIX_SIZE + hlen + 8
+
+
+# --- the handshake state machines, without sockets ------------------------------------------
+
+def _pair(secret_c: bytes = b"s", secret_l: bytes = b"s", job: str = "j"
+          ) -> tuple[ConnectorHandshake, ListenerHandshake]:
+    return ConnectorHandshake(secret_c, job, 2, 0), ListenerHandshake(secret_l, "j", 0, 4)
+
+
+def test_handshake_state_machines_complete_with_the_same_secret() -> None:
+    conn, lis = _pair()
+    challenge, ev = lis.receive(conn.start())
+    assert ev is None and [h.kind for h in challenge] == [Kind.CHALLENGE]
+    auth, ev = conn.receive(challenge[0])
+    assert ev == Proved(0) and [h.kind for h in auth] == [Kind.AUTH]
+    welcome, ev = lis.receive(auth[0])
+    assert ev == Accepted(2) and [h.kind for h in welcome] == [Kind.WELCOME]
+    assert conn.receive(welcome[0]) == ([], Accepted(0))
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("listener-secret", "could not prove the job secret"),
+    ("connector-secret", "could not prove the job secret"),  # mismatch: seen here first
+    ("job", "wrong job id"),
+])
+def test_handshake_refuses_with_the_reason(case: str, reason: str) -> None:
+    conn, lis = _pair(secret_l=b"x" if case == "listener-secret" else b"s",
+                      secret_c=b"x" if case == "connector-secret" else b"s",
+                      job="other" if case == "job" else "j")
+    out, ev = lis.receive(conn.start())
+    if isinstance(ev, Refused):
+        assert reason in ev.reason and out == []
+        return
+    auth, ev = conn.receive(out[0])
+    if isinstance(ev, Refused):
+        assert reason in ev.reason and auth == []
+        return
+    out, ev = lis.receive(auth[0])
+    assert isinstance(ev, Refused) and reason in ev.reason and out == []
+
+
+def test_handshake_listener_refuses_a_forged_auth() -> None:
+    conn, lis = _pair()
+    lis.receive(conn.start())
+    out, ev = lis.receive(Header(Kind.AUTH, meta={"proof": b"\0" * 32}))
+    assert isinstance(ev, Refused) and "wrong proof of the job secret" in ev.reason
+    assert out == []
+
+
+def test_handshake_refuses_frames_out_of_order_and_bad_fields() -> None:
+    _conn, lis = _pair()
+    assert isinstance(lis.receive(Header(Kind.AUTH, meta={"proof": b"x"}))[1], Refused)
+    for meta in ({"job": "j", "rank": 0, "nonce": b"n"},  # its own rank
+                 {"job": "j", "rank": 9, "nonce": b"n"},  # outside the world
+                 {"job": "j", "rank": True, "nonce": b"n"},
+                 {"job": "j", "rank": 1, "nonce": "text"}):
+        _c, lis = _pair()
+        assert isinstance(lis.receive(Header(Kind.HELLO, meta=meta))[1], Refused), meta
+    conn, _l = _pair()
+    conn.start()
+    assert isinstance(conn.receive(Header(Kind.WELCOME))[1], Refused)  # WELCOME before proof

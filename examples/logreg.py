@@ -24,6 +24,7 @@ import numpy as np
 
 import aioreduce as ar
 from aioreduce.codes import cyclic_mds, default_code, frc
+from aioreduce.schemes import by_name
 
 
 def sample_rows(ids: np.ndarray, dim: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -53,15 +54,13 @@ def weighted_grad_and_loss(theta: np.ndarray, X: np.ndarray, y: np.ndarray,
     return out
 
 
-def make_scheme(a: argparse.Namespace, world: int) -> ar.CodedTree | ar.GradientCoding | \
-        ar.Ring | ar.Tree | ar.Star:
-    if a.scheme == "coded-tree":
-        return ar.CodedTree(a.fanout, a.levels, a.stragglers, deadline=a.deadline)
+def make_scheme(a: argparse.Namespace, world: int) -> ar.Scheme:
+    code = None
     if a.scheme == "gc":
-        n = world - 1
-        code = {"frc": frc, "cyclic": cyclic_mds}.get(a.code, default_code)(n, a.stragglers)
-        return ar.GradientCoding(code, deadline=a.deadline)
-    return {"ring": ar.Ring(), "tree": ar.Tree(a.fanout), "star": ar.Star()}[a.scheme]
+        code = {"frc": frc, "cyclic": cyclic_mds}.get(a.code, default_code)(world - 1,
+                                                                             a.stragglers)
+    return by_name(a.scheme, strict=False, fanout=a.fanout, levels=a.levels,
+                   stragglers=a.stragglers, deadline=a.deadline, code=code)
 
 
 async def distributed(a: argparse.Namespace) -> list[float]:

@@ -26,11 +26,11 @@ import numpy as np
 from ..codes import cyclic_mds, default_code, frc, gaussian_mds, random_cyclic
 from ..codes.model import ComputeModel, LinkModel, predict_ring, predict_star, predict_tree
 from ..node import Node
-from ..schemes import CodedTree, GradientCoding, Ring, Scheme, Star, Tree
+from ..schemes import CodedTree, GradientCoding, Scheme, by_name, names
 from ..straggle import parse_straggle
 from ..transport.loop import run
 
-SCHEMES = ("coded-tree", "gc", "ring", "tree", "star")
+SCHEMES = tuple(names())  # every registered scheme
 
 
 @dataclass
@@ -61,23 +61,16 @@ class Config:
 
 
 def build_scheme(name: str, cfg: Config) -> Scheme:
-    if name == "coded-tree":
-        return CodedTree(cfg.fanout, cfg.levels, cfg.stragglers, deadline=cfg.deadline,
-                         chunk_bytes=cfg.chunk_bytes)
+    code = None
     if name == "gc":
         n, s = cfg.nodes - 1, cfg.stragglers
         make = {"default": lambda: default_code(n, s), "frc": lambda: frc(n, s),
                 "cyclic": lambda: cyclic_mds(n, s), "random": lambda: random_cyclic(n, s),
                 "gaussian": lambda: gaussian_mds(n, s, 2)}
-        return GradientCoding(make[cfg.code](), deadline=cfg.deadline,
-                              chunk_bytes=cfg.chunk_bytes)
-    if name == "ring":
-        return Ring()
-    if name == "tree":
-        return Tree(cfg.fanout, chunk_bytes=cfg.chunk_bytes)
-    if name == "star":
-        return Star(chunk_bytes=cfg.chunk_bytes)
-    raise ValueError(f"unknown scheme {name!r}; choose from {', '.join(SCHEMES)}")
+        code = make[cfg.code]()
+    return by_name(name, strict=False, fanout=cfg.fanout, levels=cfg.levels,
+                   stragglers=cfg.stragglers, deadline=cfg.deadline,
+                   chunk_bytes=cfg.chunk_bytes, code=code)
 
 
 def load_fraction(scheme: Scheme | None, nodes: int) -> float:

@@ -21,6 +21,7 @@ import numpy as np
 
 import aioreduce as ar
 from aioreduce.codes import cyclic_mds, frc, gaussian_mds
+from aioreduce.schemes import by_name
 
 SAMPLES = 0  # set per scheme
 
@@ -31,38 +32,26 @@ def sample_grads(num_samples: int, dim: int, step: int) -> np.ndarray:
     return base * (1.0 + 0.1 * step) + step
 
 
-def make_scheme(args: argparse.Namespace) -> ar.CodedTree | ar.GradientCoding | ar.Ring | \
-        ar.Tree | ar.Star:
-    kw = {"deadline": args.deadline,
-          "on_insufficient": "approximate" if args.approximate else "raise"}
-    if args.scheme == "coded-tree":
-        return ar.CodedTree(args.fanout, args.levels, args.stragglers,
-                            chunk_bytes=args.chunk_bytes, **kw)  # type: ignore[arg-type]
+def make_scheme(args: argparse.Namespace) -> ar.Scheme:
+    code = None
     if args.scheme.startswith("gc-"):
         n = int(os.environ["WORLD_SIZE"]) - 1
         code = {"gc-frc": lambda: frc(n, args.stragglers),
                 "gc-cyclic": lambda: cyclic_mds(n, args.stragglers),
                 "gc-gaussian": lambda: gaussian_mds(n, args.stragglers, 2)}[args.scheme]()
-        return ar.GradientCoding(code, chunk_bytes=args.chunk_bytes, **kw)  # type: ignore[arg-type]
-    if args.scheme == "ring":
-        return ar.Ring()
-    if args.scheme == "tree":
-        return ar.Tree(args.fanout, chunk_bytes=args.chunk_bytes)
-    return ar.Star()
+    name = "gc" if code is not None else args.scheme
+    return by_name(name, strict=False, fanout=args.fanout, levels=args.levels,
+                   stragglers=args.stragglers, chunk_bytes=args.chunk_bytes, code=code,
+                   deadline=args.deadline,
+                   on_insufficient="approximate" if args.approximate else "raise")
 
 
 def _debug_dump(node: ar.Node) -> None:
-    """SIGUSR1: print every task's stack and every inbox's state (to debug hangs)."""
+    """SIGUSR1: print every task's stack (to debug hangs)."""
     import asyncio
 
     for task in asyncio.all_tasks():
         task.print_stack(limit=6, file=sys.stderr)
-    for r, inbox in node.mesh._inbox.items():
-        if inbox._posted or inbox._staged or inbox._held or inbox.conns:
-            print(f"inbox {r}: posted={list(inbox._posted)} staged={list(inbox._staged)} "
-                  f"held={[(h.step, h.tag) for h in inbox._held.values()]} "
-                  f"conns={[(c.peername, c.closed.done()) for c in inbox.conns]} "
-                  f"receiving={[k for k, _p in inbox._receiving.values()]}", file=sys.stderr)
     sys.stderr.flush()
 
 

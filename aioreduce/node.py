@@ -163,6 +163,11 @@ class Node:
         """
         return self.mesh.post_recv(rank, out, step=step, tag=tag)
 
+    def discard_before(self, step: int) -> None:
+        """Frames of steps below ``step`` are stale: dropped on arrival, never delivered
+        (unless a receive for them is still posted)."""
+        self.mesh.discard_before(step)
+
     async def barrier(self, timeout: float = 60.0) -> None:
         """Wait until every rank has called ``barrier``."""
         await barrier(self.mesh, timeout)

@@ -68,15 +68,6 @@ class Outbox:
         entry.task.add_done_callback(lambda t: self._done(peer, entry))
         return True
 
-    def unsent(self, peer: int) -> tuple[int, int]:
-        """(steps, bytes) of frames to ``peer`` not yet in the kernel."""
-        pending = [p for p in self._pending.get(peer, []) if p.started]
-        return len({p.step for p in pending}), sum(p.nbytes for p in pending)
-
-    def reading(self, peer: int) -> bool:
-        """False while sends to ``peer`` are being skipped."""
-        return peer not in self._skipping
-
     def _done(self, peer: int, entry: _Pending) -> None:
         pending = self._pending.get(peer, [])
         if entry in pending:

@@ -224,11 +224,6 @@ class Mesh:
         await conn.send(encode_frame(Header(Kind.DATA, step, tag, self.rank, meta=meta or {}),
                                      payload))
 
-    def abort(self, rank: int, reason: str) -> None:
-        """Drop every connection with ``rank`` at once, unsent data included."""
-        for conn in list(self._inbox[rank].conns):
-            conn.abort(reason)
-
     async def recv_into(self, rank: int, out: np.ndarray, *, step: int, tag: int = 0,
                         timeout: float | None = None) -> Header:
         """Receive the frame (step, tag) from ``rank`` straight into ``out``."""

@@ -14,7 +14,7 @@ import numpy as np
 from ...wire import Header
 from ..base import FellBehind, StragglerError, chunk_bounds
 from ..deadline import Deadline
-from .failover import Ask, ParentFailover
+from .failover import Ask, Link, ParentFailover
 from .family import DOWN, VERDICT_TAG, Family
 from .gather import Gather, combine
 from .history import Outcome
@@ -186,7 +186,7 @@ class DownPath:
 
     async def wait(self, elapsed: float) -> Outcome:
         s, fo, step = self.session, self.fo, self.step
-        if fo.state.name == "LOST" and not s.comm.is_lost(self.parent):
+        if fo.state is Link.LOST and not s.comm.is_lost(self.parent):
             fo.parent_back()
         self._act(fo.step_started(step))
         if s.comm.is_lost(self.parent):

@@ -21,11 +21,13 @@ def test_intermediate_rank_paused_two_deadlines_serves_its_children_again() -> N
     kids = (10, 11, 12)
     # The path we mean: while rank 3 was out its children took results from rank 0 ...
     assert all(any(s["link"] == "bypassed" for s in soak.lines[k]) for k in kids)
-    # ... and from rank 3 again a few steps after its resume, to the end.
-    resumed = soak.pauses[0].cont
+    # ... and from rank 3 again once it has caught up (one step to notice), to the end.
+    pause = soak.pauses[0]
+    assert pause.caught_up is not None, "rank 3 never caught up"
+    level = pause.cont + pause.caught_up
     for k in kids:
-        after = [s["link"] for s in soak.lines[k] if s["t0"] >= resumed]
-        assert len(after) >= 20 and set(after[3:]) == {"healthy"}, (k, after)
+        after = [s["link"] for s in soak.lines[k] if s["t0"] >= level]
+        assert len(after) >= 15 and set(after[2:]) == {"healthy"}, (k, after)
     assert rep["max_unpaused_step"] <= 1.0 + MARGIN, rep
 
 

@@ -35,13 +35,16 @@ gradient coding) tolerating `s` stragglers can use:
 | `polynomial_code(n, s, m)` | `s + m <= n` | grow exponentially with `n - s` | messages `m` times shorter, cyclic placement (our Ye–Abbe-style construction) |
 
 `default_code(n, s)` (what `coded_tree_plan` uses when no code is given) picks `frc`, else
-`cyclic_mds`, else `random_cyclic`.
+`cyclic_mds`, else `random_cyclic` if a draw within the fp32 budget below is found, else the
+better conditioned of that and `cyclic_mds` at the next feasible tolerance (more load per
+worker): `default_code(10, 2)` is `cyclic_mds(n=10, s=3)`.
 
 **Why the numbers below matter.** Decoding is exact in float64 for every code here (the
 decoder checks the residual and refuses rather than return a wrong sum). But gradients are
 computed in fp32, and a decoded error grows like `eps * ||a||_1 * max_i ||B_i||_1`: the
-*amplification* column. Decoders warn (`StabilityWarning`) when a code's worst case exceeds the
-fp32 budget of {FP32_BUDGET:g} (fp32 keeps about 7 digits; the budget keeps about 4). In
+*amplification* column. Decoders warn (`StabilityWarning`) when the pattern they decode exceeds
+the fp32 budget of {FP32_BUDGET:g} (fp32 keeps about 7 digits; the budget keeps about 4); the
+worst case over all patterns (`code.stability`) is a survey, never run inside a step. In
 CodedReduce the amplification compounds per level, which is one more reason to prefer FRC.
 
 The tables give the worst case over straggler patterns of exactly `s` missing workers:

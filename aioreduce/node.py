@@ -113,7 +113,7 @@ class Node:
         seconds, a bounded barrier lets peers get their last frames, then disconnect."""
         if self._started and wait_for_peers:
             try:  # the session keeps serving slower ranks meanwhile
-                await barrier(self.mesh, self.close_timeout)
+                await barrier(self.mesh, self.close_timeout, closing=True)
             except Exception as exc:  # a dead peer must not block shutdown
                 log.warning("rank %d: closing without a clean barrier: %s", self.rank, exc)
         if self._session is not None:

@@ -75,6 +75,11 @@ class Mesh:
         sockname = self._server.sockets[0].getsockname()
         return sockname[0], sockname[1]
 
+    def stop_listening(self) -> None:
+        """Accept no new connections; established ones stay up."""
+        if self._server is not None:
+            self._server.close()
+
     def _new_protocol(self) -> FrameProtocol:
         conn = FrameProtocol(self.options.max_payload, self.options.user_timeout)
         self._conns.add(conn)

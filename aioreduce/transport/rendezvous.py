@@ -107,8 +107,13 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
         mesh.addresses[r] = (entry[0], entry[1])
 
 
-async def barrier(mesh: Mesh, timeout: float) -> None:
-    """Wait until every rank has reached the barrier (gathered at and released by rank 0)."""
+async def barrier(mesh: Mesh, timeout: float, *, closing: bool = False) -> None:
+    """Wait until every rank has reached the barrier (gathered at and released by rank 0).
+
+    ``closing``: the job ends here. Rank 0 stops listening before it releases anyone, so a
+    rank that goes on to join a next job on the same port cannot reach this job's listener
+    while it shuts down (it would be dropped mid-handshake).
+    """
     deadline = time.monotonic() + timeout
     if mesh.world_size == 1:
         return
@@ -119,6 +124,8 @@ async def barrier(mesh: Mesh, timeout: float) -> None:
             missing: list[int] = []
         except RendezvousError as exc:  # release the ranks that came anyway, then report
             missing = exc.missing
+        if closing:
+            mesh.stop_listening()
         await asyncio.gather(*(mesh.send_control(r, {"op": "release"})
                                for r in others if r not in missing), return_exceptions=True)
         if missing:

@@ -17,9 +17,12 @@ asks its ``choose`` callback where the payload goes:
   an empty view) until :meth:`FrameDecoder.resume` supplies a destination; the IO layer pauses
   reading meanwhile, so nothing is buffered behind the caller's back.
 
-Bounds: the header length is at most :data:`~aioreduce.wire.frame.MAX_HEADER`, the payload at
-most ``max_payload`` (settable, e.g. 0 until a connection has authenticated). Wrong magic,
-version, lengths or an undecodable header raise :class:`ProtocolError`; the decoder is then dead.
+Bounds: a new decoder is *pre-authentication*: headers of at most
+:data:`~aioreduce.wire.frame.PRE_AUTH_MAX_HEADER` bytes with the handshake's fields only, no
+payload, and a staging buffer of a few KiB. :meth:`FrameDecoder.authenticate` lifts that to
+:data:`~aioreduce.wire.frame.MAX_HEADER`, full headers and payloads up to ``max_payload``, and a
+larger staging buffer (fewer reads for small frames). Wrong magic, version, lengths or an
+undecodable header raise :class:`ProtocolError`; the decoder is then dead.
 """
 
 from __future__ import annotations
@@ -28,7 +31,17 @@ import enum
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from .frame import MAGIC, MAX_HEADER, PREFIX, PREFIX_SIZE, VERSION, Buffer, Header, ProtocolError
+from .frame import (
+    MAGIC,
+    MAX_HEADER,
+    PRE_AUTH_MAX_HEADER,
+    PREFIX,
+    PREFIX_SIZE,
+    VERSION,
+    Buffer,
+    Header,
+    ProtocolError,
+)
 
 
 class _Defer(enum.Enum):
@@ -44,7 +57,8 @@ NO_FRAMES: tuple[()] = ()
 """What :meth:`FrameDecoder.buffer_updated` returns when nothing completed (identity-checkable)."""
 Chooser = Callable[[Header], Destination]
 
-_STAGING = 1 << 17  # holds a full prefix + the largest header
+_STAGING = 1 << 17  # after authentication: a full prefix + the largest header, and then some
+_PRE_AUTH_STAGING = 2048  # before: a prefix + the largest handshake header
 _SCRATCH = 1 << 20
 
 
@@ -68,10 +82,13 @@ class _State(enum.Enum):
 class FrameDecoder:
     """Incremental frame parser; see the module docstring for the protocol."""
 
-    def __init__(self, choose: Chooser, max_payload: int) -> None:
+    def __init__(self, choose: Chooser, max_payload: int, *, authenticated: bool = True
+                 ) -> None:
         self._choose = choose
         self.max_payload = max_payload
-        self._stage = bytearray(_STAGING)
+        self.max_header = MAX_HEADER if authenticated else PRE_AUTH_MAX_HEADER
+        self.restricted = not authenticated
+        self._stage = bytearray(_STAGING if authenticated else _PRE_AUTH_STAGING)
         self._lo = 0  # staged bytes not yet consumed: self._stage[_lo:_hi]
         self._hi = 0
         self._scratch: bytearray | None = None
@@ -81,6 +98,22 @@ class FrameDecoder:
         self._header: Header | None = None
         self._dest: memoryview = memoryview(b"")
         self._got = 0  # payload bytes received so far
+
+    def authenticate(self, max_payload: int) -> None:
+        """The peer proved the secret: full headers, payloads up to ``max_payload``."""
+        self.max_payload = max_payload
+        self.max_header = MAX_HEADER
+        self.restricted = False
+        if len(self._stage) < _STAGING:
+            grown = bytearray(_STAGING)
+            n = self._hi - self._lo
+            grown[:n] = self._stage[self._lo:self._hi]
+            self._stage, self._lo, self._hi = grown, 0, n
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes this decoder holds for prefixes and headers (small until authenticated)."""
+        return len(self._stage)
 
     # -- introspection -------------------------------------------------------------------------
     @property
@@ -190,8 +223,9 @@ class FrameDecoder:
                     raise self._fail(f"bad magic {magic!r}")
                 if version != VERSION:
                     raise self._fail(f"unsupported protocol version {version}")
-                if hlen == 0 or hlen > MAX_HEADER:
-                    raise self._fail(f"header length {hlen} out of range")
+                if hlen == 0 or hlen > self.max_header:
+                    raise self._fail(f"header length {hlen} out of range (at most "
+                                     f"{self.max_header})")
                 if plen > self.max_payload:
                     raise self._fail(f"payload of {plen} bytes exceeds the limit "
                                      f"{self.max_payload}")
@@ -204,7 +238,7 @@ class FrameDecoder:
                 raw = self._stage[self._lo:self._lo + self._header_len]
                 self._lo += self._header_len
                 try:
-                    header = Header.from_bytes(raw)
+                    header = Header.from_bytes(raw, restricted=self.restricted)
                     want = header.payload_nbytes()
                 except ProtocolError:
                     self._state = _State.DEAD

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,14 @@ VERSION = 1
 PREFIX = struct.Struct("<4sBBHQ")
 PREFIX_SIZE = PREFIX.size  # 16
 MAX_HEADER = 0xFFFF  # the prefix stores the header length in a u16
+PRE_AUTH_MAX_HEADER = 1024  # handshake headers are small: bound the work an anonymous peer costs
 DEFAULT_MAX_PAYLOAD = 1 << 32  # 4 GiB; nodes configure their own bound
+
+# Every dtype our senders write is ``array.dtype.str`` of a non-object array: byte order, kind
+# letter, item size, and a datetime unit. Anything else is refused before numpy parses it (some
+# strings take numpy a long time, others raise unexpected exception types).
+_DTYPE = re.compile(r"[<>|=][biufcmMSUV]\d{1,5}(\[\d*[a-zA-Z]{1,3}\])?")
+_PRE_AUTH_KEYS = frozenset({"kind", "step", "tag", "src", "meta"})
 
 Buffer = bytes | bytearray | memoryview
 
@@ -82,14 +90,23 @@ class Header:
         return out
 
     @classmethod
-    def from_bytes(cls, raw: Buffer) -> Header:
-        """Decode and validate a header; anything malformed is a :class:`ProtocolError`."""
+    def from_bytes(cls, raw: Buffer, *, restricted: bool = False) -> Header:
+        """Decode and validate a header; anything malformed is a :class:`ProtocolError`.
+
+        ``restricted``: the peer has not proved the secret yet. Only the handshake's fields
+        are accepted (no dtype, no shape), in small containers, so an anonymous peer cannot
+        make us do more than a few microseconds of work per header.
+        """
+        limits = _PRE_AUTH_LIMITS if restricted else {}
         try:
-            body = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+            body = msgpack.unpackb(raw, raw=False, strict_map_key=True, **limits)
         except Exception as exc:  # msgpack raises several unrelated types
             raise ProtocolError(f"undecodable header: {exc}") from None
         if not isinstance(body, dict):
             raise ProtocolError("header is not a map")
+        if restricted and not _PRE_AUTH_KEYS.issuperset(body):
+            raise ProtocolError(f"fields {sorted(set(body) - _PRE_AUTH_KEYS)} before "
+                                "authentication")
         try:
             kind = Kind(body["kind"])
             step, tag, src = body["step"], body["tag"], body["src"]
@@ -105,13 +122,22 @@ class Header:
         if not all(isinstance(d, int) and d >= 0 for d in shape):
             raise ProtocolError("header shape must be non-negative integers")
         if dtype:
+            if dtype.lstrip("<>|=")[:1] == "O":
+                raise ProtocolError("object dtypes cannot travel as raw bytes")
+            if len(dtype) > 16 or not _DTYPE.fullmatch(dtype):
+                raise ProtocolError(f"malformed dtype {dtype[:32]!r}")
             try:
                 dt = np.dtype(dtype)
-            except TypeError:
+            except Exception:  # numpy raises TypeError, ValueError, SyntaxError, ...
                 raise ProtocolError(f"unknown dtype {dtype!r}") from None
             if dt.hasobject:
                 raise ProtocolError("object dtypes cannot travel as raw bytes")
         return cls(kind, step, tag, src, dtype, shape, meta)
+
+
+_PRE_AUTH_LIMITS: dict[str, int] = {"max_str_len": 256, "max_bin_len": 256,
+                                     "max_array_len": 16, "max_map_len": 16,
+                                     "max_ext_len": 0}
 
 
 def as_payload(array: np.ndarray) -> np.ndarray:

@@ -269,3 +269,53 @@ def test_handshake_refuses_frames_out_of_order_and_bad_fields() -> None:
     conn, _l = _pair()
     conn.start()
     assert isinstance(conn.receive(Header(Kind.WELCOME))[1], Refused)  # WELCOME before proof
+
+
+# --- bounded work before authentication (issue 11) -----------------------------------------
+
+def pre_auth_decoder() -> FrameDecoder:
+    return FrameDecoder(lambda h: None, 0, authenticated=False)
+
+
+def test_pre_auth_decoder_is_small_and_refuses_long_headers() -> None:
+    dec = pre_auth_decoder()
+    assert dec.staging_bytes <= 4096
+    long = Header(Kind.HELLO, meta={"job": "j" * 2000})
+    with pytest.raises(ProtocolError, match="header length"):
+        dec.receive_data(wire_bytes(long))
+    dec = pre_auth_decoder()
+    dec.authenticate(1 << 20)
+    assert dec.staging_bytes >= 1 << 17
+    assert dec.receive_data(wire_bytes(long))[0].header.meta["job"] == "j" * 2000
+
+
+@pytest.mark.parametrize("body", [
+    {"kind": 1, "step": 0, "tag": 0, "src": 0, "dtype": "<f8", "shape": [0]},  # no dtype
+    {"kind": 1, "step": 0, "tag": 0, "src": 0, "meta": {str(i): i for i in range(40)}},
+    {"kind": 1, "step": 0, "tag": 0, "src": 0, "meta": {"a": list(range(40))}},
+    {"kind": 1, "step": 0, "tag": 0, "src": 0, "meta": {"a": "x" * 600}},
+], ids=["dtype", "big-map", "big-array", "long-string"])
+def test_pre_auth_headers_are_restricted_to_the_handshake_schema(body: dict) -> None:
+    head = msgpack.packb(body, use_bin_type=True)
+    assert len(head) <= 1024
+    data = PREFIX.pack(MAGIC, VERSION, 0, len(head), 0) + head
+    with pytest.raises(ProtocolError):
+        pre_auth_decoder().receive_data(data)
+    assert collecting_decoder()[0].receive_data(data)  # the same header is fine after auth
+
+
+@pytest.mark.parametrize("dtype", ["(-1,)i4", "b,,,", "i4" * 40, "<f8,<f8", "O", "|O8",
+                                   "<U99999999", "[('a', '<f8')]", "<M8[ns"])
+def test_odd_dtype_strings_are_protocol_errors(dtype: str) -> None:
+    head = msgpack.packb({"kind": 0, "step": 0, "tag": 0, "src": 0, "dtype": dtype,
+                          "shape": [1]}, use_bin_type=True)
+    with pytest.raises(ProtocolError):
+        Header.from_bytes(head)
+
+
+def test_every_dtype_we_send_is_accepted() -> None:
+    for dt in ["f2", "f4", "f8", "c16", "i1", "u8", "?", "M8[ns]", "m8[us]", "S5", "U3",
+               "V12", np.dtype([("a", "<f8"), ("b", "<i4")])]:
+        arr = np.zeros(3, dt)
+        frames = collecting_decoder()[0].receive_data(wire_bytes(Header(Kind.DATA), arr))
+        assert frames[0].header.dtype == arr.dtype.str

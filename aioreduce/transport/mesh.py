@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ from ..wire.handshake import (
 )
 from .inbox import Inbox
 from .protocol import FrameProtocol
+from .ratelog import RateLimitedLog
+from .sockopts import raise_fd_limit
 
 log = logging.getLogger("aioreduce.transport")
 
@@ -40,6 +43,10 @@ class MeshOptions:
     max_payload: int = 1 << 32  # bytes; larger frames are a protocol error
     stage_limit: int = 1 << 20  # early frames up to this size are staged, larger held back
     handshake_timeout: float = 10.0
+    # Connections that have not proved the secret yet, held at once; past these the oldest is
+    # dropped, so a flood costs bounded memory and descriptors and a correct peer still gets in.
+    max_unauthenticated: int = 64
+    max_unauthenticated_per_host: int = 16
     connect_timeout: float = 30.0
     user_timeout: float = 30.0  # TCP_USER_TIMEOUT: unacknowledged data this long = dead peer
 
@@ -65,10 +72,13 @@ class Mesh:
         self._conns: set[FrameProtocol] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.refused = 0  # connections that failed the handshake (for tests and logs)
+        self._unauthenticated: OrderedDict[FrameProtocol, str] = OrderedDict()  # -> host
+        self._refusals = RateLimitedLog(log)
 
     # -- listening ----------------------------------------------------------------------------
     async def listen(self, host: str, port: int = 0) -> tuple[str, int]:
         """Start accepting connections; return the bound (host, port)."""
+        raise_fd_limit()
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(self._incoming, host, port, backlog=1024,
                                                 reuse_address=True)
@@ -93,9 +103,27 @@ class Mesh:
         task.add_done_callback(self._tasks.discard)
         return conn
 
+    def _admit(self, conn: FrameProtocol) -> None:
+        """Count a new unauthenticated connection; past the caps, drop the oldest one."""
+        host = conn.peername.rsplit(":", 1)[0]
+        self._unauthenticated[conn] = host
+        same = [c for c, h in self._unauthenticated.items() if h == host]
+        if len(same) > self.options.max_unauthenticated_per_host:
+            self._evict(same[0], f"more than {self.options.max_unauthenticated_per_host} "
+                                 f"unauthenticated connections from {host}")
+        if len(self._unauthenticated) > self.options.max_unauthenticated:
+            self._evict(next(iter(self._unauthenticated)),
+                        f"more than {self.options.max_unauthenticated} unauthenticated "
+                        "connections")
+
+    def _evict(self, conn: FrameProtocol, reason: str) -> None:
+        self._unauthenticated.pop(conn, None)
+        conn.abort(reason)
+
     async def _accept(self, conn: FrameProtocol) -> None:
         """Listener side of the handshake; never raises (a bad peer must not hurt the node)."""
         hs = ListenerHandshake(self._secret, self.job, self.rank, self.world_size)
+        self._admit(conn)
         try:
             while True:
                 out, event = hs.receive(await self._next_handshake(conn))
@@ -109,13 +137,15 @@ class Mesh:
                     return
         except (AuthError, TimeoutError, PeerLost, ConnectionError) as exc:
             self.refused += 1
-            log.warning("refused connection from %s: %s", conn.peername,
-                        exc if str(exc) else type(exc).__name__)
+            self._refusals.warn("refused connection from %s: %s", conn.peername,
+                                exc if str(exc) else type(exc).__name__)
             conn.abort("handshake failed")
         except Exception:  # defensive: log, drop the connection, keep serving
             self.refused += 1
             log.exception("handshake with %s failed unexpectedly", conn.peername)
             conn.abort("handshake failed")
+        finally:
+            self._unauthenticated.pop(conn, None)
 
     async def _next_handshake(self, conn: FrameProtocol) -> Header:
         """The next handshake frame, within the handshake timeout."""
@@ -323,3 +353,4 @@ class Mesh:
         if not 0 <= rank < self.world_size or rank == self.rank:
             raise ValueError(f"rank {rank} is not a peer of rank {self.rank} "
                              f"(world size {self.world_size})")
+

@@ -23,6 +23,7 @@ from ..wire import Frame, FrameDecoder, Header, Kind, ProtocolError
 from ..wire.decoder import NO_FRAMES, Destination
 from ..wire.frame import Buffer
 from .loop import is_uvloop
+from .ratelog import RateLimitedLog
 from .sockopts import tune
 
 log = logging.getLogger("aioreduce.transport")
@@ -30,6 +31,7 @@ log = logging.getLogger("aioreduce.transport")
 # Stock asyncio copies what the kernel does not take at once; bound that copy.
 _STOCK_WRITE_SLICE = 1 << 20
 _HANDSHAKE = (Kind.HELLO, Kind.CHALLENGE, Kind.AUTH, Kind.WELCOME)
+_UNAUTHENTICATED = RateLimitedLog(log)
 
 
 class Router(Protocol):
@@ -48,7 +50,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def __init__(self, max_payload: int, user_timeout: float) -> None:
         self._max_payload = max_payload
         self._user_timeout = user_timeout
-        self.decoder = FrameDecoder(self._choose, max_payload=0)  # no payloads before auth
+        # Before authentication: small restricted headers, no payloads, a small buffer.
+        self.decoder = FrameDecoder(self._choose, max_payload=0, authenticated=False)
         self.transport: asyncio.Transport | None = None
         self.peer: int | None = None  # rank, once authenticated
         self.router: Router | None = None
@@ -78,7 +81,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         """Handshake done: accept payloads and route frames to ``router``."""
         self.peer = rank
         self.router = router
-        self.decoder.max_payload = self._max_payload
+        self.decoder.authenticate(self._max_payload)
 
     def connection_lost(self, exc: Exception | None) -> None:
         reason = "connection closed"
@@ -158,9 +161,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self.transport.pause_reading()
 
     def _protocol_error(self, exc: ProtocolError) -> None:
-        who = f"rank {self.peer}" if self.peer is not None else "unauthenticated peer"
-        log.warning("protocol error from %s at %s: %s; closing that connection",
-                    who, self.peername, exc)
+        if self.peer is not None:
+            log.warning("protocol error from rank %d at %s: %s; closing that connection",
+                        self.peer, self.peername, exc)
+        else:  # anyone can send these: bounded logging
+            _UNAUTHENTICATED.warn("protocol error from unauthenticated peer at %s: %s; closing "
+                                  "that connection", self.peername, exc)
         self.abort(f"protocol error: {exc}")
 
     # -- sending ------------------------------------------------------------------------------

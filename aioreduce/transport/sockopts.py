@@ -9,6 +9,7 @@ setting SO_RCVBUF/SO_SNDBUF disables it.
 from __future__ import annotations
 
 import contextlib
+import resource
 import socket
 
 KEEPALIVE_IDLE_S = 10
@@ -33,3 +34,14 @@ def tune(sock: socket.socket, user_timeout: float = USER_TIMEOUT_S) -> None:
     for level, opt, value in opts:
         with contextlib.suppress(OSError):  # not every kernel knows every option
             sock.setsockopt(level, opt, value)
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft limit on open files to the hard limit (as many servers do at
+    start-up), so connections a flood opens cannot starve our own files; return the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]

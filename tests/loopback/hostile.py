@@ -1,0 +1,169 @@
+"""Hostile connections against a live job's listener (only 127.0.0.1, only ports we started).
+
+Kinds: random bytes, crafted headers (too long, or with fields not allowed before
+authentication, or a pathological dtype), truncated handshakes, wrong secrets, idle sockets.
+Used by ``test_hostile.py``; run the long version as a script::
+
+    python -m tests.loopback.hostile --connections 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import msgpack
+import psutil
+
+from aioreduce.wire import FrameDecoder, Header, Kind, encode_frame
+from aioreduce.wire.frame import MAGIC, PREFIX, VERSION
+from aioreduce.wire.handshake import ConnectorHandshake
+
+from .harness import SCHEMEPROG, Ranks
+
+KINDS = ("random", "long-header", "dtype-header", "truncated", "wrong-secret", "idle")
+
+
+def _bytes(header: Header) -> bytes:
+    return b"".join(bytes(b) for b in encode_frame(header))
+
+
+def _crafted(body: dict, declared: int | None = None) -> bytes:
+    head = msgpack.packb(body, use_bin_type=True)
+    return PREFIX.pack(MAGIC, VERSION, 0, declared or len(head), 0) + head
+
+
+def hostile_connection(port: int, kind: str, rng: random.Random, job: str) -> None:
+    """One hostile connection of ``kind``; returns when the listener dropped it or we gave up."""
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
+        if kind == "random":
+            sock.sendall(rng.randbytes(rng.randint(1, 4096)))
+        elif kind == "long-header":  # 64 KiB header with a pathological dtype, as measured
+            body = {"kind": 1, "step": 0, "tag": 0, "src": 0, "dtype": "(" * 60000 + "i4",
+                    "shape": [1]}
+            sock.sendall(_crafted(body))
+        elif kind == "dtype-header":
+            sock.sendall(_crafted({"kind": 1, "step": 0, "tag": 0, "src": 0,
+                                   "dtype": "(-1,)i4", "shape": [1]}))
+        elif kind == "truncated":
+            hello = ConnectorHandshake(b"x", job, 1, 0).start()
+            sock.sendall(_bytes(hello)[: rng.randint(1, 40)])
+        elif kind == "wrong-secret":
+            hs = ConnectorHandshake(rng.randbytes(16), job, 1, 0)
+            sock.sendall(_bytes(hs.start()))
+            dec = FrameDecoder(lambda h: None, 0, authenticated=False)
+            with contextlib.suppress(Exception):
+                while not dec.receive_data(sock.recv(4096)):
+                    pass
+                sock.sendall(_bytes(Header(Kind.AUTH, src=1, meta={"proof": b"\0" * 32})))
+        # "idle": connect and say nothing
+        with contextlib.suppress(OSError):
+            sock.settimeout(0.1)
+            sock.recv(1)  # until the listener drops us (or a tenth of a second)
+
+
+@dataclass
+class Flood:
+    port: int
+    job: str
+    seed: int = 0
+    done: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def run(self, connections: int, threads: int = 16) -> None:
+        lock = threading.Lock()
+
+        def worker(w: int) -> None:
+            rng = random.Random(self.seed * 1000 + w)
+            while True:
+                with lock:
+                    if self.done >= connections:
+                        return
+                    self.done += 1
+                kind = KINDS[rng.randrange(len(KINDS))]
+                try:
+                    hostile_connection(self.port, kind, rng, self.job)
+                except OSError as exc:
+                    with lock:
+                        self.errors[type(exc).__name__] = self.errors.get(
+                            type(exc).__name__, 0) + 1
+
+        pool = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+
+
+def ring_under_flood(connections: int, steps: int = 3000, pace: float = 0.005) -> dict:
+    """A 4-rank ring doing exact steps while rank 0's listener is flooded."""
+    job = Ranks(4)
+    job.start_all("ring", "--steps", str(steps), "--pace", str(pace), "--dim", "1000",
+                  prog=SCHEMEPROG)
+    lines: dict[int, list[dict]] = {r: [] for r in range(4)}
+
+    errs: dict[int, list[str]] = {r: [] for r in range(4)}
+
+    def read(rank: int) -> None:
+        for line in job.procs[rank].stdout:  # type: ignore[union-attr]
+            if line.startswith("STEP "):
+                lines[rank].append(json.loads(line[5:]))
+
+    def read_err(rank: int) -> None:  # drained as it comes, so a full pipe never blocks a rank
+        for line in job.procs[rank].stderr:  # type: ignore[union-attr]
+            errs[rank].append(line)
+
+    readers = [threading.Thread(target=f, args=(r,), daemon=True)
+               for r in range(4) for f in (read, read_err)]
+    for t in readers:
+        t.start()
+    try:
+        end = time.monotonic() + 60
+        while len(lines[0]) < 20 and time.monotonic() < end:
+            time.sleep(0.02)  # polling the ranks' progress
+        rank0 = psutil.Process(job.procs[0].pid)
+        rss0 = rank0.memory_info().rss
+        env0 = job.specs[0].env
+        flood = Flood(int(env0["AIOREDUCE_MASTER_PORT"]), env0["AIOREDUCE_JOB"])
+        t0 = time.monotonic()
+        flood.run(connections)
+        flood_s = time.monotonic() - t0
+        rss1 = rank0.memory_info().rss
+        steps_during = len(lines[0])
+        codes = {r: p.wait(steps * pace * 4 + 60) for r, p in job.procs.items()}
+        for t in readers:
+            t.join(5)
+    finally:
+        job.kill()
+    wrong = sum(1 for r in range(4) for s in lines[r]
+                if "error" in s or s["rel_err"] >= 1e-9)
+    return {"connections": flood.done, "flood_seconds": round(flood_s, 2),
+            "client_errors": flood.errors, "codes": codes, "wrong": wrong,
+            "steps": {r: len(lines[r]) for r in range(4)}, "steps_when_flood_ended":
+            steps_during, "rss_growth_mib": round((rss1 - rss0) / 2**20, 1),
+            "tracebacks": sum("Traceback" in line for e in errs.values() for line in e),
+            "log_lines_rank0": len(errs[0])}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--connections", type=int, default=10000)
+    ap.add_argument("--steps", type=int, default=6000)
+    a = ap.parse_args(argv)
+    rep = ring_under_flood(a.connections, a.steps)
+    print(json.dumps(rep, indent=1))
+    ok = (rep["wrong"] == 0 and set(rep["codes"].values()) == {0}
+          and rep["rss_growth_mib"] <= 50 and rep["tracebacks"] == 0)
+    print("OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

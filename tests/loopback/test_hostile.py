@@ -1,0 +1,113 @@
+"""Hostile networks: anyone who can reach a port costs a node almost nothing before proving the
+secret. Live jobs on 127.0.0.1 only; every process started here is killed at the end."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import resource
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from .harness import SCHEMEPROG, Ranks
+from .hostile import ring_under_flood
+
+pytestmark = pytest.mark.loopback
+
+
+def test_hostile_flood_against_a_live_ring_changes_nothing() -> None:
+    rep = ring_under_flood(1500, steps=2500)
+    assert rep["steps_when_flood_ended"] < 2500, rep  # the flood hit a running job
+    assert set(rep["codes"].values()) == {0}, rep
+    assert rep["wrong"] == 0 and rep["tracebacks"] == 0, rep
+    assert rep["rss_growth_mib"] <= 50, rep
+    assert rep["log_lines_rank0"] <= 100, rep  # refusals are logged, not a log flood
+
+
+def test_idle_connections_and_1024_fds_a_correct_peer_still_joins() -> None:
+    held_n = 1100
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < held_n + 200:
+        pytest.skip(f"this test needs {held_n + 200} descriptors, the hard limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, held_n + 200), hard))
+    job = Ranks(2)
+    port = int(job.specs[0].env["AIOREDUCE_MASTER_PORT"])
+
+    def limit() -> None:  # rank 0 as under `ulimit -n 1024`
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+    args = [sys.executable, SCHEMEPROG, "ring", "--steps", "20"]
+    procs = {0: subprocess.Popen(args, env=job.env(0), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                 preexec_fn=limit)}
+    job.procs = procs  # type: ignore[assignment]
+    held: list[socket.socket] = []
+    try:
+        end = time.monotonic() + 30
+        while True:
+            try:
+                held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < end, "rank 0 never listened"
+                time.sleep(0.05)  # waiting for rank 0 to start listening
+        rss0 = psutil.Process(procs[0].pid).memory_info().rss
+        for _ in range(held_n - 1):
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        rss1 = psutil.Process(procs[0].pid).memory_info().rss
+        procs[1] = job.start(1, "ring", "--steps", "20", prog=SCHEMEPROG)
+        outs = {r: p.communicate(timeout=120) for r, p in procs.items()}
+    finally:
+        for s in held:
+            s.close()
+        job.kill()
+    for rank, (out, err) in outs.items():
+        assert procs[rank].returncode == 0, (rank, err[-3000:])
+        got = [json.loads(x[5:]) for x in out.splitlines() if x.startswith("STEP ")]
+        assert len(got) == 20 and all(s["rel_err"] < 1e-9 for s in got), (rank, got[-1:])
+    assert (rss1 - rss0) / 2**20 <= 100, (rss0, rss1)
+    assert "Too many open files" not in outs[0][1]
+
+
+def test_dropped_idle_connections_are_the_oldest() -> None:
+    # Unit-level check of the cap through a real listener: hold more than the per-host cap and
+    # see the oldest ones closed by the node while the newest stay open.
+    script = (
+        "import asyncio, aioreduce as ar\n"
+        "from aioreduce.transport import Mesh, MeshOptions\n"
+        "async def main():\n"
+        "    m = Mesh(0, 2, b's', 'j', MeshOptions(max_unauthenticated_per_host=4))\n"
+        "    host, port = await m.listen('127.0.0.1', 0)\n"
+        "    print(port, flush=True)\n"
+        "    await asyncio.sleep(30)\n"
+        "ar.run(main())\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    socks: list[socket.socket] = []
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        for _ in range(10):
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            time.sleep(0.05)  # a distinct arrival order for each connection
+        closed = []
+        for s in socks:
+            s.settimeout(2 if not closed else 0.2)
+            try:
+                closed.append(s.recv(1) == b"")
+            except TimeoutError:
+                closed.append(False)
+            except ConnectionResetError:
+                closed.append(True)
+        assert closed == [True] * 6 + [False] * 4, closed
+    finally:
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.close()
+        proc.kill()
+        proc.wait(5)

@@ -14,6 +14,7 @@ import contextlib
 import json
 import random
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -152,11 +153,61 @@ def ring_under_flood(connections: int, steps: int = 3000, pace: float = 0.005) -
             "log_lines_rank0": len(errs[0])}
 
 
+def crafted_slowdown(rate: float = 4.0, seconds: float = 8.0) -> dict:
+    """Step median of a 4-rank ring without, then with, crafted 64 KiB headers arriving at
+    ``rate`` connections per second (one run, so the ratio compares like with like)."""
+    job = Ranks(4)
+    job.start_all("ring", "--steps", "100000", "--dim", "1000", prog=SCHEMEPROG)
+    times: list[tuple[float, float]] = []  # (end wall time, step seconds) of rank 0
+
+    def read() -> None:
+        for line in job.procs[0].stdout:  # type: ignore[union-attr]
+            if line.startswith("STEP "):
+                s = json.loads(line[5:])
+                times.append((s["t1"], s["t1"] - s["t0"]))
+
+    def drain(pipe) -> None:  # type: ignore[no-untyped-def]
+        for _line in pipe:  # every pipe is read, so no rank ever blocks on a full one
+            pass
+
+    pipes = [p.stderr for p in job.procs.values()] + [job.procs[r].stdout for r in (1, 2, 3)]
+    for t in [threading.Thread(target=read, daemon=True)] + [
+            threading.Thread(target=drain, args=(pipe,), daemon=True) for pipe in pipes]:
+        t.start()
+    port = int(job.specs[0].env["AIOREDUCE_MASTER_PORT"])
+    rng = random.Random(0)
+    try:
+        while len(times) < 50:
+            time.sleep(0.05)  # polling rank 0's progress
+        quiet0 = time.time()
+        time.sleep(seconds)  # the quiet phase
+        attack0 = time.time()
+        while time.time() < attack0 + seconds:
+            threading.Thread(target=hostile_connection, args=(port, "long-header", rng, "j"),
+                             daemon=True).start()
+            time.sleep(1 / rate)  # the attack's pace
+        attack1 = time.time()
+    finally:
+        job.kill()
+    quiet = [d for t, d in times if quiet0 <= t < attack0]
+    attacked = [d for t, d in times if attack0 <= t < attack1]
+    q, a = statistics.median(quiet), statistics.median(attacked)
+    return {"rate_per_s": rate, "quiet_median_ms": round(q * 1e3, 2),
+            "attacked_median_ms": round(a * 1e3, 2), "slowdown": round(a / q, 2),
+            "steps": [len(quiet), len(attacked)]}
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--connections", type=int, default=10000)
     ap.add_argument("--steps", type=int, default=6000)
+    ap.add_argument("--crafted-rate", type=float, default=0.0,
+                    help="instead: the step slowdown under crafted headers at this rate")
     a = ap.parse_args(argv)
+    if a.crafted_rate:
+        rep = crafted_slowdown(a.crafted_rate)
+        print(json.dumps(rep))
+        return 0 if rep["slowdown"] <= 2.0 else 1
     rep = ring_under_flood(a.connections, a.steps)
     print(json.dumps(rep, indent=1))
     ok = (rep["wrong"] == 0 and set(rep["codes"].values()) == {0}

@@ -241,9 +241,30 @@ class Node:
                             f"{what}")
         return self.scheme
 
+    def _check_input(self, vector: object) -> None:
+        """Refuse a bad argument before a step number is taken, so a corrected retry joins
+        the same step as the other ranks."""
+        if callable(vector):
+            return
+        if not isinstance(vector, np.ndarray):
+            hint = (" (a torch tensor: pass tensor.numpy(), or use aioreduce.torch)"
+                    if type(vector).__module__.startswith("torch") else "")
+            raise TypeError(f"rank {self.rank}: pass a numpy array or a function that returns "
+                            f"one, not {type(vector).__name__}{hint}")
+        if vector.dtype.hasobject:
+            raise TypeError(f"rank {self.rank}: an object array cannot be aggregated; pass a "
+                            "numeric array")
+        like = self._like
+        if like is not None and (vector.shape != like.shape or vector.dtype != like.dtype):
+            raise ValueError(f"rank {self.rank}, step {self._step}: this vector is "
+                             f"{vector.dtype} {list(vector.shape)}, earlier steps were "
+                             f"{like.dtype} {list(like.shape)}; every step of a scheme needs "
+                             "the same shape and dtype on every rank (Node.use() starts anew)")
+
     async def _run(self, vector: np.ndarray | Callable[[], np.ndarray]) -> Result:
         session = self._session
         assert session is not None  # aggregate()/allreduce() checked it
+        self._check_input(vector)
         step = self._step
         self._step += 1
         loop = asyncio.get_running_loop()

@@ -76,13 +76,14 @@ class SyncNode:
     def barrier(self, timeout: float = 60.0) -> None:
         self._call(self.node.barrier(timeout))
 
-    def close(self) -> None:
-        """Leave the job (bounded barrier, then disconnect) and stop the loop thread."""
+    def close(self, *, wait_for_peers: bool = True) -> None:
+        """Leave the job (bounded barrier, then disconnect) and stop the loop thread.
+        ``wait_for_peers=False`` skips the barrier (the trainer failed: leave at once)."""
         if self._closed:
             return
         self._closed = True
         try:
-            self._call(self.node.close())
+            self._call(self.node.close(wait_for_peers=wait_for_peers))
         finally:
             self._stop_loop()
 
@@ -97,11 +98,16 @@ class SyncNode:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.close()
+        # An exception in the trainer surfaces at once: no closing barrier to wait out.
+        self.close(wait_for_peers=exc is None)
+
+
+DEFAULT_TIMEOUT = 600.0  # seconds one blocking call may take before TimeoutError
 
 
 def connect(scheme: Scheme | None = None, environ: Mapping[str, str] | None = None,
-            timeout: float | None = None, **kwargs: Any) -> SyncNode:
+            timeout: float | None = DEFAULT_TIMEOUT, **kwargs: Any) -> SyncNode:
     """Join the job described by the environment (see :func:`aioreduce.discover`) with a
-    blocking interface; ``kwargs`` go to :class:`~aioreduce.Node`."""
+    blocking interface; ``kwargs`` go to :class:`~aioreduce.Node`. Every call gives up with
+    ``TimeoutError`` after ``timeout`` seconds (``None``: wait for ever)."""
     return SyncNode(Node.from_env(environ, scheme=scheme, **kwargs), timeout)

@@ -62,3 +62,20 @@ def test_blocking_facade_for_trainers_without_asyncio() -> None:
                          capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("SYNC OK") == 7
+
+
+def test_caller_mistakes_are_refused_without_taking_a_step(ranks) -> None:
+    job = ranks(3)
+    job.start_all(prog=str(Path(__file__).parent / "callerprog.py"))
+    done = job.wait(120)
+    for rank in range(3):
+        assert "STEP 2 OK" in done[rank].out, (rank, done[rank].err[-2000:])
+    rejected = [x for x in done[1].out.splitlines() if x.startswith("REJECTED")]
+    assert len(rejected) == 2, done[1].out
+    assert "TypeError: rank 1: pass a numpy array" in rejected[0]
+    assert "ValueError: rank 1, step 1:" in rejected[1] and "[7]" in rejected[1]
+    # The failing trainer's own error surfaces, and its node did not wait out the barrier.
+    assert done[2].returncode == 1 and "the trainer failed" in done[2].err
+    assert "closing without a clean barrier" not in done[2].err
+    for rank in (0, 1):
+        assert done[rank].returncode == 0 and "CLOSED" in done[rank].out, done[rank].err

@@ -158,6 +158,9 @@ class Inbox:
     def delivered(self, conn: FrameProtocol, frame: Frame) -> None:
         header = frame.header
         if header.kind is Kind.CONTROL:
+            if header.meta.get("op") == "notice":  # for the log only, never queued
+                log.error("rank %d says: %s", self.rank, str(header.meta.get("text"))[:500])
+                return
             self.control.put_nowait(header.meta)
             return
         if header.kind is not Kind.DATA:

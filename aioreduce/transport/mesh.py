@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +73,10 @@ class Mesh:
         self._tasks: set[asyncio.Task[None]] = set()
         self.refused = 0  # connections that failed the handshake (for tests and logs)
         self._unauthenticated: OrderedDict[FrameProtocol, str] = OrderedDict()  # -> host
+        self._dialed_by: dict[int, set[FrameProtocol]] = {}  # connections each rank dialed to us
+        self._settled = asyncio.Event()  # set while no handshake is in flight
+        self._settled.set()
+        self.duplicates: dict[int, list[str]] = {}  # rank -> addresses of processes claiming it
         self._refusals = RateLimitedLog(log)
 
     # -- listening ----------------------------------------------------------------------------
@@ -107,6 +111,7 @@ class Mesh:
         """Count a new unauthenticated connection; past the caps, drop the oldest one."""
         host = conn.peername.rsplit(":", 1)[0]
         self._unauthenticated[conn] = host
+        self._settled.clear()
         same = [c for c, h in self._unauthenticated.items() if h == host]
         if len(same) > self.options.max_unauthenticated_per_host:
             self._evict(same[0], f"more than {self.options.max_unauthenticated_per_host} "
@@ -117,8 +122,19 @@ class Mesh:
                         "connections")
 
     def _evict(self, conn: FrameProtocol, reason: str) -> None:
-        self._unauthenticated.pop(conn, None)
+        self._forget_unauthenticated(conn)
         conn.abort(reason)
+
+    def _forget_unauthenticated(self, conn: FrameProtocol) -> None:
+        self._unauthenticated.pop(conn, None)
+        if not self._unauthenticated:
+            self._settled.set()
+
+    async def handshakes_settled(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) until no connection is half-way through its handshake:
+        rank 0 looks once more for a rank started twice before it sends the address table."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._settled.wait(), timeout)
 
     async def _accept(self, conn: FrameProtocol) -> None:
         """Listener side of the handshake; never raises (a bad peer must not hurt the node)."""
@@ -130,7 +146,9 @@ class Mesh:
                 if isinstance(event, Refused):
                     raise AuthError(event.reason)
                 if isinstance(event, Accepted):
+                    self._refuse_duplicate(conn, event.rank)
                     self._attach(conn, event.rank)  # before WELCOME: data may follow it
+                    self._note_dialed(event.rank, conn)
                 for header in out:
                     await conn.send(encode_frame(header))
                 if event is not None:
@@ -145,7 +163,7 @@ class Mesh:
             log.exception("handshake with %s failed unexpectedly", conn.peername)
             conn.abort("handshake failed")
         finally:
-            self._unauthenticated.pop(conn, None)
+            self._forget_unauthenticated(conn)
 
     async def _next_handshake(self, conn: FrameProtocol) -> Header:
         """The next handshake frame, within the handshake timeout."""
@@ -159,6 +177,36 @@ class Mesh:
                 raise PeerLost(-1, f"{conn.peername} closed during the handshake")
             raise TimeoutError(f"no handshake frame within {self.options.handshake_timeout} s")
         return get.result()
+
+    def _refuse_duplicate(self, conn: FrameProtocol, rank: int) -> None:
+        """A process dials each peer at most once at a time: a second live connection that
+        proves the secret *as the same rank* comes from another process claiming that rank."""
+        live = [c for c in self._dialed_by.get(rank, ()) if not c.closed.done()]
+        if live:
+            where = [live[0].peername, conn.peername]
+            self.duplicates.setdefault(rank, []).extend(
+                w for w in where if w not in self.duplicates.get(rank, []))
+            text = (f"rank {rank} was started twice (from {where[0]} and {where[1]}); the "
+                    "second was refused: check the launch, every rank must be started once")
+            log.error("rank %d: %s", self.rank, text)
+            if len(self.addresses) == self.world_size:  # the job runs: tell every rank
+                self._spawn(self._notify_all(text))
+            raise AuthError(f"rank {rank} is already connected from {where[0]}")
+
+    async def _notify_all(self, text: str) -> None:
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        await asyncio.gather(*(self.send_control(r, {"op": "notice", "text": text})
+                               for r in peers), return_exceptions=True)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _note_dialed(self, rank: int, conn: FrameProtocol) -> None:
+        dialed = self._dialed_by.setdefault(rank, set())
+        dialed.add(conn)
+        conn.closed.add_done_callback(lambda _f: dialed.discard(conn))
 
     def _attach(self, conn: FrameProtocol, rank: int) -> None:
         conn.authenticated(rank, self._inbox[rank])  # frames go straight to the peer's inbox
@@ -239,7 +287,8 @@ class Mesh:
                     break
         except PeerLost:
             conn.abort("handshake failed")
-            raise AuthError(f"{where} refused our handshake (wrong secret or job id?)") from None
+            raise AuthError(f"{where} refused our handshake (wrong secret or job id, or is "
+                            f"rank {self.rank} started twice?)") from None
         except AuthError:
             conn.abort("handshake failed")
             raise

@@ -16,6 +16,7 @@ from ..errors import AuthError, PeerLost, RendezvousError
 from .mesh import Mesh
 
 ABORT_GRACE_S = 2.0
+SETTLE_S = 1.0  # at most this long for handshakes in flight when everyone has registered
 
 
 async def _gather_from(mesh: Mesh, ranks: list[int], op: str, deadline: float
@@ -50,18 +51,14 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
             regs = await _gather_from(mesh, others, "register", deadline)
         except RendezvousError as exc:
             # Tell the ranks that did come which ones are missing, so every log names them.
-            came = [r for r in others if r not in exc.missing]
-            await asyncio.gather(*(mesh.send_control(r, {"op": "abort", "missing": exc.missing})
-                                   for r in came), return_exceptions=True)
+            await _abort(mesh, [r for r in others if r not in exc.missing], str(exc),
+                         exc.missing)
             raise
-        for r, msg in regs.items():
-            if msg.get("world") != mesh.world_size:
-                raise RendezvousError(f"rank {r} believes the world size is {msg.get('world')},"
-                                      f" rank 0 believes {mesh.world_size}")
-            host, port = msg.get("host"), msg.get("port")
-            if not isinstance(host, str) or not isinstance(port, int):
-                raise RendezvousError(f"rank {r} registered a malformed address")
-            mesh.addresses[r] = (host, port)
+        await mesh.handshakes_settled(SETTLE_S)  # a second process for a rank may be mid-way
+        problem = _check_registrations(mesh, regs)
+        if problem:
+            await _abort(mesh, others, problem, [])
+            raise RendezvousError(f"rank 0: {problem}")
         addresses = [list(mesh.addresses[r]) for r in range(mesh.world_size)]
         await asyncio.gather(*(mesh.send_control(r, {"op": "table", "table": addresses})
                                for r in others))
@@ -95,8 +92,11 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
     if msg.get("op") == "abort":
         listed = msg.get("missing")
         missing = [int(r) for r in listed] if isinstance(listed, list) else []
-        raise RendezvousError(f"rank {mesh.rank}: ranks {missing} never joined the job",
-                              missing=missing)
+        reason = msg.get("reason")
+        if missing:
+            raise RendezvousError(f"rank {mesh.rank}: ranks {missing} never joined the job",
+                                  missing=missing)
+        raise RendezvousError(f"rank {mesh.rank}: rank 0 stopped the job: {reason}")
     table = msg.get("table")
     if not isinstance(table, list) or len(table) != mesh.world_size:
         raise RendezvousError("rank 0 sent a malformed address table")
@@ -105,6 +105,30 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
                 and isinstance(entry[1], int)):
             raise RendezvousError(f"rank 0 sent a malformed address for rank {r}")
         mesh.addresses[r] = (entry[0], entry[1])
+
+
+def _check_registrations(mesh: Mesh, regs: dict[int, dict[str, object]]) -> str:
+    """What is wrong with the job as registered ("" if nothing), saying what to check."""
+    if mesh.duplicates:
+        r, where = next(iter(sorted(mesh.duplicates.items())))
+        return (f"rank {r} was started twice (from {' and '.join(where)}): check the launch, "
+                "every rank must be started exactly once")
+    for r, msg in sorted(regs.items()):
+        if msg.get("world") != mesh.world_size:
+            return (f"rank {r} believes the world size is {msg.get('world')}, rank 0 believes "
+                    f"{mesh.world_size}: check WORLD_SIZE / -n on every host")
+        host, port = msg.get("host"), msg.get("port")
+        if not isinstance(host, str) or not isinstance(port, int):
+            return f"rank {r} registered a malformed address"
+        mesh.addresses[r] = (host, port)
+    return ""
+
+
+async def _abort(mesh: Mesh, ranks: list[int], reason: str, missing: list[int]) -> None:
+    """Tell ``ranks`` why the job will not start, so every rank's log names the cause."""
+    await asyncio.gather(*(mesh.send_control(r, {"op": "abort", "reason": reason,
+                                                 "missing": missing}) for r in ranks),
+                         return_exceptions=True)  # each send returns once in the kernel
 
 
 async def barrier(mesh: Mesh, timeout: float, *, closing: bool = False) -> None:

@@ -13,7 +13,7 @@ import pytest
 from aioreduce.wire import FrameDecoder, Header, Kind, encode_frame
 from aioreduce.wire.frame import MAGIC, PREFIX, VERSION
 
-from .harness import Ranks
+from .harness import SCHEMEPROG, Ranks
 
 pytestmark = pytest.mark.loopback
 
@@ -167,3 +167,61 @@ def test_a_rank_that_never_shows_up_is_named(ranks) -> None:
     assert "ranks [2] did not reach register" in done[0].out
     for r in (1, 3):  # the others fail too instead of hanging, and name the missing rank
         assert done[r].returncode == 4 and "ranks [2] never joined" in done[r].out, done[r]
+
+
+def _run_job(extra: dict[int, dict[str, str]] | None = None, duplicate: int | None = None
+             ) -> tuple[dict[int, tuple[int, str]], tuple[int, str] | None]:
+    """A 4-rank ring of 100 paced steps; ``extra`` env per rank; ``duplicate``: start that
+    rank twice.
+    Returns {rank: (exit code, stderr)} and the duplicate's (exit code, stderr)."""
+    job = Ranks(4)
+    dup = None
+    # Long enough (about 1 s) that a second process always finds the job still running.
+    args = ("ring", "--steps", "100", "--pace", "0.01")
+    try:
+        for r in range(4):
+            job.start(r, *args, prog=SCHEMEPROG, **(extra or {}).get(r, {}))
+        if duplicate is not None:
+            dup = subprocess.Popen([sys.executable, SCHEMEPROG, *args],
+                                   env=job.env(duplicate, AIOREDUCE_TIMEOUT="10"),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True)
+        outs = {r: p.communicate(timeout=30) for r, p in job.procs.items()}
+        dup_out = dup.communicate(timeout=30) if dup is not None else None
+    finally:
+        job.kill()
+        if dup is not None:
+            dup.kill()
+            dup.wait(5)
+    got = {r: (job.procs[r].returncode, e) for r, (_o, e) in outs.items()}
+    return got, (None if dup is None or dup_out is None else (dup.returncode, dup_out[1]))
+
+
+def test_a_rank_started_twice_is_named_on_every_rank_every_time() -> None:
+    # Caught while the job assembles, every rank stops naming it; caught later (the second
+    # process started after the job had assembled), it is refused and every rank logs it.
+    outcomes = set()
+    for run in range(10):
+        t0 = time.monotonic()
+        got, dup = _run_job(duplicate=2)
+        assert time.monotonic() - t0 < 20, run  # no hang
+        assert dup is not None
+        # The two processes claiming rank 2 are alike: whichever came second is refused.
+        pair = [got.pop(2), dup]
+        refused = [p for p in pair if p[0] != 0 and "started twice" in p[1]]
+        assert refused, (run, pair)
+        kept = [p for p in pair if p not in refused[:1]]
+        for rank, (_code, err) in got.items():
+            assert "rank 2 was started twice" in err, (run, rank, err[-1500:])
+        codes = {code for code, _err in [*got.values(), *kept]}
+        assert len(codes) == 1, (run, got, kept)  # the same outcome on every other rank
+        outcomes.add("stopped" if codes != {0} else "refused")
+    print("outcomes:", outcomes)
+
+
+def test_a_world_size_mismatch_is_named_on_every_rank() -> None:
+    wrong = {"WORLD_SIZE": "5", "AIOREDUCE_WORLD_SIZE": "5"}
+    got, _ = _run_job(extra={3: wrong})
+    for rank, (code, err) in got.items():
+        assert code != 0, rank
+        assert "rank 3 believes the world size is 5, rank 0 believes 4" in err, (rank, err[-1500:])

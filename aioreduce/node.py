@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable, Mapping
 from types import TracebackType
@@ -312,6 +313,9 @@ class Node:
     async def _straggle(self, step: int, vec: np.ndarray, compute_seconds: float
                         ) -> np.ndarray:
         """Apply injected straggling (a delay model per rank) to this rank's vector."""
+        if self.straggle.kills(self.rank, step):
+            # A real death, as a crashed or preempted machine: no cleanup, no goodbye.
+            os.kill(os.getpid(), signal.SIGKILL)
         delay = self.straggle.extra_delay(self.rank, step, compute_seconds)
         if delay > 0:
             await asyncio.sleep(delay)

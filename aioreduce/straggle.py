@@ -6,9 +6,11 @@ A spec is a ``;``-separated list of ``TARGET:MODEL`` items:
 * ``MODEL`` is ``delay=SECONDS`` (added to every step), ``slow=FACTOR`` (the rank computes
   FACTOR times slower: its measured compute time is stretched by FACTOR - 1), or
   ``shifted-exp=SHIFT,RATE`` (each step adds SHIFT + Exp(1)/RATE seconds, the compute model of
-  the gradient-coding papers).
+  the gradient-coding papers), or ``kill=STEP`` (the rank SIGKILLs itself when it reaches
+  step STEP: a dead node, for testing tolerance).
 
-Examples: ``rank=4:delay=0.5``, ``rank=4:slow=3``, ``all:shifted-exp=0.01,20;rank=2:slow=3``.
+Examples: ``rank=4:delay=0.5``, ``rank=4:slow=3``, ``rank=5:kill=10``,
+``all:shifted-exp=0.01,20;rank=2:slow=3``.
 The runtime reads ``AIOREDUCE_STRAGGLE`` (and ``AIOREDUCE_STRAGGLE_SEED``) when a node is
 created from the environment, so a launcher can slow chosen ranks without touching the program.
 """
@@ -29,6 +31,7 @@ class StraggleRule:
     slow: float = 1.0
     shift: float = 0.0
     rate: float = 0.0  # 0: no exponential part
+    kill_at: int | None = None  # the step at which the rank kills itself
 
     def applies(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
@@ -52,6 +55,11 @@ class StraggleModel:
                 rng = np.random.default_rng([self.seed, i, rank, step])
                 extra += rule.shift + (rng.exponential(1.0) / rule.rate if rule.rate else 0.0)
         return extra
+
+    def kills(self, rank: int, step: int) -> bool:
+        """True if ``rank`` is to die (SIGKILL itself) on reaching ``step``."""
+        return any(rule.kill_at is not None and rule.applies(rank) and step >= rule.kill_at
+                   for rule in self.rules)
 
     def __bool__(self) -> bool:
         return bool(self.rules)
@@ -83,15 +91,18 @@ def parse_straggle(spec: str, seed: int = 0) -> StraggleModel:
                 rule = StraggleRule(ranks, delay=float(value))
             elif kind == "slow":
                 rule = StraggleRule(ranks, slow=float(value))
+            elif kind == "kill":
+                rule = StraggleRule(ranks, kill_at=int(value))
             elif kind == "shifted-exp":
                 shift, rate = (float(v) for v in value.split(","))
                 rule = StraggleRule(ranks, shift=shift, rate=rate)
             else:
                 raise ValueError(kind)
         except ValueError:
-            raise ValueError(f"straggler spec {item!r}: model must be delay=S, slow=K or "
-                             "shifted-exp=SHIFT,RATE") from None
-        if rule.delay < 0 or rule.slow < 1 or rule.shift < 0 or rule.rate < 0:
+            raise ValueError(f"straggler spec {item!r}: model must be delay=S, slow=K, "
+                             "shifted-exp=SHIFT,RATE or kill=STEP") from None
+        if (rule.delay < 0 or rule.slow < 1 or rule.shift < 0 or rule.rate < 0
+                or (rule.kill_at or 0) < 0):
             raise ValueError(f"straggler spec {item!r}: values must be non-negative "
                              "(slow >= 1)")
         rules.append(rule)

@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-e", "--exclude", metavar="SPEC", help="all hosts/slots but these")
     p.add_argument("--kill-timeout", type=float, default=10.0, metavar="S",
                    help="seconds between SIGTERM and SIGKILL when stopping ranks (default 10)")
+    p.add_argument("--tolerate", type=int, default=0, metavar="K",
+                   help="up to K ranks may die without stopping the job, for schemes that "
+                        "finish without them (coded-tree, gc); the summary names them "
+                        "(default 0: the first death stops the job)")
     p.add_argument("--no-tag-output", action="store_true",
                    help="do not prefix output lines with [rank]")
     p.add_argument("--output-dir", metavar="DIR",
@@ -152,6 +156,8 @@ async def launch(opts: argparse.Namespace, command: list[str]) -> int:
             raise UsageError(f"{', '.join(unroutable)}: a localhost entry in a job with remote "
                              "hosts needs addr=<this machine's address>, so remote ranks can "
                              "reach its ranks")
+    if opts.tolerate < 0:
+        raise UsageError("--tolerate K: K must be 0 or more")
     master_port, rendezvous_port = job_ports(opts, entries[0])
     job = JobConfig(master_addr=entries[0].data_addr, master_port=master_port,
                     rendezvous_port=rendezvous_port,
@@ -189,7 +195,7 @@ async def launch(opts: argparse.Namespace, command: list[str]) -> int:
         hosts = [RemoteHost(e.host, conns[e.host], ssh_opts) for e in remote_entries]
 
     ranks: list[RankHandle] = []
-    supervisor = Supervisor(ranks, kill_timeout=opts.kill_timeout)
+    supervisor = Supervisor(ranks, kill_timeout=opts.kill_timeout, tolerate=opts.tolerate)
     tag = not opts.no_tag_output
     try:
         for e in entries:

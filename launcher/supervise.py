@@ -1,9 +1,10 @@
-"""Watching a job's ranks: first failure stops everyone, Ctrl-C stops everyone.
+"""Watching a job's ranks: a failure beyond the tolerance stops everyone, Ctrl-C stops everyone.
 
-Policy (the same for local and remote ranks):
+Policy (the same for local and remote ranks; which deaths count is :mod:`.policy`):
 
-* the first rank to exit non-zero decides the launcher's exit code; its last lines are shown
-  and every other rank is terminated;
+* a rank that exits non-zero dies; up to ``tolerate`` deaths (``--tolerate K``) leave the job
+  running, one more terminates every other rank; the culprit (the first death that was not
+  just a lost peer) decides the exit code, and a summary names every death and how it ended;
 * termination is SIGTERM to each rank's process group, then SIGKILL after ``kill_timeout``;
 * SIGINT/SIGTERM to the launcher start the same termination; a second one escalates to SIGKILL
   at once;
@@ -20,6 +21,7 @@ import sys
 from typing import Protocol
 
 from .output import RankOutput
+from .policy import FailurePolicy, how_it_ended
 
 
 class RankHandle(Protocol):
@@ -44,10 +46,11 @@ def _say(msg: str) -> None:
 class Supervisor:
     """Runs the failure and interrupt policy over a set of started ranks."""
 
-    def __init__(self, ranks: list[RankHandle], kill_timeout: float = 10.0) -> None:
+    def __init__(self, ranks: list[RankHandle], kill_timeout: float = 10.0,
+                 tolerate: int = 0) -> None:
         self.ranks = ranks
         self.kill_timeout = kill_timeout
-        self.first_failure: tuple[int, int] | None = None  # (rank, exit code)
+        self.policy = FailurePolicy(tolerate)
         self.interrupted: int | None = None  # signal number
         self._stopping = False
         self._kill_handle: asyncio.TimerHandle | None = None
@@ -104,19 +107,19 @@ class Supervisor:
                 self._kill_handle.cancel()
             self._signal_all(signal.SIGKILL)  # reap whatever a rank left in its group
             await asyncio.gather(*(r.close() for r in self.ranks))
-        if self.first_failure is not None:
-            return self.first_failure[1]
-        if self.interrupted is not None:
-            return 128 + self.interrupted
-        return 0
+        for line in self.policy.summary():
+            _say(line)
+        return self.policy.exit_code(self.interrupted)
 
     def _exited(self, rank: RankHandle, code: int) -> None:
-        if code == 0 or self.first_failure is not None or self.interrupted is not None:
+        if self._stopping:  # the launcher's own SIGTERM/SIGKILL: not a death
             return
-        self.first_failure = (rank.rank, code)
-        _say(f"rank {rank.rank} on {rank.host} exited with code {code}; "
-             f"terminating the other ranks")
-        tail = list(rank.outputs[1].last_lines)[-10:] or list(rank.outputs[0].last_lines)[-10:]
-        for line in tail:
-            _say(f"  [{rank.rank}] {line}")
-        self.stop()
+        tail = list(rank.outputs[1].last_lines) or list(rank.outputs[0].last_lines)
+        if self.policy.exited(rank.rank, rank.host, code, tail):
+            _say(f"rank {rank.rank} on {rank.host} {how_it_ended(code)}; "
+                 f"terminating the other ranks")
+            self.stop()
+        elif code != 0:
+            _say(f"rank {rank.rank} on {rank.host} {how_it_ended(code)}; tolerated "
+                 f"({len(self.policy.deaths)} of at most {self.policy.tolerate}), "
+                 "the job goes on")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -114,3 +115,40 @@ def test_usage_errors_are_clear() -> None:
     res = subprocess.run([*LAUNCH, "-n", "2", "--", "/nonexistent/prog"], capture_output=True,
                          text=True)
     assert res.returncode == 2 and "cannot start" in res.stderr
+
+
+LOGREG = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "logreg.py")
+REFERENCE_LOSS = 0.03228846978368438  # examples/logreg.py --reference, 30 steps
+
+
+def _launch_logreg(n: int, extra: list[str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*LAUNCH, "-n", str(n), "--kill-timeout", "2", *extra, "--",
+                           sys.executable, LOGREG, *args], capture_output=True, text=True,
+                          timeout=240)
+
+
+def test_tolerate_keeps_a_coded_job_alive_when_a_rank_is_killed() -> None:
+    # Rank 5 SIGKILLs itself at step 10 (a real death: no cleanup, sockets reset).
+    res = _launch_logreg(13, ["--tolerate", "1", "-x", "AIOREDUCE_STRAGGLE=rank=5:kill=10"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = [line for line in res.stdout.splitlines() if line.startswith("[0] SUMMARY ")]
+    final = json.loads(summary[0].removeprefix("[0] SUMMARY "))["final_loss"]
+    assert abs(final - REFERENCE_LOSS) < 1e-9
+    # The killed rank really died mid-run, and the summary says who and how.
+    assert "[5] total" not in res.stderr
+    assert "rank 5 on localhost killed by SIGKILL; tolerated (1 of at most 1)" in res.stderr
+    assert "1 rank(s) died, tolerated" in res.stderr
+    assert sum(line.endswith(" total") or " total " in line
+               for line in res.stderr.splitlines()) == 12
+
+
+def test_beyond_the_tolerance_the_culprit_is_the_rank_that_died_first() -> None:
+    # Under the ring a lost rank stops its neighbours (PeerLost): the second death stops the
+    # job, and the culprit named is the killed rank, not the neighbour reporting it.
+    res = _launch_logreg(4, ["--tolerate", "1", "-x", "AIOREDUCE_STRAGGLE=rank=2:kill=5"],
+                         "--scheme", "ring", "--steps", "20")
+    assert res.returncode == 128 + signal.SIGKILL, res.stderr[-3000:]
+    assert "the job was stopped" in res.stderr
+    assert "(after another rank was lost)" in res.stderr
+    assert "culprit: rank 2 on localhost killed by SIGKILL" in res.stderr
+    assert "[2] total" not in res.stderr

@@ -39,3 +39,11 @@ def test_bad_specs_name_the_item(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message) as info:
         parse_straggle(f"all:delay=0.1;{spec}")
     assert spec.split(";")[0] in str(info.value)
+
+
+def test_kill_model_names_the_rank_and_step() -> None:
+    m = parse_straggle("rank=5:kill=10;rank=1:slow=2")
+    assert not m.kills(5, 9) and m.kills(5, 10) and m.kills(5, 11)
+    assert not m.kills(4, 10) and not m.kills(1, 100)
+    with pytest.raises(ValueError, match="kill=STEP"):
+        parse_straggle("rank=5:kill=soon")

@@ -27,8 +27,10 @@ import numpy as np
 
 from .env import NodeEnv, discover
 from .schemes import CodedScheme, FellBehind, Result, Scheme, Session
+from .schemes.base import Comm, DecodeTimed
 from .schemes.broadcast import broadcast
 from .straggle import StraggleModel, parse_straggle
+from .telemetry import Tracer, TracingComm, trace_path
 from .transport import Mesh, MeshOptions, barrier, rendezvous
 from .wire import Header
 
@@ -40,7 +42,8 @@ class Node:
 
     def __init__(self, env: NodeEnv, *, scheme: Scheme | None = None,
                  straggle: StraggleModel | str | None = None,
-                 options: MeshOptions | None = None, close_timeout: float = 10.0) -> None:
+                 options: MeshOptions | None = None, close_timeout: float = 10.0,
+                 trace: str | None = None) -> None:
         self.env = env
         self.scheme = scheme
         if scheme is not None:
@@ -57,6 +60,8 @@ class Node:
         self.mesh = Mesh(env.rank, env.world_size, env.secret, env.job, options)
         self.close_timeout = close_timeout
         self._started = False
+        # Step telemetry: one JSON line per step (see aioreduce.telemetry).
+        self.tracer = Tracer(env.rank, trace_path(trace, env.rank)) if trace else None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, *,
@@ -65,9 +70,12 @@ class Node:
         """A node configured from ``AIOREDUCE_*``/torchrun/SLURM/Open MPI variables.
 
         ``AIOREDUCE_STRAGGLE`` (see :mod:`aioreduce.straggle`) injects stragglers unless a
-        ``straggle`` argument is given.
+        ``straggle`` argument is given; ``AIOREDUCE_TRACE=DIR`` writes step telemetry to
+        ``DIR/rank.N.jsonl`` unless a ``trace`` argument is given.
         """
         env_map = os.environ if environ is None else environ
+        if "trace" not in kwargs and env_map.get("AIOREDUCE_TRACE"):
+            kwargs["trace"] = env_map["AIOREDUCE_TRACE"]
         if "straggle" not in kwargs and env_map.get("AIOREDUCE_STRAGGLE"):
             kwargs["straggle"] = parse_straggle(env_map["AIOREDUCE_STRAGGLE"],
                                                 int(env_map.get("AIOREDUCE_STRAGGLE_SEED", 0)))
@@ -94,7 +102,7 @@ class Node:
         self._started = True
         await self._preconnect()
         if self.scheme is not None:
-            self._session = self.scheme.open(self.mesh)
+            self._session = self.scheme.open(self._comm())
         log.debug("rank %d joined job %s (%d ranks)", env.rank, env.job, env.world_size)
 
     async def _preconnect(self) -> None:
@@ -122,6 +130,8 @@ class Node:
             await session.close(self.close_timeout)
         self._started = False
         await self.mesh.close()
+        if self.tracer is not None:
+            self.tracer.close()
 
     async def __aenter__(self) -> Node:
         try:
@@ -186,7 +196,11 @@ class Node:
         self._like = None
         await self._preconnect()
         if self._started:
-            self._session = scheme.open(self.mesh)
+            self._session = scheme.open(self._comm())
+
+    def _comm(self) -> Comm:
+        """The comm sessions run on: the mesh, counted when tracing."""
+        return self.mesh if self.tracer is None else TracingComm(self.mesh, self.tracer)
 
     @property
     def step(self) -> int:
@@ -301,14 +315,28 @@ class Node:
 
     async def _step_session(self, session: Session, step: int, like: np.ndarray,
                             own: asyncio.Future[np.ndarray]) -> Result:
+        tracer = self.tracer
+        if tracer is not None:
+            tracer.begin(step, type(self.scheme).__name__)
+            own.add_done_callback(lambda f: None if f.cancelled() else tracer.ready(step))
+        result: Result | None = None
+        error: BaseException | None = None
         try:
-            return await session.step(step, like, own)
+            result = await session.step(step, like, own)
+            return result
         except FellBehind as exc:
             self._step = max(self._step, exc.current_step)
+            error = exc
+            raise
+        except BaseException as exc:
+            error = exc
             raise
         finally:
             own.cancel()
             self._last_return = time.perf_counter()
+            if tracer is not None:
+                decode = session.decode_seconds(step) if isinstance(session, DecodeTimed) else 0
+                tracer.finish(step, result, error, decode)
 
     async def _straggle(self, step: int, vec: np.ndarray, compute_seconds: float
                         ) -> np.ndarray:

@@ -97,6 +97,14 @@ class Session(Protocol):
         vector for that step is not needed (the node then skips computing it)."""
 
 
+@runtime_checkable
+class DecodeTimed(Protocol):
+    """A session that can tell how long this rank spent decoding a step (for telemetry)."""
+
+    def decode_seconds(self, step: int) -> float:
+        """Seconds spent decoding and combining ``step`` on this rank (0 if none)."""
+
+
 class Scheme(Protocol):
     """A scheme's options; :meth:`open` starts a session of it on a comm."""
 

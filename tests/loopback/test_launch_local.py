@@ -152,3 +152,24 @@ def test_beyond_the_tolerance_the_culprit_is_the_rank_that_died_first() -> None:
     assert "(after another rank was lost)" in res.stderr
     assert "culprit: rank 2 on localhost killed by SIGKILL" in res.stderr
     assert "[2] total" not in res.stderr
+
+
+def test_trace_of_the_readme_job_names_the_slow_rank(tmp_path) -> None:
+    # README line 1, traced: every rank writes one line per step; the slow rank is the one
+    # skipped most and ready latest; the report renders.
+    res = _launch_logreg(13, ["-x", f"AIOREDUCE_TRACE={tmp_path}"], "--straggle",
+                         "rank=4:slow=3")
+    assert res.returncode == 0, res.stderr[-3000:]
+    from aioreduce.telemetry.report import load, summarize
+
+    recs = load(str(tmp_path))
+    assert sorted({(r.rank, r.step) for r in recs}) == [(k, s) for k in range(13)
+                                                        for s in range(30)]
+    assert all(r.scheme == "CodedTree" and r.exact and r.error is None for r in recs)
+    rows = {row.rank: row for row in summarize(recs)}
+    assert max(rows.values(), key=lambda row: row.median_lag_ms).rank == 4
+    assert rows[4].late == max(row.late for row in rows.values())  # skipped most often
+    assert all(row.sent_mb > 0 and row.recv_mb > 0 for row in rows.values())
+    out = subprocess.run([sys.executable, "-m", "aioreduce.telemetry", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.splitlines()[0].split()[0] == "rank"

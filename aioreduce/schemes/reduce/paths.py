@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +85,7 @@ class UpPath:
         last = len(lay.msg_bounds) - 1
         for c, (lo, hi) in enumerate(lay.msg_bounds):
             responders = await gather.ready[c]
+            t = time.perf_counter()
             a, c_exact, c_err = gather.coefficients(responders, s.opts)
             if a is None:
                 self._failed(gather.missing(kids, responders))
@@ -91,6 +93,7 @@ class UpPath:
             exact, err = exact and c_exact, max(err, c_err)
             used_kids.update(i for i in range(len(kids)) if np.any(a[..., i]))
             combine(out, mine, self.bufs, a, lo, hi, lay.msg_len, m)
+            s.decoded(self.step, time.perf_counter() - t)
             if m == 1:
                 report = (Report.combine(s.comm.rank, kids, gather.reports, used_kids, exact,
                                          err) if c == last else None)

@@ -58,6 +58,7 @@ class ReduceSession:
         self._probe: DownPath | None = None
         self._removers: list[Callable[[], None]] = []
         self._known_up_to = -1  # the latest step whose outcome arrived before we asked
+        self._decode = (-1, 0.0)  # (step, seconds this rank spent decoding it), for telemetry
         for src in (family.parent, family.grandparent):
             if src is not None:
                 self._removers.append(comm.on_early(
@@ -103,6 +104,16 @@ class ReduceSession:
                 if down.probe is not None:
                     self._probe = down
             comm.discard_before(step + 1)
+
+    def decoded(self, step: int, seconds: float) -> None:
+        """Count ``seconds`` of decoding and combining towards ``step``."""
+        last, total = self._decode
+        self._decode = (step, seconds + (total if last == step else 0.0))
+
+    def decode_seconds(self, step: int) -> float:
+        """Seconds this rank spent decoding and combining ``step`` (0 if it did not)."""
+        last, total = self._decode
+        return total if last == step else 0.0
 
     async def _own(self, step: int, lay: Layout, own: Awaitable[np.ndarray]) -> np.ndarray:
         mine = (await own).reshape(-1)

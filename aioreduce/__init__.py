@@ -9,6 +9,7 @@ from .errors import (
     ProtocolError,
     RecvTimeout,
     RendezvousError,
+    VectorMismatch,
 )
 from .node import Node
 from .schemes import (
@@ -50,6 +51,7 @@ __all__ = [
     "StragglerError",
     "SyncNode",
     "Tree",
+    "VectorMismatch",
     "connect",
     "discover",
     "parse_straggle",

@@ -39,6 +39,18 @@ class RendezvousError(AioreduceError):
         self.missing = missing or []
 
 
+class VectorMismatch(AioreduceError, ValueError):
+    """Ranks passed vectors of different shapes or dtypes to the same step.
+
+    ``ranks`` are the two ranks whose vectors were compared; every rank of the job raises
+    the same error for that step (a caller's mistake, not a straggler).
+    """
+
+    def __init__(self, message: str, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = ranks or []
+
+
 class ConfigError(AioreduceError, ValueError):
     """The environment or arguments do not describe a valid job."""
 
@@ -51,4 +63,5 @@ __all__ = [
     "ProtocolError",
     "RecvTimeout",
     "RendezvousError",
+    "VectorMismatch",
 ]

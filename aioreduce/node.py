@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .env import NodeEnv, discover
+from .errors import VectorMismatch
 from .schemes import CodedScheme, FellBehind, Result, Scheme, Session
 from .schemes.base import Comm, DecodeTimed
 from .schemes.broadcast import broadcast
@@ -326,6 +327,12 @@ class Node:
             return result
         except FellBehind as exc:
             self._step = max(self._step, exc.current_step)
+            error = exc
+            raise
+        except VectorMismatch as exc:
+            # The ranks did not agree on the shape: the next step starts anew (a corrected
+            # vector is not refused as "differs from earlier steps").
+            self._like = None
             error = exc
             raise
         except BaseException as exc:

@@ -65,6 +65,10 @@ class SyncNode:
         """``root``'s array on every rank (see :meth:`Node.broadcast`)."""
         return self._call(self.node.broadcast(array, root))
 
+    def use(self, scheme: Scheme) -> None:
+        """Switch schemes between steps, on every rank (see :meth:`Node.use`)."""
+        self._call(self.node.use(scheme))
+
     def aggregate(self, vector: np.ndarray | Callable[[], np.ndarray]) -> Result:
         """One coded step (see :meth:`Node.aggregate`); the full :class:`Result`."""
         return self._call(self.node.aggregate(vector))

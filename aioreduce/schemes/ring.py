@@ -8,20 +8,33 @@ the bandwidth optimum. All-gather receives land directly in the result; reduce-s
 go to one scratch segment per direction, added in place. A segment is only modified after the
 send that reads it has drained (``send`` returns then), which zero-copy sends require.
 
-The ring waits for every rank: it is the baseline that stragglers hurt.
+The ring waits for every rank: it is the baseline that stragglers hurt. A step that fails on
+one rank (a lost neighbour, a vector of another shape) would leave the ranks further round
+the ring waiting forever, so the rank that sees the failure tells every rank (an abort frame,
+payload-less, on a tag of its own) and they all raise the same error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from ..errors import AioreduceError, PeerLost, VectorMismatch
 from ..topology import ring_neighbours
+from ..wire import Header
 from .base import Comm, Result
+
+ABORT_TAG = 1 << 30  # above every data tag of a step (those stay below 1 << 21)
+MAX_TEXT = 1000
+MAX_AHEAD = 4
+EMPTY = np.empty(0, np.uint8)
 
 
 def _segments(length: int, n: int) -> list[tuple[int, int]]:
@@ -68,13 +81,55 @@ class Ring:
 
 
 class RingSession:
-    """A ring keeps nothing across steps."""
+    """A ring keeps nothing across steps but the way to hear that a step failed elsewhere."""
 
     def __init__(self, comm: Comm, bidirectional: bool) -> None:
         self.comm, self.bidirectional = comm, bidirectional
+        self._step = -1
+        self._aborted: asyncio.Future[AioreduceError] | None = None
+        # Aborts of steps this rank has not begun (it is behind): a few, newest kept.
+        self._ahead: dict[int, AioreduceError] = {}
+        self._sends: set[asyncio.Task[None]] = set()
+        self._removers: list[Callable[[], None]] = [
+            comm.on_early(peer, ABORT_TAG, functools.partial(self._abort_heard, peer))
+            for peer in range(comm.world_size) if peer != comm.rank]
 
     async def close(self, timeout: float) -> None:
-        pass
+        for remove in self._removers:
+            remove()
+        self._removers.clear()
+        if self._sends:
+            await asyncio.wait(self._sends, timeout=timeout)
+
+    def _abort_heard(self, peer: int, header: Header, _payload: memoryview) -> None:
+        if header.tag != ABORT_TAG or header.step < self._step:
+            return  # a stale abort: that step is over here
+        error = _abort_error(peer, header.meta)
+        if header.step > self._step:
+            self._ahead.setdefault(header.step, error)
+            while len(self._ahead) > MAX_AHEAD:
+                del self._ahead[max(self._ahead)]
+        elif self._aborted is not None and not self._aborted.done():
+            self._aborted.set_result(error)
+
+    def _tell_everyone(self, step: int, exc: BaseException) -> None:
+        """Send every other rank this step's failure (in the background, best effort)."""
+        if isinstance(exc, VectorMismatch):
+            meta: dict[str, object] = {"kind": "mismatch", "text": str(exc)[:MAX_TEXT],
+                                       "ranks": list(exc.ranks)}
+        elif isinstance(exc, PeerLost):
+            meta = {"kind": "lost", "rank": exc.rank, "text": exc.reason[:MAX_TEXT]}
+        else:
+            return
+        for peer in range(self.comm.world_size):
+            if peer != self.comm.rank and not self.comm.is_lost(peer):
+                task = asyncio.ensure_future(self._send_abort(peer, step, meta))
+                self._sends.add(task)
+                task.add_done_callback(self._sends.discard)
+
+    async def _send_abort(self, peer: int, step: int, meta: dict[str, object]) -> None:
+        with contextlib.suppress(Exception):  # a peer that is gone cannot be told
+            await self.comm.send(peer, EMPTY, step=step, tag=ABORT_TAG, meta=meta)
 
     def known(self, step: int) -> bool:
         return False  # a ring's result needs everyone's vector
@@ -83,20 +138,67 @@ class RingSession:
         comm = self.comm
         t0 = time.perf_counter()
         comm.discard_before(step)
+        self._step = step
+        self._aborted = asyncio.get_running_loop().create_future()
+        early = self._ahead.pop(step, None)
+        self._ahead = {s: e for s, e in self._ahead.items() if s > step}
+        if early is not None:
+            self._aborted.set_result(early)
         mine = (await own).reshape(-1)
         acc = mine.copy()
-        n, rank = comm.world_size, comm.rank
-        if n > 1:
-            prev, nxt = ring_neighbours(rank, n)
-            if self.bidirectional and acc.size >= 2 * n:
-                half = acc.size // 2
-                # Position on the reversed ring (0 -> N-1 -> ... -> 1 -> 0) is -rank mod n.
-                await asyncio.gather(_ring(comm, acc[:half], nxt, prev, rank, step, 0),
-                                     _ring(comm, acc[half:], prev, nxt, (-rank) % n, step,
-                                           1 << 20))
-            else:
-                await _ring(comm, acc, nxt, prev, rank, step, 0)
+        if comm.world_size > 1:
+            work = asyncio.ensure_future(self._exchange(acc, step))
+            waits: set[asyncio.Future[Any]] = {work, self._aborted}
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not work.done():
+                    work.cancel()
+            if not work.done() or work.cancelled():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                raise self._aborted.result()
+            exc = work.exception()
+            if isinstance(exc, VectorMismatch):
+                exc = _mismatch(step, exc, comm.rank, mine)
+            if exc is not None:
+                self._tell_everyone(step, exc)
+                raise exc
         comm.discard_before(step + 1)
         value = acc.reshape(like.shape)
         value.setflags(write=False)
-        return Result(value, step, list(range(n)), [], True, 0.0, time.perf_counter() - t0)
+        return Result(value, step, list(range(comm.world_size)), [], True, 0.0,
+                      time.perf_counter() - t0)
+
+    async def _exchange(self, acc: np.ndarray, step: int) -> None:
+        comm = self.comm
+        n, rank = comm.world_size, comm.rank
+        prev, nxt = ring_neighbours(rank, n)
+        if self.bidirectional and acc.size >= 2 * n:
+            half = acc.size // 2
+            # Position on the reversed ring (0 -> N-1 -> ... -> 1 -> 0) is -rank mod n.
+            await asyncio.gather(_ring(comm, acc[:half], nxt, prev, rank, step, 0),
+                                 _ring(comm, acc[half:], prev, nxt, (-rank) % n, step,
+                                       1 << 20))
+        else:
+            await _ring(comm, acc, nxt, prev, rank, step, 0)
+
+
+def _mismatch(step: int, exc: VectorMismatch, me: int, mine: np.ndarray) -> VectorMismatch:
+    """The message every rank raises: which two ranks' vectors differ, and how."""
+    other = exc.ranks[0] if exc.ranks else -1
+    return VectorMismatch(f"step {step}: rank {other}'s vector differs from rank {me}'s "
+                          f"({mine.size} {mine.dtype}); every rank must pass the same shape and "
+                          f"dtype ({exc})", sorted([other, me]))
+
+
+def _abort_error(peer: int, meta: dict[str, object]) -> AioreduceError:
+    """The error a rank raises when ``peer`` says the step failed there."""
+    text = str(meta.get("text", ""))[:MAX_TEXT]
+    if meta.get("kind") == "mismatch":
+        ranks = meta.get("ranks")
+        return VectorMismatch(text, [r for r in ranks if isinstance(r, int)]
+                              if isinstance(ranks, list) else [])
+    lost = meta.get("rank")
+    return PeerLost(lost if isinstance(lost, int) else peer,
+                    f"{text} (reported by rank {peer}, its ring neighbour)")

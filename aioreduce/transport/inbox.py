@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import PeerLost
+from ..errors import PeerLost, VectorMismatch
 from ..wire import DEFER, Frame, Header, Kind
 from ..wire.decoder import Destination
 
@@ -108,7 +108,7 @@ class Inbox:
                 del self._posted[key]
                 err = self._mismatch(header, view, dtype)
                 if err:
-                    fut.set_exception(ValueError(err))
+                    fut.set_exception(VectorMismatch(err, [self.rank]))
                     conn.resume_with(None)
                 else:
                     self._receiving[conn] = (key, posted)
@@ -143,7 +143,7 @@ class Inbox:
         if posted is not None:
             err = self._mismatch(header, posted.view, posted.dtype)
             if err:
-                posted.future.set_exception(ValueError(err))
+                posted.future.set_exception(VectorMismatch(err, [self.rank]))
                 return None
             self._receiving[conn] = (key, posted)
             return posted.view
@@ -234,7 +234,7 @@ class Inbox:
         """Complete a receive from a frame that was staged first (a small copy)."""
         err = self._mismatch(header, view, dtype)
         if err:
-            fut.set_exception(ValueError(err))
+            fut.set_exception(VectorMismatch(err, [self.rank]))
         else:
             view[:] = data
             fut.set_result(header)

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import PeerLost
+from ..errors import PeerLost, VectorMismatch
 from ..wire import Header, Kind, as_payload, byte_view
 
 EarlyHandler = Callable[[Header, memoryview], None]
@@ -219,8 +219,10 @@ def _fill(fut: asyncio.Future[Header], view: memoryview, dtype: str, header: Hea
     if fut.done():
         return
     if len(payload) != view.nbytes or (payload and header.dtype != dtype):
-        fut.set_exception(ValueError(f"frame of {len(payload)} bytes {header.dtype} does not "
-                                     f"fit a receive of {view.nbytes} bytes {dtype}"))
+        fut.set_exception(VectorMismatch(
+            f"rank {header.src} sent {len(payload)} bytes {header.dtype} for step "
+            f"{header.step} tag {header.tag}, but the receive buffer is {dtype} of "
+            f"{view.nbytes} bytes", [header.src]))
         return
     view[:] = payload
     fut.set_result(header)

@@ -1,8 +1,11 @@
 """A trainer that makes caller mistakes (loopback test): ``python callerprog.py``.
 
 Rank 1 passes a list, then a wrong shape: both are refused before a step is taken, and its
-corrected retry joins the same step as everyone else. Rank 2 then fails in its own code inside
-``with ar.connect()``: the node closes at once instead of waiting out the closing barrier.
+corrected retry joins the same step as everyone else. Then, under the ring and under a tree,
+rank 1 passes a vector one element longer than everyone else's: every rank gets the same
+VectorMismatch naming rank 1, and the retry with the right vector is exact everywhere.
+Rank 2 then fails in its own code inside ``with ar.connect()``: the node closes at once
+instead of waiting out the closing barrier.
 """
 
 from __future__ import annotations
@@ -33,6 +36,20 @@ def main() -> None:
             want = sum(vec(r, step) for r in range(world))
             assert res.step == step and np.allclose(res.value, want), (me, step)
             print(f"STEP {step} OK", flush=True)
+        for scheme in (ar.Ring(), ar.Tree(2, deadline=30)):
+            name = type(scheme).__name__
+            node.use(scheme)
+            step = node.node.step
+            mine = vec(me, step)
+            try:
+                node.allreduce(np.append(mine, 1.0) if me == 1 else mine)
+                print(f"NO ERROR {name}", flush=True)
+            except ar.VectorMismatch as exc:
+                print(f"MISMATCH {name} {exc.ranks} {exc}", flush=True)
+            step = node.node.step
+            res = node.allreduce(vec(me, step))
+            assert np.allclose(res.value, sum(vec(r, step) for r in range(world))), (me, name)
+            print(f"RETRY {name} OK", flush=True)
         if me == 2:
             print(f"RAISING {time.time()}", flush=True)
             raise RuntimeError("the trainer failed")

@@ -74,6 +74,18 @@ def test_caller_mistakes_are_refused_without_taking_a_step(ranks) -> None:
     assert len(rejected) == 2, done[1].out
     assert "TypeError: rank 1: pass a numpy array" in rejected[0]
     assert "ValueError: rank 1, step 1:" in rejected[1] and "[7]" in rejected[1]
+    # A vector of another length on rank 1: the same error naming it on every rank, under
+    # the ring and the tree, and the corrected retry works.
+    for name in ("Ring", "Tree"):
+        seen = []
+        for rank in range(3):
+            line = [x for x in done[rank].out.splitlines() if x.startswith(f"MISMATCH {name}")]
+            assert line and "rank 1" in line[0] and "every rank must pass the same shape" in (
+                line[0]), (rank, done[rank].out)
+            assert f"RETRY {name} OK" in done[rank].out
+            seen.append(line[0])
+        if name == "Tree":  # decided at the root, so word for word the same everywhere
+            assert len(set(seen)) == 1, seen
     # The failing trainer's own error surfaces, and its node did not wait out the barrier.
     assert done[2].returncode == 1 and "the trainer failed" in done[2].err
     assert "closing without a clean barrier" not in done[2].err

@@ -127,16 +127,17 @@ def _launch_logreg(n: int, extra: list[str], *args: str) -> subprocess.Completed
                           timeout=240)
 
 
-def test_tolerate_keeps_a_coded_job_alive_when_a_rank_is_killed() -> None:
-    # Rank 5 SIGKILLs itself at step 10 (a real death: no cleanup, sockets reset).
-    res = _launch_logreg(13, ["--tolerate", "1", "-x", "AIOREDUCE_STRAGGLE=rank=5:kill=10"])
+@pytest.mark.parametrize("dead", [5, 2])  # a leaf; an intermediate rank (3 children)
+def test_tolerate_keeps_a_coded_job_alive_when_a_rank_is_killed(dead: int) -> None:
+    # The rank SIGKILLs itself at step 10 (a real death: no cleanup, sockets reset).
+    res = _launch_logreg(13, ["--tolerate", "1", "-x", f"AIOREDUCE_STRAGGLE=rank={dead}:kill=10"])
     assert res.returncode == 0, res.stderr[-3000:]
     summary = [line for line in res.stdout.splitlines() if line.startswith("[0] SUMMARY ")]
     final = json.loads(summary[0].removeprefix("[0] SUMMARY "))["final_loss"]
     assert abs(final - REFERENCE_LOSS) < 1e-9
     # The killed rank really died mid-run, and the summary says who and how.
-    assert "[5] total" not in res.stderr
-    assert "rank 5 on localhost killed by SIGKILL; tolerated (1 of at most 1)" in res.stderr
+    assert f"[{dead}] total" not in res.stderr
+    assert f"rank {dead} on localhost killed by SIGKILL; tolerated (1 of at most 1)" in res.stderr
     assert "1 rank(s) died, tolerated" in res.stderr
     assert sum(line.endswith(" total") or " total " in line
                for line in res.stderr.splitlines()) == 12

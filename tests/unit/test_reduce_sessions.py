@@ -59,7 +59,9 @@ async def test_master_decodes_from_each_sufficient_set() -> None:
 
 
 async def test_each_tree_family_decodes_from_any_two_children() -> None:
-    job = Job(ar.CodedTree(**TREE), 13)
+    # Every step waits out a deadline for the held children; the others must make it in
+    # time, so a busy machine (the loop starved for D) must not make a second child late.
+    job = Job(ar.CodedTree(**{**TREE, "deadline": 0.3}), 13)
     for step, (a, r) in enumerate(itertools.product(range(3), (1, 2, 3))):
         # The root decodes without child r; every other family without its a-th child.
         held = [(r, 0)] + [(KIDS[f][a], f) for f in (1, 2, 3) if f != r]
@@ -183,3 +185,73 @@ async def test_switching_schemes_leaves_nothing_behind() -> None:
     for step in (2, 3):
         ring.assert_exact(step, await ring.run(step))
     await ring.close()
+
+
+@pytest.mark.parametrize("scheme, world, wrong", [
+    (ar.CodedTree(**TREE), 13, 5),   # a leaf
+    (ar.CodedTree(**TREE), 13, 2),   # an intermediate rank
+    (ar.CodedTree(**TREE), 13, 0),   # the root
+    (ar.GradientCoding(cyclic_mds(4, 1), deadline=D), 5, 3),
+    (ar.Tree(2, deadline=D), 7, 6),
+])
+@pytest.mark.parametrize("how", ["length", "dtype"])
+async def test_a_wrong_vector_on_one_rank_is_the_same_error_on_every_rank(
+        scheme: ar.Scheme, world: int, wrong: int, how: str) -> None:
+    # Even where the code could decode without that rank, a vector of another shape or dtype
+    # is a caller's mistake: every rank raises VectorMismatch naming the wrong rank, at once
+    # (not after a deadline, not as a straggler).
+    job = Job(scheme, world)
+    job.assert_exact(0, await job.run(0))
+
+    async def one(rank: int) -> ar.Result:
+        vec = job.vector(rank, 1)
+        if rank == wrong:
+            vec = np.append(vec, 1.0) if how == "length" else vec.astype(np.float32)
+        own: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+        own.set_result(vec)
+        return await job.sessions[rank].step(1, np.zeros_like(vec), own)
+
+    results = await asyncio.gather(*(one(r) for r in range(world)), return_exceptions=True)
+    messages = set()
+    for rank, res in enumerate(results):
+        assert isinstance(res, ar.VectorMismatch), (rank, res)
+        assert wrong in res.ranks and f"rank {wrong}" in str(res), (rank, res)
+        assert "every rank must pass the same shape and dtype" in str(res)
+        messages.add(str(res))
+    assert len(messages) == 1, messages  # the same message everywhere
+    job.assert_exact(2, await job.run(2))  # and the job goes on
+    await job.close()
+
+
+@pytest.mark.parametrize("how", ["length", "dtype"])
+async def test_a_wrong_vector_in_the_ring_is_named_on_every_rank(how: str) -> None:
+    world, wrong = 6, 3
+    job = Job(ar.Ring(), world)
+    job.assert_exact(0, await job.run(0))
+
+    async def one(rank: int) -> ar.Result:
+        vec = np.random.default_rng([rank, 1]).standard_normal(60)
+        if rank == wrong:
+            vec = np.append(vec, 1.0) if how == "length" else vec.astype(np.float32)
+        own: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+        own.set_result(vec)
+        return await job.sessions[rank].step(1, np.zeros_like(vec), own)
+
+    results = await asyncio.gather(*(one(r) for r in range(world)), return_exceptions=True)
+    for rank, res in enumerate(results):  # no rank waits forever, each names rank 3
+        assert isinstance(res, ar.VectorMismatch), (rank, res)
+        assert wrong in res.ranks and f"rank {wrong}'s" in str(res), (rank, res)
+    job.assert_exact(2, await job.run(2))
+    await job.close()
+
+
+async def test_a_dead_rank_in_the_ring_stops_every_rank() -> None:
+    # The ring has no deadline: without the abort, ranks two hops away would wait forever.
+    world = 6
+    job = Job(ar.Ring(), world)
+    job.assert_exact(0, await job.run(0))
+    job.net.kill(3)
+    results = await job.run(1, [r for r in range(world) if r != 3])
+    for rank, res in results.items():
+        assert isinstance(res, ar.PeerLost) and res.rank == 3, (rank, res)
+    await job.close()

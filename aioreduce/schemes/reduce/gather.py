@@ -8,6 +8,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ...codes import GradientCode
+from ...errors import VectorMismatch
 from ...wire import Header
 from ..base import StepOptions
 from .report import Report, Verdict
@@ -30,6 +31,10 @@ class Gather:
         self.failed: dict[int, tuple[int, ...]] = {}  # child index -> ranks it reported missing
         self.reports: dict[int, Report] = {}
         self.hopeless = False
+        # Why the step cannot be decoded whatever arrives: a child's vector did not match
+        # ours (child index, detail, None), or a child's verdict says so (index, the message,
+        # the two ranks it names).
+        self.mismatch: tuple[int, str, tuple[int, ...] | None] | None = None
         self.ready: list[asyncio.Future[list[int]]] = [loop.create_future()
                                                        for _ in range(nchunks)]
         if n == 0:
@@ -54,6 +59,14 @@ class Gather:
             self.hopeless = True
             self.settle()  # it can never decode: stop waiting now
 
+    def mismatched(self, i: int, text: str, ranks: tuple[int, ...] | None) -> None:
+        """Child ``i`` sent a vector of another shape or dtype (or reports one below it): a
+        caller's mistake, so the step fails for every rank even if a code could skip it."""
+        if self.mismatch is None:
+            self.mismatch = (i, text, ranks)
+        self.hopeless = True
+        self.settle()
+
     def settle(self) -> None:
         """Deadline (or hopeless): resolve every open chunk with what has arrived."""
         for c, r in enumerate(self.ready):
@@ -65,7 +78,10 @@ class Gather:
         def done(fut: asyncio.Future[Header]) -> None:
             if fut.cancelled():
                 return
-            if fut.exception() is not None:
+            exc = fut.exception()
+            if isinstance(exc, VectorMismatch):
+                self.mismatched(i, str(exc), None)
+            elif exc is not None:
                 self.child_failed(i)
             else:
                 self.arrived_chunk(i, c, fut.result())
@@ -74,7 +90,11 @@ class Gather:
     def verdict_callback(self, i: int) -> Callable[[asyncio.Future[Header]], None]:
         def done(fut: asyncio.Future[Header]) -> None:
             if not fut.cancelled() and fut.exception() is None:
-                self.child_failed(i, Verdict.from_meta(fut.result().meta).missing)
+                verdict = Verdict.from_meta(fut.result().meta)
+                if verdict.mismatch:
+                    self.mismatched(i, verdict.mismatch, verdict.missing)
+                else:
+                    self.child_failed(i, verdict.missing)
         return done
 
     # -- decoding -----------------------------------------------------------------------------

@@ -85,6 +85,9 @@ class UpPath:
         last = len(lay.msg_bounds) - 1
         for c, (lo, hi) in enumerate(lay.msg_bounds):
             responders = await gather.ready[c]
+            if gather.mismatch is not None:
+                self._mismatched(*gather.mismatch)
+                return None
             t = time.perf_counter()
             a, c_exact, c_err = gather.coefficients(responders, s.opts)
             if a is None:
@@ -115,14 +118,24 @@ class UpPath:
         else:
             s.send_up(self.step, c, chunk, meta)
 
-    def _failed(self, missing: list[int]) -> None:
+    def _mismatched(self, i: int, text: str, ranks: tuple[int, ...] | None) -> None:
+        """Fail the step for every rank with the mismatch a child's frame (or verdict) shows."""
+        if ranks is None:
+            child, me = self.session.family.children[i], self.session.comm.rank
+            text = (f"step {self.step}: rank {child}'s vector differs from rank {me}'s "
+                    f"({self.lay.length} {self.lay.dtype}); every rank must pass the same shape "
+                    f"and dtype ({text})")
+            ranks = tuple(sorted((child, me)))
+        self._failed(list(ranks), text)
+
+    def _failed(self, missing: list[int], mismatch: str = "") -> None:
         s = self.session
-        verdict = Verdict(tuple(missing))
+        verdict = Verdict(tuple(missing), mismatch=mismatch)
         if s.family.parent is not None:  # tell the parent now instead of letting it time out
             s.send_up(self.step, VERDICT_TAG, EMPTY, verdict.to_meta())
             return None
         s.conclude(Outcome(self.step, verdict=verdict), forward=True)
-        raise StragglerError(self.step, missing)
+        raise verdict.error(self.step)
 
     def close(self) -> None:
         self.deadline.cancel()
@@ -208,7 +221,7 @@ class DownPath:
                         self._drop(src)
                     elif verdict is not None:
                         s.conclude(Outcome(step, verdict=verdict), forward=True)
-                        raise StragglerError(step, list(verdict.missing))
+                        raise verdict.error(step)
                     elif src.broken():
                         self._drop(src)
                         if src.rank == self.parent:

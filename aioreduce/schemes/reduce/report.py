@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ...errors import AioreduceError, VectorMismatch
+from ..base import StragglerError
+
+MAX_TEXT = 1000  # characters of a mismatch message kept from a peer
+
 
 def _ints(value: object) -> tuple[int, ...]:
     if not isinstance(value, list | tuple):
@@ -58,19 +63,31 @@ class Report:
 @dataclass(frozen=True)
 class Verdict:
     """Why a step has no result for the asking rank: ranks missing (every rank raises
-    StragglerError) or the step is older than what is kept (FellBehind at ``current``)."""
+    StragglerError), ranks whose vectors differ (``mismatch``, the message every rank raises
+    as VectorMismatch), or the step is older than what is kept (FellBehind at ``behind``)."""
 
     missing: tuple[int, ...] = ()
     behind: int | None = None
+    mismatch: str = ""
 
     def to_meta(self) -> dict[str, Any]:
         if self.behind is not None:
             return {"behind": self.behind}
+        if self.mismatch:
+            return {"missing": list(self.missing), "mismatch": self.mismatch[:MAX_TEXT]}
         return {"missing": list(self.missing)}
+
+    def error(self, step: int) -> AioreduceError:
+        """The exception every rank raises for this verdict."""
+        if self.mismatch:
+            return VectorMismatch(self.mismatch, list(self.missing))
+        return StragglerError(step, list(self.missing))
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> Verdict:
         behind = meta.get("behind")
         if isinstance(behind, int):
             return cls(behind=behind)
-        return cls(_ints(meta.get("missing")))
+        text = meta.get("mismatch")
+        return cls(_ints(meta.get("missing")), mismatch=text[:MAX_TEXT] if isinstance(text, str)
+                   else "")

@@ -27,6 +27,7 @@ from ..wire.handshake import (
     ListenerHandshake,
     Proved,
     Refused,
+    WrongJob,
 )
 from .inbox import Inbox
 from .protocol import FrameProtocol
@@ -77,6 +78,9 @@ class Mesh:
         self._settled = asyncio.Event()  # set while no handshake is in flight
         self._settled.set()
         self.duplicates: dict[int, list[str]] = {}  # rank -> addresses of processes claiming it
+        # rank -> the job id it was started for: it proved our secret under another job id
+        self.wrong_jobs: dict[int, str] = {}
+        self.misconfigured = asyncio.Event()  # a duplicate or wrong job id was seen
         self._refusals = RateLimitedLog(log)
 
     # -- listening ----------------------------------------------------------------------------
@@ -145,6 +149,11 @@ class Mesh:
                 out, event = hs.receive(await self._next_handshake(conn))
                 if isinstance(event, Refused):
                     raise AuthError(event.reason)
+                if isinstance(event, WrongJob):
+                    for header in out:  # tell it which job this is, then drop it
+                        await conn.send(encode_frame(header))
+                    self._wrong_job(event)
+                    raise AuthError(f"rank {event.rank} was started for job {event.job!r}")
                 if isinstance(event, Accepted):
                     self._refuse_duplicate(conn, event.rank)
                     self._attach(conn, event.rank)  # before WELCOME: data may follow it
@@ -186,12 +195,21 @@ class Mesh:
             where = [live[0].peername, conn.peername]
             self.duplicates.setdefault(rank, []).extend(
                 w for w in where if w not in self.duplicates.get(rank, []))
+            self.misconfigured.set()
             text = (f"rank {rank} was started twice (from {where[0]} and {where[1]}); the "
                     "second was refused: check the launch, every rank must be started once")
             log.error("rank %d: %s", self.rank, text)
             if len(self.addresses) == self.world_size:  # the job runs: tell every rank
                 self._spawn(self._notify_all(text))
             raise AuthError(f"rank {rank} is already connected from {where[0]}")
+
+    def _wrong_job(self, event: WrongJob) -> None:
+        """A process of ours (it knows the secret) was started with another job id."""
+        if event.rank not in self.wrong_jobs:
+            log.error("rank %d: rank %d was started for job %r, this job is %r: check "
+                      "AIOREDUCE_JOB on every host", self.rank, event.rank, event.job, self.job)
+        self.wrong_jobs[event.rank] = event.job
+        self.misconfigured.set()
 
     async def _notify_all(self, text: str) -> None:
         peers = [r for r in range(self.world_size) if r != self.rank]

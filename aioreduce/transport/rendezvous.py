@@ -19,13 +19,25 @@ ABORT_GRACE_S = 2.0
 SETTLE_S = 1.0  # at most this long for handshakes in flight when everyone has registered
 
 
-async def _gather_from(mesh: Mesh, ranks: list[int], op: str, deadline: float
-                       ) -> dict[int, dict[str, object]]:
-    """Receive one control message ``op`` from each of ``ranks`` before ``deadline``."""
+async def _gather_from(mesh: Mesh, ranks: list[int], op: str, deadline: float,
+                       excused: dict[int, str] | None = None) -> dict[int, dict[str, object]]:
+    """Receive one control message ``op`` from each of ``ranks`` before ``deadline``; ranks
+    that land in ``excused`` meanwhile (started for another job) are not waited for."""
     tasks = {r: asyncio.ensure_future(mesh.recv_control(r)) for r in ranks}
+    excused = {} if excused is None else excused
     try:
-        if tasks:
-            await asyncio.wait(tasks.values(), timeout=max(0.0, deadline - time.monotonic()))
+        while True:
+            pending = [t for r, t in tasks.items() if not t.done() and r not in excused]
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                break
+            wake = (None if mesh.misconfigured.is_set()
+                    else asyncio.ensure_future(mesh.misconfigured.wait()))
+            await asyncio.wait([*pending, *([wake] if wake else [])], timeout=left,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if wake is not None:
+                wake.cancel()
+        tasks = {r: t for r, t in tasks.items() if r not in excused or t.done()}
         missing = sorted(r for r, t in tasks.items() if not t.done() or t.exception())
         if missing:
             raise RendezvousError(f"rank {mesh.rank}: ranks {missing} did not reach {op} "
@@ -48,7 +60,8 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
         mesh.addresses[0] = (advertise or master[0], master[1])
         others = list(range(1, mesh.world_size))
         try:
-            regs = await _gather_from(mesh, others, "register", deadline)
+            regs = await _gather_from(mesh, others, "register", deadline,
+                                      excused=mesh.wrong_jobs)
         except RendezvousError as exc:
             # Tell the ranks that did come which ones are missing, so every log names them.
             await _abort(mesh, [r for r in others if r not in exc.missing], str(exc),
@@ -109,6 +122,10 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
 
 def _check_registrations(mesh: Mesh, regs: dict[int, dict[str, object]]) -> str:
     """What is wrong with the job as registered ("" if nothing), saying what to check."""
+    for r, job in sorted(mesh.wrong_jobs.items()):
+        if r not in regs:
+            return (f"rank {r} was started for job {job!r}, this job is {mesh.job!r}: check "
+                    "AIOREDUCE_JOB (the job id) on every host")
     if mesh.duplicates:
         r, where = next(iter(sorted(mesh.duplicates.items())))
         return (f"rank {r} was started twice (from {' and '.join(where)}): check the launch, "

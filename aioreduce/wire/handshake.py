@@ -6,6 +6,11 @@ AUTH {proof_c}; the listener checks that and sends WELCOME. Proofs are HMAC-SHA2
 nonces, the job id, the connector's rank and a role label, so a proof cannot be replayed on
 another connection, for another rank, or reflected back in the other direction. Comparisons are
 constant-time (:func:`hmac.compare_digest`). Until WELCOME, frames may carry no payload.
+
+A connector that names another job id is taken through the handshake under *its* job id: if
+it proves the secret, it is one of ours started with the wrong id (a launch mistake, not an
+attacker), so instead of WELCOME it is told which job this is, and the listener reports
+:class:`WrongJob`. A stranger learns nothing: it fails at the proof like any other.
 """
 
 from __future__ import annotations
@@ -62,7 +67,18 @@ class Refused:
     reason: str
 
 
-Event = Proved | Accepted | Refused | None
+@dataclass(frozen=True)
+class WrongJob:
+    """Listener side: ``rank`` proved the secret but was started for job ``job``; it has been
+    told which job this is. Drop the connection and report it."""
+
+    rank: int
+    job: str
+
+
+MAX_JOB_ID = 128  # characters of a job id accepted in HELLO
+
+Event = Proved | Accepted | Refused | WrongJob | None
 
 
 class _Fail(Exception):
@@ -92,6 +108,7 @@ class ListenerHandshake:
         self._state = _State.START
         self._peer = -1
         self._nonces = (b"", b"")
+        self._claimed_job = job  # the job id the proofs are computed for
 
     def receive(self, header: Header) -> Step:
         try:
@@ -106,24 +123,31 @@ class ListenerHandshake:
 
     def _hello(self, hello: Header) -> Step:
         job, rank, nonce_c = (hello.meta.get(k) for k in ("job", "rank", "nonce"))
-        if job != self._job:
-            raise _Fail(f"wrong job id {job!r}")
+        if not isinstance(job, str) or len(job) > MAX_JOB_ID:
+            raise _Fail("no valid job id")
         if (not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self._world
                 or rank == self._rank):
             raise _Fail(f"invalid rank {rank!r}")
         if not isinstance(nonce_c, bytes):
             raise _Fail("no nonce")
         nonce_s = new_nonce()
-        self._peer, self._nonces = rank, (nonce_c, nonce_s)
-        mine = proof(self._secret, "listener", self._job, rank, nonce_c, nonce_s)
+        self._peer, self._nonces, self._claimed_job = rank, (nonce_c, nonce_s), job
+        mine = proof(self._secret, "listener", job, rank, nonce_c, nonce_s)
         self._state = _State.SENT_CHALLENGE
         return [Header(Kind.CHALLENGE, src=self._rank,
                        meta={"nonce": nonce_s, "proof": mine})], None
 
     def _auth(self, auth: Header) -> Step:
-        theirs = proof(self._secret, "connector", self._job, self._peer, *self._nonces)
+        theirs = proof(self._secret, "connector", self._claimed_job, self._peer, *self._nonces)
         if not check(theirs, auth.meta.get("proof")):
-            raise _Fail("wrong proof of the job secret")
+            raise _Fail("wrong proof of the job secret"
+                        + (f" (for job id {self._claimed_job!r})"
+                           if self._claimed_job != self._job else ""))
+        if self._claimed_job != self._job:
+            self._state = _State.FAILED
+            return ([Header(Kind.CONTROL, src=self._rank,
+                            meta={"op": "wrong-job", "job": self._job[:MAX_JOB_ID]})],
+                    WrongJob(self._peer, self._claimed_job))
         self._state = _State.DONE
         return [Header(Kind.WELCOME, src=self._rank)], Accepted(self._peer)
 
@@ -148,6 +172,11 @@ class ConnectorHandshake:
             if self._state is _State.SENT_HELLO:
                 return self._challenge(_expect(header, Kind.CHALLENGE))
             if self._state is _State.SENT_AUTH:
+                if header.kind is Kind.CONTROL and header.meta.get("op") == "wrong-job":
+                    # Trustworthy: the listener proved the secret in its CHALLENGE.
+                    theirs = str(header.meta.get("job"))[:MAX_JOB_ID]
+                    raise _Fail(f"it serves job {theirs!r}, this rank was started for job "
+                                f"{self._job!r}: check AIOREDUCE_JOB on every host")
                 _expect(header, Kind.WELCOME)
                 self._state = _State.DONE
                 return [], Accepted(self._peer)

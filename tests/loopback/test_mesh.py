@@ -225,3 +225,16 @@ def test_a_world_size_mismatch_is_named_on_every_rank() -> None:
     for rank, (code, err) in got.items():
         assert code != 0, rank
         assert "rank 3 believes the world size is 5, rank 0 believes 4" in err, (rank, err[-1500:])
+
+
+def test_a_job_id_mismatch_is_named_on_every_rank() -> None:
+    # Rank 3 has the job's secret but another job id (a stale AIOREDUCE_JOB on one host): it
+    # is told which job this is at once, and rank 0 stops the job naming it on every rank.
+    t0 = time.monotonic()
+    got, _ = _run_job(extra={3: {"AIOREDUCE_JOB": "yesterdays-job"}})
+    assert time.monotonic() - t0 < 15  # no rendezvous timeout waited out
+    for rank, (code, err) in got.items():
+        assert code != 0, rank
+        assert "'yesterdays-job'" in err and "check AIOREDUCE_JOB" in err, (rank, err[-1500:])
+    assert "rank 3 was started for job 'yesterdays-job'" in got[0][1]
+    assert "serves job" in got[3][1]  # rank 3 learns the job id it should have had

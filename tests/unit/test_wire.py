@@ -27,6 +27,7 @@ from aioreduce.wire.handshake import (
     ListenerHandshake,
     Proved,
     Refused,
+    WrongJob,
     check,
     new_nonce,
     proof,
@@ -231,7 +232,6 @@ def test_handshake_state_machines_complete_with_the_same_secret() -> None:
 @pytest.mark.parametrize("case, reason", [
     ("listener-secret", "could not prove the job secret"),
     ("connector-secret", "could not prove the job secret"),  # mismatch: seen here first
-    ("job", "wrong job id"),
 ])
 def test_handshake_refuses_with_the_reason(case: str, reason: str) -> None:
     conn, lis = _pair(secret_l=b"x" if case == "listener-secret" else b"s",
@@ -247,6 +247,32 @@ def test_handshake_refuses_with_the_reason(case: str, reason: str) -> None:
         return
     out, ev = lis.receive(auth[0])
     assert isinstance(ev, Refused) and reason in ev.reason and out == []
+
+
+def test_a_wrong_job_id_with_the_secret_is_told_which_job_this_is() -> None:
+    conn, lis = _pair(job="other")
+    challenge, ev = lis.receive(conn.start())  # proofs computed under the job id it names
+    auth, ev = conn.receive(challenge[0])
+    assert ev == Proved(0)
+    told, ev = lis.receive(auth[0])
+    assert ev == WrongJob(2, "other")
+    assert [h.kind for h in told] == [Kind.CONTROL] and told[0].meta["job"] == "j"
+    out, ev = conn.receive(told[0])
+    assert isinstance(ev, Refused) and out == []
+    assert "serves job 'j', this rank was started for job 'other'" in ev.reason
+
+
+def test_a_wrong_job_id_without_the_secret_learns_nothing() -> None:
+    conn, lis = _pair(secret_c=b"x", job="other")
+    challenge, _ = lis.receive(conn.start())
+    out, ev = conn.receive(challenge[0])  # the listener's proof fails for it
+    assert isinstance(ev, Refused) and out == []
+    forged = Header(Kind.AUTH, meta={"proof": b"\0" * 32})
+    out, ev = lis.receive(forged)
+    assert isinstance(ev, Refused) and out == [] and "wrong proof" in ev.reason
+    conn2, lis2 = _pair(job="x" * 200)  # an oversized job id: refused before any HMAC
+    out, ev = lis2.receive(conn2.start())
+    assert isinstance(ev, Refused) and out == []
 
 
 def test_handshake_listener_refuses_a_forged_auth() -> None:

@@ -3,15 +3,19 @@
 A tree rank passes results on without waiting for slow children, so its sends run in the
 background. A child that stopped reading (a paused process) must not make us queue results
 without end: once a peer has ``max_steps`` steps unsent, further sends to it are skipped
-(and logged once) until its backlog drains; a peer that comes back asks for what it missed.
+(and logged once) until its backlog drains; then ``on_drained(peer, first, last)`` (the
+steps skipped) lets the session send what was skipped (a peer that comes back also asks).
 "Stopped reading" is judged only by that peer's unsent frames, never by wall time, so our
-own pause cannot make a healthy peer look dead.
+own pause cannot make a healthy peer look dead. (Our own catch-up burst can: uvloop writes
+queued frames only when the loop turns, so a rank that runs many steps without yielding sees
+its sends pending. That is why skipped steps are re-sent as soon as the peer drains.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,11 +37,13 @@ class _Pending:
 class Outbox:
     """Sends to peers in the background; see the module docstring."""
 
-    def __init__(self, comm: Comm, max_steps: int = 8) -> None:
+    def __init__(self, comm: Comm, max_steps: int = 8,
+                 on_drained: Callable[[int, int, int], None] | None = None) -> None:
         self.comm = comm
         self.max_steps = max_steps
+        self.on_drained = on_drained
         self._pending: dict[int, list[_Pending]] = {}
-        self._skipping: set[int] = set()
+        self._skipping: dict[int, tuple[int, int]] = {}  # peer -> (first, last) step skipped
         self._closed = False
 
     def send(self, peer: int, array: np.ndarray, *, step: int, tag: int,
@@ -52,10 +58,12 @@ class Outbox:
         behind = {p.step for p in pending if p.started and p.step != step}
         if len(behind) >= self.max_steps:
             if peer not in self._skipping:
-                self._skipping.add(peer)
+                self._skipping[peer] = (step, step)
                 log.warning("rank %d: rank %d is not reading (%d steps, %d bytes unsent); "
                             "holding frames back until it drains", self.comm.rank, peer,
                             len(behind), sum(p.nbytes for p in pending))
+            first, last = self._skipping[peer]
+            self._skipping[peer] = (min(first, step), max(last, step))
             return False
         entry = _Pending(step, array.nbytes)
 
@@ -78,8 +86,11 @@ class Outbox:
             log.debug("rank %d: send to rank %d failed: %s", self.comm.rank, peer,
                       task.exception())
         if not pending and peer in self._skipping:
-            self._skipping.discard(peer)
-            log.info("rank %d: rank %d reads again", self.comm.rank, peer)
+            first, last = self._skipping.pop(peer)
+            log.warning("rank %d: rank %d reads again; resending steps %d to %d",
+                        self.comm.rank, peer, first, last)
+            if self.on_drained is not None and not self._closed:
+                self.on_drained(peer, first, last)
 
     async def close(self, timeout: float) -> None:
         """Let queued sends finish for up to ``timeout`` seconds, then cancel the rest."""

@@ -17,6 +17,7 @@ import aioreduce as ar
 from aioreduce.codes import cyclic_mds, frc, gaussian_mds
 from aioreduce.schemes import FellBehind, StragglerError
 from aioreduce.schemes.reduce import Link, ReduceSession
+from aioreduce.schemes.reduce.family import DOWN, REQUEST_TAG
 
 from .memjob import Job
 
@@ -142,6 +143,28 @@ async def test_a_rank_further_behind_than_the_window_gets_fell_behind() -> None:
     assert got == list(range(8))  # the parent queued 8 steps, then held back
     assert err.value.current_step == 12 and err.value.step == 8 and err.value.rank == 4
     job.assert_exact(12, await job.run(12))  # it goes on at the current step
+
+
+async def test_steps_held_back_from_a_rank_that_did_not_read_are_sent_when_it_reads() -> None:
+    # Leaf 4 stops reading; its parent queues 8 steps, then holds the rest back. When 4 reads
+    # again the parent sends the held-back steps at once: 4 never has to wait out a deadline
+    # and ask (with a 30 s deadline, asking would show as requests in the network's log).
+    job = Job(ar.CodedTree(**{**TREE, "deadline": 30.0}), 13)
+    job.net.freeze(4)
+    others = [r for r in range(13) if r != 4]
+    for step in range(12):
+        job.assert_exact(step, await job.run(step, others))
+    job.net.thaw(4)
+    for step in range(12):
+        res = (await job.run(step, [4]))[4]
+        assert isinstance(res, ar.Result), (step, res)
+        np.testing.assert_allclose(res.value, job.truth(step), rtol=1e-9)
+    requests = [s for s in job.net.sent if s[0] == 4 and s[3] == REQUEST_TAG]
+    assert requests == []
+    resent = {s[2] for s in job.net.sent if s[:2] == (1, 4) and s[3] >= DOWN}
+    assert resent == set(range(12))
+    job.assert_exact(12, await job.run(12))
+    await job.close()
 
 
 async def test_two_children_of_one_family_frozen_every_rank_raises() -> None:

@@ -49,11 +49,12 @@ class ReduceSession:
     def __init__(self, comm: Comm, family: Family, opts: StepOptions,
                  encode: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         self.comm, self.family, self.opts, self.encode = comm, family, opts, encode
-        self.outbox = Outbox(comm, opts.backlog_steps)
+        self.outbox = Outbox(comm, opts.backlog_steps, on_drained=self._drained)
         self.log = ResultLog(opts.history_bytes)
         self.failover = (ParentFailover(family.parent, family.grandparent)
                          if family.parent is not None else None)
         self._pending: dict[int, set[int]] = {}  # step -> ranks that asked before it was known
+        self._resend: dict[int, int] = {}  # peer -> last step skipped while it did not read
         self._claimed: dict[int, set[int]] = {}  # step -> tags already forwarded
         self._probe: DownPath | None = None
         self._removers: list[Callable[[], None]] = []
@@ -188,6 +189,11 @@ class ReduceSession:
         self.log.add(outcome)
         for peer in sorted(self._pending.pop(outcome.step, ())):
             self._send_outcome(peer, outcome)
+        for peer, last in list(self._resend.items()):
+            if outcome.step <= last:
+                self._send_outcome(peer, outcome)
+            if outcome.step >= last:
+                del self._resend[peer]
 
     # -- serving requests ----------------------------------------------------------------------
     def _early_request(self, peer: int, header: Header, _payload: memoryview) -> None:
@@ -208,6 +214,15 @@ class ReduceSession:
             self._pending.setdefault(step, set()).add(peer)
             while len(self._pending) > MAX_PENDING_STEPS:
                 del self._pending[min(self._pending)]
+
+    def _drained(self, peer: int, first: int, last: int) -> None:
+        """Sends to ``peer`` of steps ``first``..``last`` were skipped while it did not read
+        (some before we knew the outcome ourselves: forwarded early): a rank we serve gets
+        those outcomes now, or as we learn them, instead of waiting out a deadline."""
+        if peer in self.family.served():
+            self.serve(peer, first)
+            if last > self.log.latest:
+                self._resend[peer] = max(last, self._resend.get(peer, last))
 
     def _send_outcome(self, peer: int, outcome: Outcome) -> None:
         if outcome.value is None:

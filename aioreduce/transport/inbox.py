@@ -19,6 +19,13 @@ Frames that arrive before their receive is posted are also offered to *early han
 not asked for yet, a parent answers a request). Handlers are removable, so a scheme session
 leaves nothing behind.
 
+An authenticated peer is trusted with the secret, not with our memory (a bug or a compromised
+host must not grow us without end). What it can make us keep is bounded by its
+:class:`PeerBudget`: staged bytes and frames, control messages nobody has read, and how far
+ahead of our current step its frames may be. Past a bound the frame is a
+:class:`ProtocolError`, which closes that connection only (an honest peer never gets there:
+the defaults cover what a parent pushes to a rank catching up, the scheme's result window).
+
 The inbox is the connection's router: an authenticated connection hands it every frame
 directly. When a peer's last connection closes, every receive waiting on it fails with
 :class:`PeerLost` naming the rank, and so does every later receive that is not already staged.
@@ -27,6 +34,7 @@ directly. When a peer's last connection closes, every receive waiting on it fail
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +43,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import PeerLost, VectorMismatch
-from ..wire import DEFER, Frame, Header, Kind
+from ..wire import DEFER, Frame, Header, Kind, ProtocolError
 from ..wire.decoder import Destination
 
 if TYPE_CHECKING:
@@ -46,6 +54,16 @@ log = logging.getLogger("aioreduce.transport")
 Key = tuple[int, int]  # (step, tag)
 NO_FLOOR = -(1 << 62)
 EarlyHandler = Callable[[Header, memoryview], None]
+
+
+@dataclass(frozen=True)
+class PeerBudget:
+    """What one authenticated peer can make this rank hold for it."""
+
+    staged_bytes: int = 384 << 20  # early payloads (covers a 256 MiB result window + chunks)
+    staged_frames: int = 1 << 16  # early frames of any size (each costs ~1 KiB of objects)
+    control: int = 64  # control messages not yet read (rendezvous, barrier)
+    steps_ahead: int = 1 << 16  # frames this far beyond our current step are refused
 
 
 @dataclass(eq=False)
@@ -59,8 +77,11 @@ class Inbox:
     """Receive matching for one source rank (all its connections)."""
 
     def __init__(self, rank: int, stage_limit: int,
-                 on_lost: Callable[[int], None] | None = None) -> None:
+                 on_lost: Callable[[int], None] | None = None,
+                 budget: PeerBudget | None = None) -> None:
         self.rank = rank
+        self.budget = budget or PeerBudget()
+        self.staged_bytes = 0  # payload bytes in _staged
         self._on_lost = on_lost
         self.stage_limit = stage_limit
         self.floor = NO_FLOOR
@@ -70,6 +91,10 @@ class Inbox:
         self._posted: dict[Key, _Posted] = {}
         self._receiving: dict[FrameProtocol, tuple[Key, _Posted]] = {}
         self._staged: dict[Key, tuple[Header, memoryview]] = {}
+        # Steps of staged frames, smallest first (lazily cleaned), so moving the floor costs
+        # the frames it drops, not a scan of everything staged.
+        self._staged_steps: list[int] = []
+        self._tags_of: dict[int, set[int]] = {}
         self._held: dict[FrameProtocol, Header] = {}
         self._early: list[tuple[int, EarlyHandler]] = []
 
@@ -93,7 +118,7 @@ class Inbox:
         if key in self._posted:
             raise RuntimeError(f"a receive from rank {self.rank} for step {key[0]} tag {key[1]} "
                                "is already posted")
-        staged = self._staged.pop(key, None)
+        staged = self._unstage(key)
         if staged is not None:
             self._copy_in(fut, view, dtype, *staged)
             return fut
@@ -129,8 +154,11 @@ class Inbox:
     def set_floor(self, step: int) -> None:
         """Frames of steps below ``step`` are stale from now on: drop staged and held ones."""
         self.floor = max(self.floor, step)
-        for key in [k for k in self._staged if k[0] < self.floor]:
-            del self._staged[key]
+        heap = self._staged_steps
+        while heap and heap[0] < self.floor:
+            step = heapq.heappop(heap)
+            for tag in self._tags_of.pop(step, ()):
+                self._unstage((step, tag))
         for conn, header in list(self._held.items()):
             if header.step < self.floor:
                 del self._held[conn]
@@ -149,8 +177,14 @@ class Inbox:
             return posted.view
         if header.step < self.floor:
             return None
+        self._check_ahead(header)
         if (header.payload_nbytes() <= self.stage_limit or self._posted
                 or self._handled(header)):
+            if self.staged_bytes + header.payload_nbytes() > self.budget.staged_bytes:
+                raise ProtocolError(
+                    f"rank {self.rank} sent more early data than its budget ("
+                    f"{self.staged_bytes + header.payload_nbytes()} bytes staged, at most "
+                    f"{self.budget.staged_bytes})")
             return self._stage_buffer(header)
         self._held[conn] = header
         return DEFER
@@ -161,6 +195,9 @@ class Inbox:
             if header.meta.get("op") == "notice":  # for the log only, never queued
                 log.error("rank %d says: %s", self.rank, str(header.meta.get("text"))[:500])
                 return
+            if self.control.qsize() >= self.budget.control:
+                raise ProtocolError(f"rank {self.rank} sent more than {self.budget.control} "
+                                    "control messages nobody has read")
             self.control.put_nowait(header.meta)
             return
         if header.kind is not Kind.DATA:
@@ -184,10 +221,20 @@ class Inbox:
         payload = frame.payload if frame.payload is not None else memoryview(b"")
         waiting = self._posted.pop(key, None)
         if waiting is None:
-            if key in self._staged:  # e.g. a result re-sent after a parent died
+            if self._unstage(key) is not None:  # e.g. a result re-sent after a parent died
                 log.debug("rank %d sent step %d tag %d twice; keeping the newer frame",
                           self.rank, header.step, header.tag)
+            self._check_ahead(header)
+            if len(self._staged) >= self.budget.staged_frames:
+                raise ProtocolError(f"rank {self.rank} sent more than "
+                                    f"{self.budget.staged_frames} frames nobody has asked for")
             self._staged[key] = (header, payload)
+            self.staged_bytes += payload.nbytes
+            tags = self._tags_of.get(header.step)
+            if tags is None:
+                tags = self._tags_of[header.step] = set()
+                heapq.heappush(self._staged_steps, header.step)
+            tags.add(header.tag)
             self._hand_early(header, payload)
             return
         self._copy_in(waiting.future, waiting.view, waiting.dtype, header, payload)
@@ -215,6 +262,22 @@ class Inbox:
         self.lost = None
 
     # -- helpers ------------------------------------------------------------------------------
+    def _unstage(self, key: Key) -> tuple[Header, memoryview] | None:
+        staged = self._staged.pop(key, None)
+        if staged is not None:
+            self.staged_bytes -= staged[1].nbytes
+            tags = self._tags_of.get(key[0])
+            if tags is not None:
+                tags.discard(key[1])  # the step stays in the heap until the floor passes it
+        return staged
+
+    def _check_ahead(self, header: Header) -> None:
+        """A frame far beyond our current step is no honest peer's: refuse it."""
+        if self.floor != NO_FLOOR and header.step > self.floor + self.budget.steps_ahead:
+            raise ProtocolError(f"rank {self.rank} sent a frame for step {header.step}, more "
+                                f"than {self.budget.steps_ahead} steps ahead of step "
+                                f"{self.floor}")
+
     def _handled(self, header: Header) -> bool:
         return any(header.tag >= lo for lo, _h in self._early)
 

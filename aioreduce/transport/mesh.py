@@ -14,7 +14,7 @@ import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,7 @@ from ..wire.handshake import (
     Refused,
     WrongJob,
 )
-from .inbox import Inbox
+from .inbox import Inbox, PeerBudget
 from .protocol import FrameProtocol
 from .ratelog import RateLimitedLog
 from .sockopts import raise_fd_limit
@@ -50,6 +50,9 @@ class MeshOptions:
     max_unauthenticated_per_host: int = 16
     connect_timeout: float = 30.0
     user_timeout: float = 30.0  # TCP_USER_TIMEOUT: unacknowledged data this long = dead peer
+    # What one authenticated peer can make us hold (staged frames, control messages, steps
+    # ahead); past it, that connection is closed as a protocol error.
+    peer_budget: PeerBudget = field(default_factory=PeerBudget)
 
 
 class Mesh:
@@ -66,8 +69,8 @@ class Mesh:
         self._secret = secret
         self.addresses: dict[int, tuple[str, int]] = {}
         self._lost_listeners: list[Callable[[int], None]] = []
-        self._inbox = {r: Inbox(r, self.options.stage_limit, self._peer_lost)
-                       for r in range(world_size)}
+        self._inbox = {r: Inbox(r, self.options.stage_limit, self._peer_lost,
+                                self.options.peer_budget) for r in range(world_size)}
         self._dial_locks: dict[int, asyncio.Lock] = {}
         self._server: asyncio.Server | None = None
         self._conns: set[FrameProtocol] = set()

@@ -197,13 +197,78 @@ def crafted_slowdown(rate: float = 4.0, seconds: float = 8.0) -> dict:
             "steps": [len(quiet), len(attacked)]}
 
 
+def insider_flood(kind: str, steps: int = 300, flood_step: int = 30) -> dict:
+    """An authenticated rank (leaf 5 of a 13-rank coded tree) floods its parent (rank 1) with
+    ``kind`` frames mid-run. Returns the parent's peak RSS growth while it happens, whether it
+    closed that connection naming rank 5, and the other ranks' wrong results."""
+    job = Ranks(13)
+    job.start_all("coded-tree", "--steps", str(steps), "--pace", "0.01", "--dim", "1000",
+                  "--flood", kind, "--flood-rank", "5", "--flood-to", "1",
+                  "--die-step", str(flood_step), prog=SCHEMEPROG)
+    lines: dict[int, list[dict]] = {r: [] for r in range(13)}
+    errs: dict[int, list[str]] = {r: [] for r in range(13)}
+    flood: list[dict] = []
+
+    def read(rank: int) -> None:
+        for line in job.procs[rank].stdout:  # type: ignore[union-attr]
+            if line.startswith("STEP "):
+                lines[rank].append(json.loads(line[5:]))
+            elif line.startswith("FLOOD "):
+                flood.append(json.loads(line[6:]))
+
+    def read_err(rank: int) -> None:
+        for line in job.procs[rank].stderr:  # type: ignore[union-attr]
+            errs[rank].append(line)
+
+    readers = [threading.Thread(target=f, args=(r,), daemon=True)
+               for r in range(13) for f in (read, read_err)]
+    for t in readers:
+        t.start()
+    try:
+        end = time.monotonic() + 120
+        while len(lines[1]) < flood_step - 5 and time.monotonic() < end:
+            time.sleep(0.01)  # polling rank 1's progress
+        target = psutil.Process(job.procs[1].pid)
+        base = peak = target.memory_info().rss
+        while not flood and time.monotonic() < end:
+            peak = max(peak, target.memory_info().rss)
+            time.sleep(0.002)  # sampling the parent's memory while the flood lasts
+        codes = {r: p.wait(steps * 0.05 + 120) for r, p in job.procs.items()}
+        for t in readers:
+            t.join(5)
+    finally:
+        job.kill()
+    others = [r for r in range(13) if r != 5]
+    wrong = sum(1 for r in others for s in lines[r] if "error" in s or s["rel_err"] >= 1e-9)
+    closed = [line.strip()[-200:] for line in errs[1] if "protocol error from rank 5" in line]
+    other_closed = [f"rank {r}: {line.strip()[-200:]}" for r in range(13) for line in errs[r]
+                    if "protocol error" in line and "from rank 5" not in line]
+    return {"kind": kind, "flood": flood[0] if flood else None, "codes": codes,
+            "wrong": wrong, "steps": {r: len(lines[r]) for r in others},
+            "peak_growth_mib": round((peak - base) / 2**20, 1), "closed": closed[:1],
+            "error_samples": sorted({f"rank {r}: {s.get('message', '')[:120]}" for r in others
+                                     for s in lines[r] if "error" in s})[:5],
+            "other_closed": other_closed[:5],
+            "log_samples": [f"rank {r}: {line.strip()[-200:]}" for r in others
+                            for line in errs[r] if "protocol error from rank 5" not in line
+                            and "is not reading" not in line][:12]}
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--connections", type=int, default=10000)
     ap.add_argument("--steps", type=int, default=6000)
     ap.add_argument("--crafted-rate", type=float, default=0.0,
                     help="instead: the step slowdown under crafted headers at this rate")
+    ap.add_argument("--insider", choices=["ahead", "early", "tiny", "control", "all"],
+                    help="instead: an authenticated rank floods its parent with these frames")
     a = ap.parse_args(argv)
+    if a.insider:
+        kinds = ["ahead", "early", "tiny", "control"] if a.insider == "all" else [a.insider]
+        reps = [insider_flood(k) for k in kinds]
+        for rep in reps:
+            print(json.dumps(rep))
+        return 0 if all(r["wrong"] == 0 and r["closed"] for r in reps) else 1
     if a.crafted_rate:
         rep = crafted_slowdown(a.crafted_rate)
         print(json.dumps(rep))

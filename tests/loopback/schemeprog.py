@@ -6,6 +6,9 @@ which every rank can compute on its own. Ranks listed in ``--die`` SIGKILL thems
 ``--die-step``; ``--stop`` ranks SIGSTOP themselves instead. ``--pace S`` makes each step's
 compute a function that takes S seconds (as a trainer's would); each line then also carries
 the wall-clock start and end (``t0``, ``t1``) and the rank's failover state (``link``).
+``--flood KIND --flood-rank R --flood-to T``: at ``--die-step`` rank R (authenticated: it
+is a rank of the job) floods rank T over its connection with far-ahead, early, tiny or control
+frames (see :func:`_flood`), prints ``FLOOD {...}`` and leaves the job.
 """
 
 from __future__ import annotations
@@ -71,6 +74,10 @@ async def main(args: argparse.Namespace) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             if me in args.stop and step == args.die_step:
                 os.kill(os.getpid(), signal.SIGSTOP)
+            if args.flood and me == args.flood_rank and step == args.die_step:
+                print("FLOOD " + json.dumps(await _flood(node, args.flood, args.flood_to,
+                                                         step)), flush=True)
+                os._exit(0)  # a compromised rank leaves without a goodbye
             if scheme.coded:
                 g = sample_grads(num, args.dim, step)
                 mine = weights @ g[ids] if len(ids) else np.zeros(args.dim)
@@ -105,6 +112,41 @@ async def main(args: argparse.Namespace) -> None:
                 out["abs_err"] = float(np.linalg.norm(res.value - truth))
                 out["bound"] = res.error_bound * float(np.linalg.norm(part_norms))
             print("STEP " + json.dumps(out), flush=True)
+
+
+async def _flood(node: ar.Node, kind: str, to: int, step: int) -> dict[str, object]:
+    """Send rank ``to`` what an authenticated but buggy or hostile rank could: frames far
+    beyond the current step, 1024 early 1 MiB frames, 300k tiny frames, 2000 control
+    messages of 60 KiB. Returns how many went out before ``to`` closed the connection."""
+    import asyncio
+
+    from aioreduce.schemes.reduce.family import REQUEST_TAG
+
+    mesh = node.mesh
+    sent, error = 0, ""
+    mib = np.ones(1 << 17)  # 1 MiB
+    empty = np.empty(0, np.uint8)
+    count = {"ahead": 16, "early": 1024, "tiny": 300_000, "control": 2000}[kind]
+    t0 = time.monotonic()
+    try:
+        for i in range(count):
+            if kind == "ahead":
+                await mesh.send(to, mib[:1], step=step + 10**7 + i, tag=0)
+            elif kind == "early":
+                await mesh.send(to, mib, step=step + 2 + i % 1000, tag=REQUEST_TAG + 1 + i)
+            elif kind == "tiny":
+                await mesh.send(to, empty, step=step + 2 + i % 1000, tag=REQUEST_TAG + 1 + i)
+            else:
+                await mesh.send_control(to, {"op": "junk", "pad": "x" * 60_000})
+            sent += 1
+            if i % 256 == 0:
+                await asyncio.sleep(0)  # let the connection notice it was closed
+                if mesh.is_lost(to):
+                    break
+    except Exception as exc:  # the target closed the connection: what we expect
+        error = f"{type(exc).__name__}: {exc}"
+    return {"kind": kind, "sent": sent, "of": count, "error": error,
+            "seconds": round(time.monotonic() - t0, 2)}
 
 
 def _paced(vector: np.ndarray, seconds: float):  # type: ignore[no-untyped-def]
@@ -144,4 +186,7 @@ if __name__ == "__main__":
     p.add_argument("--stop", type=lambda s: [int(x) for x in s.split(",") if x], default=[])
     p.add_argument("--die-step", type=int, default=5)
     p.add_argument("--pace", type=float, default=0.0)
+    p.add_argument("--flood", choices=["ahead", "early", "tiny", "control"])
+    p.add_argument("--flood-rank", type=int, default=5)
+    p.add_argument("--flood-to", type=int, default=1)
     ar.run(main(p.parse_args(sys.argv[1:])))

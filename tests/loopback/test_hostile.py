@@ -14,8 +14,10 @@ import time
 import psutil
 import pytest
 
+from aioreduce.transport import PeerBudget
+
 from .harness import SCHEMEPROG, Ranks
-from .hostile import ring_under_flood
+from .hostile import insider_flood, ring_under_flood
 
 pytestmark = pytest.mark.loopback
 
@@ -111,3 +113,27 @@ def test_dropped_idle_connections_are_the_oldest() -> None:
                 s.close()
         proc.kill()
         proc.wait(5)
+
+
+BUDGET_MIB = PeerBudget().staged_bytes / 2**20
+
+
+@pytest.mark.parametrize("kind, reason, peak_mib", [
+    ("ahead", "more than 65536 steps ahead", 50),
+    ("early", "more early data than its budget", BUDGET_MIB + 64),
+    ("tiny", "frames nobody has asked for", 100),
+    ("control", "control messages nobody has read", 50),
+])
+def test_an_authenticated_flood_costs_at_most_the_peer_budget(kind: str, reason: str,
+                                                               peak_mib: float) -> None:
+    # Leaf 5 of a 13-rank coded tree (it has the secret) floods its parent, rank 1: the
+    # parent closes that one connection naming rank 5 and why, its memory stays within the
+    # peer budget, and every other rank's results stay exact (the tree does without 5).
+    rep = insider_flood(kind)
+    flood = rep["flood"]
+    assert flood is not None, rep
+    assert flood["sent"] < flood["of"] or kind == "ahead", rep  # cut off (16 small ones fit)
+    assert rep["closed"] and reason in rep["closed"][0], rep
+    assert rep["wrong"] == 0 and rep["other_closed"] == [], rep
+    assert all(n == 300 for n in rep["steps"].values()), rep
+    assert rep["peak_growth_mib"] <= peak_mib, rep

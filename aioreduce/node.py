@@ -153,7 +153,8 @@ class Node:
 
         Returns once every byte is in the kernel, so ``array`` may be changed afterwards.
         A non-contiguous array is sent from a contiguous copy; object arrays are refused.
-        The receiver finds ``meta`` in the returned header.
+        The receiver finds ``meta`` in the returned header. Once the receiver has run a step,
+        a frame more than ``PeerBudget.steps_ahead`` (65536) steps ahead of it is refused.
         """
         await self.mesh.send(rank, array, step=step, tag=tag, meta=meta)
 

@@ -170,18 +170,21 @@ async def _worker(cfg: Config) -> None:
                     times[name].append((t0, t1))
                     if rank == 0 and cfg.verify:
                         errors[name] = max(errors[name], data.rel_err(name, value))
-        # Gather everyone's timings at rank 0.
+        # Gather everyone's timings at rank 0, as the next step (every rank has run the same
+        # steps, so it is the same number everywhere; a far-off step would be refused).
+        gather_step = node.step
         for name in names:
             mine = np.array(times[name], np.float64)
             if rank == 0:
                 allt = [mine]
                 for r in range(1, world):
                     buf = np.empty_like(mine)
-                    await node.recv_into(r, buf, step=10**9, tag=names.index(name), timeout=60)
+                    await node.recv_into(r, buf, step=gather_step, tag=names.index(name),
+                                         timeout=60)
                     allt.append(buf)
                 _report(cfg, name, schemes.get(name), np.stack(allt), errors[name], world)
             else:
-                await node.send(0, mine, step=10**9, tag=names.index(name))
+                await node.send(0, mine, step=gather_step, tag=names.index(name))
         if dist is not None:
             dist.destroy_process_group()
 

@@ -103,28 +103,40 @@ class Flood:
             t.join()
 
 
+def read_ranks(job: Ranks, *tags: str) -> tuple[dict[int, list[dict]], dict[int, list[str]],
+                                                 dict[str, list[dict]], list[threading.Thread]]:
+    """Read every rank's output in threads as it comes (a full pipe never blocks a rank):
+    the ``STEP {...}`` lines per rank, stderr lines per rank, ``TAG {...}`` lines by tag."""
+    n = len(job.procs)
+    lines: dict[int, list[dict]] = {r: [] for r in range(n)}
+    errs: dict[int, list[str]] = {r: [] for r in range(n)}
+    tagged: dict[str, list[dict]] = {t: [] for t in tags}
+
+    def read(rank: int) -> None:
+        for line in job.procs[rank].stdout:  # type: ignore[union-attr]
+            tag, _, rest = line.partition(" ")
+            if tag == "STEP":
+                lines[rank].append(json.loads(rest))
+            elif tag in tagged:
+                tagged[tag].append(json.loads(rest))
+
+    def read_err(rank: int) -> None:
+        for line in job.procs[rank].stderr:  # type: ignore[union-attr]
+            errs[rank].append(line)
+
+    readers = [threading.Thread(target=f, args=(r,), daemon=True)
+               for r in range(n) for f in (read, read_err)]
+    for t in readers:
+        t.start()
+    return lines, errs, tagged, readers
+
+
 def ring_under_flood(connections: int, steps: int = 3000, pace: float = 0.005) -> dict:
     """A 4-rank ring doing exact steps while rank 0's listener is flooded."""
     job = Ranks(4)
     job.start_all("ring", "--steps", str(steps), "--pace", str(pace), "--dim", "1000",
                   prog=SCHEMEPROG)
-    lines: dict[int, list[dict]] = {r: [] for r in range(4)}
-
-    errs: dict[int, list[str]] = {r: [] for r in range(4)}
-
-    def read(rank: int) -> None:
-        for line in job.procs[rank].stdout:  # type: ignore[union-attr]
-            if line.startswith("STEP "):
-                lines[rank].append(json.loads(line[5:]))
-
-    def read_err(rank: int) -> None:  # drained as it comes, so a full pipe never blocks a rank
-        for line in job.procs[rank].stderr:  # type: ignore[union-attr]
-            errs[rank].append(line)
-
-    readers = [threading.Thread(target=f, args=(r,), daemon=True)
-               for r in range(4) for f in (read, read_err)]
-    for t in readers:
-        t.start()
+    lines, errs, _tagged, readers = read_ranks(job)
     try:
         end = time.monotonic() + 60
         while len(lines[0]) < 20 and time.monotonic() < end:
@@ -205,25 +217,8 @@ def insider_flood(kind: str, steps: int = 300, flood_step: int = 30) -> dict:
     job.start_all("coded-tree", "--steps", str(steps), "--pace", "0.01", "--dim", "1000",
                   "--flood", kind, "--flood-rank", "5", "--flood-to", "1",
                   "--die-step", str(flood_step), prog=SCHEMEPROG)
-    lines: dict[int, list[dict]] = {r: [] for r in range(13)}
-    errs: dict[int, list[str]] = {r: [] for r in range(13)}
-    flood: list[dict] = []
-
-    def read(rank: int) -> None:
-        for line in job.procs[rank].stdout:  # type: ignore[union-attr]
-            if line.startswith("STEP "):
-                lines[rank].append(json.loads(line[5:]))
-            elif line.startswith("FLOOD "):
-                flood.append(json.loads(line[6:]))
-
-    def read_err(rank: int) -> None:
-        for line in job.procs[rank].stderr:  # type: ignore[union-attr]
-            errs[rank].append(line)
-
-    readers = [threading.Thread(target=f, args=(r,), daemon=True)
-               for r in range(13) for f in (read, read_err)]
-    for t in readers:
-        t.start()
+    lines, errs, tagged, readers = read_ranks(job, "FLOOD")
+    flood = tagged["FLOOD"]
     try:
         end = time.monotonic() + 120
         while len(lines[1]) < flood_step - 5 and time.monotonic() < end:

@@ -210,6 +210,20 @@ async def test_switching_schemes_leaves_nothing_behind() -> None:
     await ring.close()
 
 
+async def step_with_a_wrong_vector(job: Job, step: int, wrong: int, how: str
+                                   ) -> list[ar.Result | BaseException]:
+    """Run ``step`` on every rank, rank ``wrong`` with one element more or as float32."""
+    async def one(rank: int) -> ar.Result:
+        vec = job.vector(rank, step)
+        if rank == wrong:
+            vec = np.append(vec, 1.0) if how == "length" else vec.astype(np.float32)
+        own: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+        own.set_result(vec)
+        return await job.sessions[rank].step(step, np.zeros_like(vec), own)
+
+    return await asyncio.gather(*(one(r) for r in range(job.world)), return_exceptions=True)
+
+
 @pytest.mark.parametrize("scheme, world, wrong", [
     (ar.CodedTree(**TREE), 13, 5),   # a leaf
     (ar.CodedTree(**TREE), 13, 2),   # an intermediate rank
@@ -225,16 +239,7 @@ async def test_a_wrong_vector_on_one_rank_is_the_same_error_on_every_rank(
     # (not after a deadline, not as a straggler).
     job = Job(scheme, world)
     job.assert_exact(0, await job.run(0))
-
-    async def one(rank: int) -> ar.Result:
-        vec = job.vector(rank, 1)
-        if rank == wrong:
-            vec = np.append(vec, 1.0) if how == "length" else vec.astype(np.float32)
-        own: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
-        own.set_result(vec)
-        return await job.sessions[rank].step(1, np.zeros_like(vec), own)
-
-    results = await asyncio.gather(*(one(r) for r in range(world)), return_exceptions=True)
+    results = await step_with_a_wrong_vector(job, 1, wrong, how)
     messages = set()
     for rank, res in enumerate(results):
         assert isinstance(res, ar.VectorMismatch), (rank, res)
@@ -251,16 +256,7 @@ async def test_a_wrong_vector_in_the_ring_is_named_on_every_rank(how: str) -> No
     world, wrong = 6, 3
     job = Job(ar.Ring(), world)
     job.assert_exact(0, await job.run(0))
-
-    async def one(rank: int) -> ar.Result:
-        vec = np.random.default_rng([rank, 1]).standard_normal(60)
-        if rank == wrong:
-            vec = np.append(vec, 1.0) if how == "length" else vec.astype(np.float32)
-        own: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
-        own.set_result(vec)
-        return await job.sessions[rank].step(1, np.zeros_like(vec), own)
-
-    results = await asyncio.gather(*(one(r) for r in range(world)), return_exceptions=True)
+    results = await step_with_a_wrong_vector(job, 1, wrong, how)
     for rank, res in enumerate(results):  # no rank waits forever, each names rank 3
         assert isinstance(res, ar.VectorMismatch), (rank, res)
         assert wrong in res.ranks and f"rank {wrong}'s" in str(res), (rank, res)

@@ -16,6 +16,8 @@ from ..errors import AuthError, PeerLost, RendezvousError
 from .mesh import Mesh
 
 ABORT_GRACE_S = 2.0
+MISSING_HINT = ("check that they were started, with the same world size, AIOREDUCE_MASTER_ADDR/"
+                "PORT (or MASTER_ADDR/PORT), secret and job id, and that they can reach rank 0")
 SETTLE_S = 1.0  # at most this long for handshakes in flight when everyone has registered
 
 
@@ -40,8 +42,9 @@ async def _gather_from(mesh: Mesh, ranks: list[int], op: str, deadline: float,
         tasks = {r: t for r, t in tasks.items() if r not in excused or t.done()}
         missing = sorted(r for r, t in tasks.items() if not t.done() or t.exception())
         if missing:
+            hint = f": {MISSING_HINT}" if op == "register" else ""
             raise RendezvousError(f"rank {mesh.rank}: ranks {missing} did not reach {op} "
-                                  f"in time", missing=missing)
+                                  f"in time{hint}", missing=missing)
         out = {r: t.result() for r, t in tasks.items()}
         wrong = sorted(r for r, m in out.items() if m.get("op") not in (op, "abort"))
         if wrong:
@@ -87,7 +90,10 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
         except PeerLost as exc:
             if time.monotonic() + delay > deadline:
                 raise RendezvousError(f"rank {mesh.rank}: cannot reach rank 0 at "
-                                      f"{master[0]}:{master[1]} within {timeout} s: {exc.reason}",
+                                      f"{master[0]}:{master[1]} within {timeout} s: {exc.reason} "
+                                      "(check that rank 0 runs there and that "
+                                      "AIOREDUCE_MASTER_ADDR/PORT, or MASTER_ADDR/PORT, name "
+                                      "it)",
                                       missing=[0]) from None
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
@@ -101,14 +107,15 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
         msg = (await _gather_from(mesh, [0], "table", deadline + ABORT_GRACE_S))[0]
     except RendezvousError:
         raise RendezvousError(f"rank {mesh.rank}: rank 0 sent no address table within "
-                              f"{timeout} s", missing=[0]) from None
+                              f"{timeout} s (rank 0 is alive but waited for other ranks or for "
+                              "this one: check its log)", missing=[0]) from None
     if msg.get("op") == "abort":
         listed = msg.get("missing")
         missing = [int(r) for r in listed] if isinstance(listed, list) else []
         reason = msg.get("reason")
         if missing:
-            raise RendezvousError(f"rank {mesh.rank}: ranks {missing} never joined the job",
-                                  missing=missing)
+            raise RendezvousError(f"rank {mesh.rank}: ranks {missing} never joined the job: "
+                                  f"{MISSING_HINT}", missing=missing)
         raise RendezvousError(f"rank {mesh.rank}: rank 0 stopped the job: {reason}")
     table = msg.get("table")
     if not isinstance(table, list) or len(table) != mesh.world_size:

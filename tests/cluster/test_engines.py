@@ -28,8 +28,14 @@ pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
 LOGREG = [sys.executable, str(ROOT / "examples" / "logreg.py"), "--scheme", "ring"]
 REFERENCE_LOSS = 0.03228846978368438  # examples/logreg.py --reference
-SHOW_ENV = ("from aioreduce.env import discover; e = discover(); "
-            "print('ENV', e.source, e.rank, e.world_size, e.local_rank, e.job, flush=True)")
+# Each rank writes what it found to its own file: the engines interleave ranks' stdout.
+SHOW_ENV = ("import sys; from aioreduce.env import discover; e = discover(); "
+            "open(f'{sys.argv[1]}/env.{e.rank}', 'w').write("
+            "f'{e.source} {e.rank} {e.world_size} {e.local_rank}')")
+
+
+def _seen(where: Path) -> list[list[str]]:
+    return sorted(p.read_text().split() for p in where.glob("env.*"))
 
 
 def _needs(*programs: str) -> str | None:
@@ -61,15 +67,14 @@ MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "4",
 
 
 @pytest.mark.skipif(_needs("mpirun") is not None, reason=str(_needs("mpirun")))
-def test_mpirun_runs_logreg_to_the_reference_loss(secret_file: str) -> None:
+def test_mpirun_runs_logreg_to_the_reference_loss(secret_file: str, tmp_path: Path) -> None:
     env = ["-x", f"AIOREDUCE_SECRET_FILE={secret_file}", "-x", "MASTER_ADDR=127.0.0.1",
            "-x", f"AIOREDUCE_MASTER_PORT={free_port()}", "-x", "OMP_NUM_THREADS=1"]
-    who = subprocess.run([*MPIRUN, *env, sys.executable, "-c", SHOW_ENV], capture_output=True,
-                         text=True, timeout=120)
+    who = subprocess.run([*MPIRUN, *env, sys.executable, "-c", SHOW_ENV, str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
     assert who.returncode == 0, who.stderr[-2000:]
     # Rank, size and local rank come from Open MPI's own variables.
-    seen = sorted(line.split()[1:5] for line in who.stdout.splitlines() if line.startswith("ENV"))
-    assert seen == [["openmpi", str(r), "4", str(r)] for r in range(4)], who.stdout
+    assert _seen(tmp_path) == [["openmpi", str(r), "4", str(r)] for r in range(4)]
     res = subprocess.run([*MPIRUN, *env, *LOGREG], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert abs(_final_loss(res.stdout) - REFERENCE_LOSS) < 1e-9
@@ -172,15 +177,15 @@ def slurm(tmp_path: Path) -> Iterator[dict[str, str]]:
 
 @pytest.mark.skipif(_needs("srun", "slurmctld", "slurmd", "munged", "runuser") is not None,
                     reason=str(_needs("srun", "slurmctld", "slurmd", "munged", "runuser")))
-def test_srun_runs_logreg_to_the_reference_loss(slurm: dict[str, str], secret_file: str) -> None:
+def test_srun_runs_logreg_to_the_reference_loss(slurm: dict[str, str], secret_file: str,
+                                                tmp_path: Path) -> None:
     export = f"--export=ALL,AIOREDUCE_SECRET_FILE={secret_file},OMP_NUM_THREADS=1"
-    who = subprocess.run(["srun", "-n", "4", export, sys.executable, "-c", SHOW_ENV],
-                         env=slurm, capture_output=True, text=True, timeout=120)
+    who = subprocess.run(["srun", "-n", "4", export, sys.executable, "-c", SHOW_ENV,
+                          str(tmp_path)], env=slurm, capture_output=True, text=True, timeout=120)
     assert who.returncode == 0, who.stderr[-2000:]
     # Rank, size, local rank and job id come from SLURM's variables; the rendezvous host is
     # the first node of SLURM_JOB_NODELIST and the port is derived from the job id.
-    seen = sorted(line.split()[1:5] for line in who.stdout.splitlines() if line.startswith("ENV"))
-    assert seen == [["slurm", str(r), "4", str(r)] for r in range(4)], who.stdout
+    assert _seen(tmp_path) == [["slurm", str(r), "4", str(r)] for r in range(4)]
     res = subprocess.run(["srun", "-n", "4", export, *LOGREG], env=slurm, capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -40,7 +40,7 @@ async def run_traced(job: Job, tracers: list[Tracer], step: int,
 
 async def test_trace_counts_every_byte_and_names_the_late_rank(tmp_path) -> None:
     world = 5  # a gradient-coding master and 4 workers, one straggler tolerated
-    job, tracers = traced_job(ar.GradientCoding(cyclic_mds(4, 1), deadline=0.05), world,
+    job, tracers = traced_job(ar.GradientCoding(cyclic_mds(4, 1), deadline=0.25), world,
                               tmp_path)
     await run_traced(job, tracers, 0)
     job.net.hold(4, 0)  # rank 4's message does not reach the master in step 1

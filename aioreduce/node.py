@@ -326,18 +326,14 @@ class Node:
         try:
             result = await session.step(step, like, own)
             return result
-        except FellBehind as exc:
-            self._step = max(self._step, exc.current_step)
-            error = exc
-            raise
-        except VectorMismatch as exc:
-            # The ranks did not agree on the shape: the next step starts anew (a corrected
-            # vector is not refused as "differs from earlier steps").
-            self._like = None
-            error = exc
-            raise
         except BaseException as exc:
             error = exc
+            if isinstance(exc, FellBehind):
+                self._step = max(self._step, exc.current_step)
+            elif isinstance(exc, VectorMismatch):
+                # The ranks did not agree on the shape: the next step starts anew (a corrected
+                # vector is not refused as "differs from earlier steps").
+                self._like = None
             raise
         finally:
             own.cancel()

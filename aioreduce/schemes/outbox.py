@@ -58,11 +58,10 @@ class Outbox:
         behind = {p.step for p in pending if p.started and p.step != step}
         if len(behind) >= self.max_steps:
             if peer not in self._skipping:
-                self._skipping[peer] = (step, step)
                 log.warning("rank %d: rank %d is not reading (%d steps, %d bytes unsent); "
                             "holding frames back until it drains", self.comm.rank, peer,
                             len(behind), sum(p.nbytes for p in pending))
-            first, last = self._skipping[peer]
+            first, last = self._skipping.get(peer, (step, step))
             self._skipping[peer] = (min(first, step), max(last, step))
             return False
         entry = _Pending(step, array.nbytes)

@@ -21,6 +21,7 @@ from .schemes import (
     Scheme,
     Star,
     StragglerError,
+    Transpose,
     Tree,
 )
 from .straggle import StraggleModel, parse_straggle
@@ -50,6 +51,7 @@ __all__ = [
     "StraggleModel",
     "StragglerError",
     "SyncNode",
+    "Transpose",
     "Tree",
     "VectorMismatch",
     "connect",

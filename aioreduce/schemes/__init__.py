@@ -13,8 +13,9 @@ from .base import (
 from .registry import by_name, names
 from .ring import Ring
 from .star import GradientCoding, Star
+from .transpose import Transpose
 from .tree import CodedTree, Tree
 
 __all__ = ["CodedScheme", "CodedTree", "Comm", "FellBehind", "GradientCoding", "Result",
-           "Ring", "Scheme", "Session", "Star", "StepOptions", "StragglerError", "Tree",
-           "by_name", "names"]
+           "Ring", "Scheme", "Session", "Star", "StepOptions", "StragglerError", "Transpose",
+           "Tree", "by_name", "names"]

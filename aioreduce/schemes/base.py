@@ -47,8 +47,9 @@ class Comm(Protocol):
         """Post a receive into ``out``; the future resolves with the frame's header or fails
         with :class:`~aioreduce.PeerLost`. Cancelling it withdraws the receive."""
 
-    def discard_before(self, step: int) -> None:
-        """Unclaimed frames of steps below ``step`` are stale: dropped, never delivered."""
+    def discard_before(self, step: int, tag: int = 0) -> None:
+        """Unclaimed frames of steps below ``step``, and of step ``step`` with a tag below
+        ``tag``, are stale: dropped on arrival, never delivered."""
 
     def is_lost(self, rank: int) -> bool:
         """True while the connection to ``rank`` is broken."""
@@ -70,6 +71,14 @@ class Result:
     ``used``: ranks whose contributions went into the value; ``late``: ranks that were
     skipped. ``exact`` is False only for an approximate decode, whose error is at most
     ``error_bound`` times the root-sum-square of the parts' gradient norms.
+
+    Bounded-time schemes (``Transpose``) use whatever arrived by a deadline, so their
+    results can differ between ranks; they also fill in ``received`` (the fraction of all
+    ranks' contributions in this rank's value), ``worst_shard`` (the same for the worst
+    shard), ``stand_in`` (shards, by owner, of which this rank missed some of the reduced
+    values and used its stand-in), ``drifted`` (ranks known to have held such a result since
+    the last re-sync: their replicas may differ), ``deadline`` (the stage bound used, seconds)
+    and ``resync`` (re-synchronise the model after this step, e.g. ``Node.broadcast``).
     """
 
     value: np.ndarray
@@ -79,6 +88,12 @@ class Result:
     exact: bool = True
     error_bound: float = 0.0
     seconds: float = 0.0
+    received: float = 1.0
+    worst_shard: float = 1.0
+    stand_in: list[int] = field(default_factory=list)
+    drifted: list[int] = field(default_factory=list)
+    deadline: float = 0.0
+    resync: bool = False
 
 
 @runtime_checkable

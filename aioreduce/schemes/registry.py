@@ -12,6 +12,7 @@ from typing import Any
 from .base import Scheme
 from .ring import Ring
 from .star import GradientCoding, Star
+from .transpose import Transpose
 from .tree import CodedTree, Tree
 
 _SCHEMES: dict[str, Callable[..., Scheme]] = {
@@ -20,6 +21,7 @@ _SCHEMES: dict[str, Callable[..., Scheme]] = {
     "ring": Ring,
     "tree": Tree,
     "star": Star,
+    "transpose": Transpose,
 }
 
 

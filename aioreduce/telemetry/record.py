@@ -203,8 +203,8 @@ class TracingComm:
         fut.add_done_callback(arrived)
         return fut
 
-    def discard_before(self, step: int) -> None:
-        self.inner.discard_before(step)
+    def discard_before(self, step: int, tag: int = 0) -> None:
+        self.inner.discard_before(step, tag)
 
     def is_lost(self, rank: int) -> bool:
         return self.inner.is_lost(rank)

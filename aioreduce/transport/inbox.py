@@ -85,6 +85,7 @@ class Inbox:
         self._on_lost = on_lost
         self.stage_limit = stage_limit
         self.floor = NO_FLOOR
+        self.floor_tag = 0  # frames of step ``floor`` with a lower tag are stale too
         self.conns: set[FrameProtocol] = set()
         self.lost: PeerLost | None = None
         self.control: asyncio.Queue[dict[str, object] | None] = asyncio.Queue()
@@ -151,18 +152,30 @@ class Inbox:
             if p.future is fut:
                 conn.withdraw_payload()
 
-    def set_floor(self, step: int) -> None:
-        """Frames of steps below ``step`` are stale from now on: drop staged and held ones."""
-        self.floor = max(self.floor, step)
+    def set_floor(self, step: int, tag: int = 0) -> None:
+        """Frames of steps below ``step``, and of step ``step`` with a tag below ``tag``, are
+        stale from now on: drop staged and held ones (a scheme with stages inside a step, the
+        transpose, drops a stage's late frames this way)."""
+        if step > self.floor:
+            self.floor, self.floor_tag = step, tag
+        elif step == self.floor:
+            self.floor_tag = max(self.floor_tag, tag)
         heap = self._staged_steps
         while heap and heap[0] < self.floor:
-            step = heapq.heappop(heap)
-            for tag in self._tags_of.pop(step, ()):
-                self._unstage((step, tag))
+            old = heapq.heappop(heap)
+            for t in self._tags_of.pop(old, ()):
+                self._unstage((old, t))
+        if self.floor_tag:
+            for t in [t for t in self._tags_of.get(self.floor, ()) if t < self.floor_tag]:
+                self._unstage((self.floor, t))
         for conn, header in list(self._held.items()):
-            if header.step < self.floor:
+            if self._stale(header):
                 del self._held[conn]
                 conn.resume_with(None)
+
+    def _stale(self, header: Header) -> bool:
+        return header.step < self.floor or (header.step == self.floor
+                                            and header.tag < self.floor_tag)
 
     # -- the connection's side (its Router) ----------------------------------------------------
     def choose(self, conn: FrameProtocol, header: Header) -> Destination:
@@ -175,7 +188,7 @@ class Inbox:
                 return None
             self._receiving[conn] = (key, posted)
             return posted.view
-        if header.step < self.floor:
+        if self._stale(header):
             return None
         self._check_ahead(header)
         if (header.payload_nbytes() <= self.stage_limit or self._posted
@@ -211,10 +224,11 @@ class Inbox:
             if frame.payload is not None and not posted.future.done():
                 posted.future.set_result(header)
             return
-        if header.step < self.floor and not header.payload_nbytes() and self._handled(header):
+        stale = self._stale(header)
+        if stale and not header.payload_nbytes() and self._handled(header):
             self._hand_early(header, memoryview(b""))  # a stale request is still answerable
             return
-        if header.step < self.floor or (frame.payload is None and header.payload_nbytes()):
+        if stale or (frame.payload is None and header.payload_nbytes()):
             log.debug("dropped stale frame from rank %d step %d tag %d (floor %d)",
                       self.rank, header.step, header.tag, self.floor)
             return

@@ -8,7 +8,9 @@ milliseconds: ``MemoryNetwork(n).comms[r]`` is rank ``r``'s comm. The test contr
 * :meth:`~MemoryNetwork.freeze` / :meth:`~MemoryNetwork.thaw` a rank: nothing reaches it or
   leaves it, and senders to it block as on a full socket buffer (its own code still runs: a
   test does not step a frozen rank, or expects its timers to fire);
-* :meth:`~MemoryNetwork.kill` a rank: its connections break, peers get :class:`PeerLost`.
+* :meth:`~MemoryNetwork.kill` a rank: its connections break, peers get :class:`PeerLost`;
+* :meth:`~MemoryNetwork.lose` frames of one tag on a link (the sender believes it sent them),
+  as an unreliable network would: for bounded-time schemes.
 
 Matching follows the real inbox: a posted receive wins, else a frame below the floor is
 dropped (a payload-less one is still handed to early handlers), else it is staged and handed
@@ -61,6 +63,7 @@ class MemoryNetwork:
         self._frozen: set[int] = set()
         self._thawed: dict[int, asyncio.Event] = {}
         self.dead: set[int] = set()
+        self._lost_tags: set[tuple[int, int, int]] = set()
 
     # -- controls -----------------------------------------------------------------------------
     def hold(self, src: int, dst: int) -> None:
@@ -84,6 +87,10 @@ class MemoryNetwork:
             if rank in (a, b):
                 self._flush(a, b)
 
+    def lose(self, src: int, dst: int, tag: int) -> None:
+        """Frames from ``src`` to ``dst`` with ``tag`` vanish from now on."""
+        self._lost_tags.add((src, dst, tag))
+
     def kill(self, rank: int) -> None:
         self.dead.add(rank)
         for other in self.comms:
@@ -103,6 +110,9 @@ class MemoryNetwork:
         if src in self.dead or dst in self.dead:
             raise PeerLost(dst, "connection closed")
         self.sent.append((src, dst, header.step, header.tag))
+        if (src, dst, header.tag) in self._lost_tags:
+            await asyncio.sleep(0)
+            return
         self._queues.setdefault((src, dst), deque()).append((header, payload))
         delay = self._delay.get((src, dst), 0.0)
         if delay:
@@ -126,6 +136,7 @@ class MemoryComm:
         self.rank = rank
         self.world_size = net.world_size
         self.floor = -(1 << 62)
+        self.floor_tag = 0
         self._peers = {r: _FromPeer() for r in range(net.world_size) if r != rank}
         self._lost_listeners: list[Callable[[int], None]] = []
         self._lost_peers: set[int] = set()
@@ -156,11 +167,17 @@ class MemoryComm:
                 lambda f: peer.posted.pop(key, None) if f.cancelled() else None)
         return fut
 
-    def discard_before(self, step: int) -> None:
-        self.floor = max(self.floor, step)
+    def discard_before(self, step: int, tag: int = 0) -> None:
+        if step > self.floor:
+            self.floor, self.floor_tag = step, tag
+        elif step == self.floor:
+            self.floor_tag = max(self.floor_tag, tag)
         for peer in self._peers.values():
-            for key in [k for k in peer.staged if k[0] < self.floor]:
+            for key in [k for k in peer.staged if self._stale(k)]:
                 del peer.staged[key]
+
+    def _stale(self, key: Key) -> bool:
+        return key < (self.floor, self.floor_tag)
 
     def is_lost(self, rank: int) -> bool:
         return rank in self._lost_peers
@@ -190,7 +207,7 @@ class MemoryComm:
             _fill(posted.future, posted.view, posted.dtype, header, payload)
             return
         handled = [h for lo, h in peer.early if header.tag >= lo]
-        if header.step < self.floor:
+        if self._stale(key):
             if not payload:
                 for h in handled:
                     h(header, memoryview(b""))

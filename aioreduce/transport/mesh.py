@@ -377,11 +377,11 @@ class Mesh:
         fut.add_done_callback(withdrawn)
         return fut
 
-    def discard_before(self, step: int) -> None:
-        """Unclaimed frames of steps below ``step`` from any peer are stale: drop them, now
-        and later."""
+    def discard_before(self, step: int, tag: int = 0) -> None:
+        """Unclaimed frames of steps below ``step`` (and of ``step`` with a tag below
+        ``tag``) from any peer are stale: drop them, now and later."""
         for inbox in self._inbox.values():
-            inbox.set_floor(step)
+            inbox.set_floor(step, tag)
 
     # -- control messages (rendezvous, barriers) ----------------------------------------------
     async def send_control(self, rank: int, meta: dict[str, object]) -> None:

@@ -1,0 +1,107 @@
+"""Randomised Hadamard rotation: spreads a lost part of a vector evenly over all of it.
+
+The bounded-time transpose allreduce (``schemes/transpose``) loses the tail of a slow sender's
+stream. Without a rotation that tail is a contiguous run of coordinates (perhaps one whole
+layer); after ``y = H·D·x`` (``D`` a random ±1 diagonal from a seed every rank shares, ``H``
+an orthonormal Hadamard matrix) every coordinate of ``y`` mixes many coordinates of ``x``, so
+losing some of ``y`` becomes a small error spread over many coordinates of ``x``. The map is
+linear and orthonormal: the sum of rotated vectors is the rotation of the sum, and
+``inverse(forward(x)) == x`` up to rounding.
+
+How it is computed, and why. ``H`` here is ``H_a ⊗ H_b`` (a Sylvester Hadamard matrix of size
+``a·b``, the Walsh–Hadamard transform up to the order of rows), applied to the vector viewed as
+an ``(a, L/a)`` matrix (mixing coordinates ``L/a`` apart) and then as rows of ``b`` (mixing
+neighbours): two matrix products, one BLAS call each. On this project's 2-core machines a
+numpy butterfly (log2 n passes over the vector) takes 170–200 ms for 16 MiB of float32 while
+the two products take about 12 ms; a contiguous lost run is spread ``L/a`` apart and then
+over its neighbours. The vector is padded with zeros to a multiple of ``a·b`` (at most
+``a·b - 1`` elements, never a doubling of the message).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+
+DEFAULT_FACTORS = (32, 32)
+
+
+@cache
+def _sylvester(n: int) -> np.ndarray:
+    """The ``n × n`` Sylvester Hadamard matrix divided by sqrt(n) (orthonormal, symmetric)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard factors must be powers of two, not {n}")
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    scaled: np.ndarray = h / np.sqrt(n)
+    scaled.setflags(write=False)
+    return scaled
+
+
+def _factors_for(length: int, factors: tuple[int, int]) -> tuple[int, int]:
+    """Smaller factors for a vector shorter than one block (so it is not padded up to it)."""
+    a, b = factors
+    if length >= a * b:
+        return a, b
+    block = 1 << max(0, (length - 1).bit_length())
+    small_a = 1 << (block.bit_length() - 1) // 2
+    return small_a, block // small_a
+
+
+class Rotation:
+    """``y = H·D·x`` for vectors of one length; every rank builds it from the same seed.
+
+    ``signs`` overrides the seeded ±1 diagonal (tests); ``factors`` are the two Hadamard
+    sizes (powers of two) whose Kronecker product is the mixing block.
+    """
+
+    def __init__(self, length: int, seed: int = 0, *,
+                 factors: tuple[int, int] = DEFAULT_FACTORS,
+                 signs: np.ndarray | None = None) -> None:
+        if length < 0:
+            raise ValueError("length must be non-negative")
+        self.length = length
+        self.a, self.b = _factors_for(length, factors)
+        block = self.a * self.b
+        self.padded = max(block, -(-length // block) * block)
+        if signs is None:
+            rng = np.random.default_rng([seed, 0x4AD])
+            signs = rng.integers(0, 2, self.padded) * 2 - 1
+        if signs.shape != (self.padded,):
+            raise ValueError(f"signs must have {self.padded} entries")
+        self._signs = {np.dtype(np.float64): signs.astype(np.float64)}
+
+    def signs(self, dtype: np.dtype) -> np.ndarray:
+        s = self._signs.get(dtype)
+        if s is None:
+            s = self._signs[dtype] = self._signs[np.dtype(np.float64)].astype(dtype)
+        return s
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        """The rotated vector (``padded`` entries, x's dtype; x must be floating point)."""
+        x = x.reshape(-1)
+        if x.size != self.length:
+            raise ValueError(f"expected {self.length} entries, got {x.size}")
+        if x.dtype.kind != "f":
+            raise TypeError(f"the Hadamard rotation needs a floating-point vector, not "
+                            f"{x.dtype} (pass hadamard=False for integer vectors)")
+        z = np.zeros(self.padded, x.dtype)
+        np.multiply(x, self.signs(x.dtype)[: self.length], out=z[: self.length])
+        return self._mix(z)
+
+    def inverse(self, y: np.ndarray) -> np.ndarray:
+        """The vector whose rotation is ``y`` (``length`` entries)."""
+        z = self._mix(y.reshape(-1))
+        out = z[: self.length]
+        out *= self.signs(y.dtype)[: self.length]
+        return out
+
+    def _mix(self, z: np.ndarray) -> np.ndarray:
+        """``(H_a ⊗ H_b)·z``: self-inverse, as both factors are symmetric and orthonormal."""
+        ha = _sylvester(self.a).astype(z.dtype, copy=False)
+        hb = _sylvester(self.b).astype(z.dtype, copy=False)
+        strided = ha @ z.reshape(self.a, -1)
+        mixed: np.ndarray = (strided.reshape(-1, self.b) @ hb).reshape(-1)
+        return mixed

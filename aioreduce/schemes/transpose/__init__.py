@@ -1,0 +1,91 @@
+"""Bounded-time Transpose AllReduce (OptiReduce over TCP); see :class:`Transpose`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..base import Comm
+from .session import TransposeSession
+
+Missing = Literal["zero", "rescale"]
+OnExcessLoss = Literal["raise", "wait"]
+
+
+@dataclass(frozen=True)
+class Transpose:
+    """All-to-all shards to their owners, reduce what arrived by a deadline, send the reduced
+    shards to everyone (Warraich et al., OptiReduce, NSDI 2025), over TCP.
+
+    Rank ``k`` owns shard ``k`` of the (Hadamard-rotated) vector. Phase 1: every rank sends
+    each shard to its owner as slices interleaved across owners; the owner adds what arrived
+    by the stage deadline. Phase 2: each owner sends its reduced shard to every rank. A stage
+    ends on full receipt, on an early close, or at its deadline, so one slow rank costs the
+    others at most two stage deadlines, never more; what it did not deliver is missing from
+    the sum (and accounted for in the :class:`~aioreduce.Result`).
+
+    Options:
+
+    * ``hadamard``: rotate with a shared-seed random Hadamard transform first (on by default),
+      so a lost tail becomes small noise spread over the whole vector (floating point only).
+    * ``missing``: ``"zero"`` (OptiReduce: a missing contribution adds nothing; a reduced
+      slice that did not arrive keeps this rank's own contribution) or ``"rescale"``
+      (unbiased: each reduced slice is scaled by N / contributions received; a missing
+      reduced slice is N × this rank's own contribution).
+    * ``deadline``: a fixed stage bound in seconds; by default the bound adapts: ``warmup``
+      stages wait for everything and set it from their P95, then ``slack`` × the median over
+      ranks of each rank's EWMA completion estimate, at least ``min_deadline``.
+    * ``max_loss``, ``on_excess_loss``: the safety valve. A step whose missing fraction
+      exceeds ``max_loss`` raises :class:`~aioreduce.StragglerError` (``"raise"``) or waits
+      past the deadline for the data (``"wait"``); it never silently degrades further.
+    * ``resync_every``: every K steps the result says ``resync=True``: re-synchronise the
+      model then (``Node.broadcast``), so replicas that used stand-ins cannot drift apart.
+    * ``behind_steps``: a rank whose peers are this many steps ahead raises
+      :class:`~aioreduce.FellBehind` and jumps to their step (after a pause).
+    * ``inject_loss``: for experiments, drop this fraction of slices on arrival (seeded),
+      as an unreliable network would; never during warm-up.
+    """
+
+    hadamard: bool = True
+    seed: int = 0
+    missing: Missing = "zero"
+    deadline: float | None = None
+    warmup: int = 10
+    slack: float = 1.5
+    min_deadline: float = 0.01
+    idle_fraction: float = 0.1  # early close after this fraction of the estimate is quiet
+    max_loss: float = 0.05
+    on_excess_loss: OnExcessLoss = "raise"
+    slice_bytes: int = 256 << 10
+    resync_every: int = 0
+    behind_steps: int = 2
+    backlog_steps: int = 8
+    inject_loss: float = 0.0
+    max_wait: float = 600.0  # a reliable (warm-up or "wait") stage gives up after this
+    coded: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        if self.missing not in ("zero", "rescale"):
+            raise ValueError("missing must be 'zero' or 'rescale'")
+        if self.on_excess_loss not in ("raise", "wait"):
+            raise ValueError("on_excess_loss must be 'raise' or 'wait'")
+        if self.deadline is not None and self.deadline <= 0:
+            raise ValueError("deadline must be positive (or None to adapt)")
+        if not 0 <= self.max_loss <= 1 or not 0 <= self.inject_loss < 1:
+            raise ValueError("max_loss must be in [0, 1] and inject_loss in [0, 1)")
+        if self.warmup < 1 or self.slack <= 0 or self.slice_bytes < 1 or self.behind_steps < 1:
+            raise ValueError("warmup, slack, slice_bytes and behind_steps must be positive")
+        if self.resync_every < 0 or self.backlog_steps < 1:
+            raise ValueError("resync_every must be >= 0 and backlog_steps >= 1")
+
+    def validate(self, world_size: int) -> None:
+        pass
+
+    def neighbours(self, rank: int, world_size: int) -> list[int]:
+        return [r for r in range(world_size) if r != rank]
+
+    def open(self, comm: Comm) -> TransposeSession:
+        return TransposeSession(comm, self)
+
+
+__all__ = ["Transpose", "TransposeSession"]

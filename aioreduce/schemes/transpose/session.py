@@ -1,0 +1,255 @@
+"""One rank of a bounded-time transpose allreduce: what a step does, and what lives across
+steps (the stage clock, background sends, which replicas drifted, the newest step heard of).
+
+A step, on rank ``r`` of ``N``:
+
+1. post every receive at once: phase-1 slices of shard ``r`` from each peer (into one scratch
+   row per peer) and phase-2 slices of every other shard (straight into the result);
+2. rotate this rank's vector, send shard ``k``'s slices to owner ``k`` (interleaved across
+   owners, in the background: a stopped owner only blocks its own queue);
+3. stage 1 (bounded by ``D``): add what arrived to this rank's own copy of shard ``r``;
+   raise the floor so late phase-1 slices are dropped on arrival;
+4. send the reduced shard to every rank, with its received fraction and the ranks missing
+   from it; stage 2 ends ``2D`` after stage 1 began (an owner that waited its whole ``D``
+   still has ``D`` to deliver); a reduced slice that did not come gets the stand-in;
+5. rotate back, account for every slice, apply the safety valve, update the clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ...codes.hadamard import Rotation
+from ...wire import Header
+from ..base import Comm, FellBehind, Result, StragglerError
+from ..outbox import Outbox
+from .clock import StageClock
+from .layout import PHASE2_TAG, Layout
+from .stage import Slot, Stage
+
+if TYPE_CHECKING:
+    from . import Transpose
+
+
+class TransposeSession:
+    """State of the transpose scheme on one rank (see the module docstring)."""
+
+    def __init__(self, comm: Comm, opts: Transpose) -> None:
+        self.comm, self.opts = comm, opts
+        self.clock = StageClock(warmup=opts.warmup, slack=opts.slack,
+                                min_deadline=opts.min_deadline, fixed=opts.deadline)
+        self.outbox = Outbox(comm, opts.backlog_steps)
+        self.newest = -1  # the newest step any peer's frame was for
+        self.drifted: set[int] = set()  # ranks known to have used stand-ins since a re-sync
+        self.last_deadline = 0.0
+        self._rotation: Rotation | None = None
+        self._removers: list[Callable[[], None]] = [
+            comm.on_early(p, 0, self._heard) for p in range(comm.world_size) if p != comm.rank]
+
+    def _heard(self, header: Header, _payload: memoryview) -> None:
+        self.newest = max(self.newest, header.step)
+
+    def known(self, step: int) -> bool:
+        return False  # every step needs this rank's own vector
+
+    async def close(self, timeout: float) -> None:
+        for remove in self._removers:
+            remove()
+        self._removers.clear()
+        await self.outbox.close(timeout)
+
+    def _rotation_for(self, length: int) -> Rotation:
+        if self._rotation is None or self._rotation.length != length:
+            self._rotation = Rotation(length, self.opts.seed)
+        return self._rotation
+
+    async def step(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray]) -> Result:
+        comm, opts = self.comm, self.opts
+        n, me = comm.world_size, comm.rank
+        t0 = time.perf_counter()
+        if self.newest >= step + opts.behind_steps:
+            comm.discard_before(self.newest)
+            raise FellBehind(me, step, self.newest)
+        comm.discard_before(step)
+        rot = self._rotation_for(like.size) if opts.hadamard and like.size else None
+        if rot is not None and like.dtype.kind != "f":
+            raise TypeError(f"rank {me}: Transpose(hadamard=True) needs floating-point "
+                            f"vectors, not {like.dtype}; pass hadamard=False")
+        length = rot.padded if rot is not None else like.size
+        layout = Layout(length, n, max(1, opts.slice_bytes // like.dtype.itemsize))
+        lo, hi = layout.shards[me]
+        scratch = np.empty((n, hi - lo), like.dtype)  # row j: sender j's copy of our shard
+        out = np.empty(length, like.dtype)
+        phase1 = self._post(step, layout, me, [(j, scratch[j], lo) for j in range(n) if j != me],
+                            0)
+        phase2 = [s for k in range(n) if k != me
+                  for s in self._post(step, layout, k, [(k, out, 0)], PHASE2_TAG)]
+        try:
+            mine = np.asarray(await own).reshape(-1)
+            y = rot.forward(mine) if rot is not None else mine.copy()
+            self._send_phase1(step, layout, y)
+            deadline = self.clock.deadline()
+            self.last_deadline = deadline or 0.0
+            stage1 = Stage(phase1, (n - 1) * (hi - lo))
+            await stage1.run(deadline, self._idle(deadline), self._need(), opts.max_wait)
+            comm.discard_before(step, PHASE2_TAG)
+            self._drop_injected(step, 1, phase1)
+            shard_fraction, missing = self._reduce(y, out, scratch, layout, phase1)
+            self._send_phase2(step, layout, out, shard_fraction, missing)
+            stage2 = Stage(phase2, length - (hi - lo))
+            # Stage 2 ends two bounds after stage 1 began, not one bound after it ended here:
+            # an owner whose stage 1 ran to its deadline sends only then.
+            left = None if deadline is None else max(0.0, 2 * deadline - stage1.elapsed)
+            await stage2.run(left, self._idle(deadline), self._need(), opts.max_wait)
+            comm.discard_before(step + 1)
+            self._drop_injected(step, 2, phase2)
+        finally:
+            for slot in phase1 + phase2:
+                slot.future.cancel()
+        self.clock.observe(stage1.elapsed, stage1.fraction)
+        self.clock.observe(stage2.elapsed, stage2.fraction)
+        return self._finish(step, like, rot, y, out, layout, phase1, phase2, shard_fraction,
+                            missing, time.perf_counter() - t0)
+
+    # -- the two phases -----------------------------------------------------------------------
+    def _post(self, step: int, layout: Layout, owner: int,
+              into: list[tuple[int, np.ndarray, int]], tag0: int) -> list[Slot]:
+        """Post the receives of ``owner``'s shard slices from each ``(src, buffer, offset)``."""
+        slices = layout.slices_of(owner)
+        tail = layout.tail_index(owner)
+        slots = []
+        for src, buf, offset in into:
+            if self.comm.is_lost(src):
+                continue
+            for i, (a, b) in enumerate(slices):
+                fut = self.comm.post_recv(src, buf[a - offset:b - offset], step=step,
+                                          tag=tag0 + i)
+                slots.append(Slot(src, i, b - a, fut, tail=i >= tail))
+        return slots
+
+    def _send_phase1(self, step: int, layout: Layout, y: np.ndarray) -> None:
+        """Every shard to its owner, slice by slice, interleaved across owners."""
+        me = self.comm.rank
+        meta: dict[str, Any] = {**self.clock.advert(), "d": me in self.drifted}
+        owners = [k for k in range(self.comm.world_size) if k != me]
+        per_owner = {k: layout.slices_of(k) for k in owners}
+        for i in range(max((len(s) for s in per_owner.values()), default=0)):
+            for k in owners:
+                if i < len(per_owner[k]) and not self.comm.is_lost(k):
+                    a, b = per_owner[k][i]
+                    self.outbox.send(k, y[a:b], step=step, tag=i, meta=meta)
+
+    def _reduce(self, y: np.ndarray, out: np.ndarray, scratch: np.ndarray, layout: Layout,
+                phase1: list[Slot]) -> tuple[float, list[int]]:
+        """Our shard: own copy plus every slice that arrived. Returns the shard's received
+        fraction (of all N contributions) and the ranks missing from it."""
+        n, me = self.comm.world_size, self.comm.rank
+        lo, hi = layout.shards[me]
+        slices = layout.slices_of(me)
+        out[lo:hi] = y[lo:hi]
+        counts = np.ones(len(slices))
+        got: dict[int, int] = {}
+        for slot in phase1:
+            if slot.arrived:
+                a, b = slices[slot.index]
+                out[a:b] += scratch[slot.src, a - lo:b - lo]
+                counts[slot.index] += 1
+                got[slot.src] = got.get(slot.src, 0) + 1
+                meta = slot.header.meta if slot.header is not None else {}
+                self.clock.heard(slot.src, meta.get("tc"), meta.get("tb"))
+                if meta.get("d") is True:
+                    self.drifted.add(slot.src)
+        if self.opts.missing == "rescale" and out.dtype.kind == "f":
+            for i in np.flatnonzero(counts < n):
+                a, b = slices[i]
+                out[a:b] *= n / counts[i]
+        sizes = np.array([b - a for a, b in slices], float)
+        fraction = float(sizes @ counts / (n * sizes.sum())) if slices else 1.0
+        missing = [j for j in range(n) if j != me and got.get(j, 0) < len(slices)]
+        return fraction, missing
+
+    def _send_phase2(self, step: int, layout: Layout, out: np.ndarray, fraction: float,
+                     missing: list[int]) -> None:
+        """Our reduced shard to every rank, interleaved, with what it lacks."""
+        me = self.comm.rank
+        meta = {"f": fraction, "m": missing}
+        peers = [k for k in range(self.comm.world_size) if k != me and not self.comm.is_lost(k)]
+        for i, (a, b) in enumerate(layout.slices_of(me)):
+            for k in peers:
+                self.outbox.send(k, out[a:b], step=step, tag=PHASE2_TAG + i, meta=meta)
+
+    # -- accounting -------------------------------------------------------------------------
+    def _finish(self, step: int, like: np.ndarray, rot: Rotation | None, y: np.ndarray,
+                out: np.ndarray, layout: Layout, phase1: list[Slot], phase2: list[Slot],
+                own_fraction: float, own_missing: list[int], seconds: float) -> Result:
+        n, me, opts = self.comm.world_size, self.comm.rank, self.opts
+        fractions = {me: own_fraction}
+        late = set(own_missing)
+        stand_in: set[int] = set()
+        weight = n if opts.missing == "rescale" and out.dtype.kind == "f" else 1
+        got: dict[int, float] = {}  # owner -> contributions received, weighted by size
+        for slot in phase2:
+            a, b = layout.slices_of(slot.src)[slot.index]
+            meta = slot.header.meta if slot.arrived and slot.header is not None else None
+            f = meta.get("f") if meta is not None else None
+            if meta is not None and isinstance(f, float) and 0 <= f <= 1:
+                got[slot.src] = got.get(slot.src, 0.0) + f * (b - a)
+                ranks = meta.get("m")
+                if isinstance(ranks, list):
+                    late.update(r for r in ranks if isinstance(r, int) and 0 <= r < n)
+            else:  # the stand-in: our own contribution (x N when rescaling)
+                out[a:b] = y[a:b] * weight if weight != 1 else y[a:b]
+                got[slot.src] = got.get(slot.src, 0.0) + (b - a) / n
+                stand_in.add(slot.src)
+        for k in range(n):
+            if k != me:
+                lo, hi = layout.shards[k]
+                fractions[k] = got.get(k, 0.0) / (hi - lo) if hi > lo else 1.0
+                if hi > lo and k not in got:  # nothing posted: the owner's link is lost
+                    out[lo:hi] = y[lo:hi] * weight if weight != 1 else y[lo:hi]
+                    fractions[k] = 1 / n
+                    stand_in.add(k)
+        late.update(stand_in)
+        sizes = {k: hi - lo for k, (lo, hi) in enumerate(layout.shards)}
+        total = sum(sizes.values())
+        received = sum(fractions[k] * sizes[k] for k in sizes) / total if total else 1.0
+        worst = min((fractions[k] for k in sizes if sizes[k]), default=1.0)
+        if stand_in:
+            self.drifted.add(me)
+        lost = 1.0 - received
+        if lost > opts.max_loss + 1e-12:
+            raise StragglerError(step, sorted(late), f"{lost:.1%} of the contributions missing "
+                                 f"on rank {me}, more than max_loss {opts.max_loss:.1%}")
+        value = rot.inverse(out) if rot is not None else out
+        value = value.reshape(like.shape)
+        value.setflags(write=False)
+        resync = opts.resync_every > 0 and step % opts.resync_every == opts.resync_every - 1
+        result = Result(value, step, [r for r in range(n) if r not in late], sorted(late),
+                        received >= 1.0 and not late, 0.0, seconds, received, worst,
+                        sorted(stand_in), sorted(self.drifted), self.last_deadline, resync)
+        if resync:
+            self.drifted.clear()
+        return result
+
+    def _drop_injected(self, step: int, phase: int, slots: list[Slot]) -> None:
+        """Experiments: lose a seeded fraction of the slices that arrived (not in warm-up)."""
+        p = self.opts.inject_loss
+        if p <= 0 or self.clock.reliable:
+            return
+        rng = np.random.default_rng([self.opts.seed, step, phase, self.comm.rank])
+        for slot, u in zip(slots, rng.random(len(slots)), strict=True):
+            if slot.arrived and u < p:
+                slot.arrived = False
+
+    def _idle(self, deadline: float | None) -> float:
+        estimate = self.clock.estimate
+        if deadline is None or estimate is None:
+            return self.opts.max_wait
+        return self.opts.idle_fraction * estimate
+
+    def _need(self) -> float:
+        return 1.0 - self.opts.max_loss if self.opts.on_excess_loss == "wait" else 0.0

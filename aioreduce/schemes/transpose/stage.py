@@ -1,0 +1,130 @@
+"""One bounded stage of a transpose step: the receives it waits for, and when it ends.
+
+A stage ends on the first of:
+
+* **full receipt**: every posted slice arrived (or its sender's connection broke);
+* **early close**: every sender's tail slice is in, and nothing arrived for ``idle`` seconds
+  (a sender that skipped slices will not send them now);
+* **the deadline** (pause-aware, see :class:`~aioreduce.schemes.deadline.Deadline`). Under the
+  ``wait`` safety valve a stage whose received fraction is still below ``need`` keeps waiting
+  past it.
+
+Then every receive still pending is withdrawn: its buffer is never written again, and the
+session raises the comm's floor so the slices still on their way are dropped on arrival.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from dataclasses import dataclass, field
+
+from ...errors import PeerLost
+from ...wire import Header
+from ..deadline import Deadline
+
+
+@dataclass(eq=False)
+class Slot:
+    """One posted receive: slice ``index`` of the shard from ``src`` (``size`` elements)."""
+
+    src: int
+    index: int
+    size: int
+    future: asyncio.Future[Header]
+    tail: bool = False
+    arrived: bool = False
+    header: Header | None = None
+
+
+@dataclass
+class Stage:
+    """The receives of one stage; :meth:`run` waits until the stage ends."""
+
+    slots: list[Slot]
+    total: int  # elements this stage would deliver if nothing were missing
+    reason: str = ""  # why it ended: "complete", "early", "deadline"
+    received: int = 0
+    elapsed: float = 0.0
+    _last: float = field(default=0.0)
+    _open: int = 0
+    _tails: int = 0
+    _ended: asyncio.Future[str] | None = None
+
+    @property
+    def fraction(self) -> float:
+        return self.received / self.total if self.total else 1.0
+
+    async def run(self, deadline: float | None, idle: float, need: float = 0.0,
+                  cap: float = 3600.0) -> None:
+        """Wait for this stage (``deadline`` None: wait for everything, up to ``cap``)."""
+        loop = asyncio.get_running_loop()
+        t0 = self._last = time.perf_counter()
+        self._ended = loop.create_future()
+        self._open = len(self.slots)
+        self._tails = sum(1 for s in self.slots if s.tail)
+        idle_timer: asyncio.TimerHandle | None = None
+        for slot in self.slots:
+            slot.future.add_done_callback(functools.partial(self._done, slot))
+        if not self._open:
+            self._end("complete")
+        timer = Deadline(deadline if deadline is not None else cap)
+        try:
+            while True:
+                waits: set[asyncio.Future[object]] = {self._ended, timer.fired}  # type: ignore
+                if self._tails == 0 and self._open and idle_timer is None:
+                    idle_timer = loop.call_later(idle, self._check_idle, idle)
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if self._ended.done():
+                    self.reason = self._ended.result()
+                    break
+                if self.fraction < need and deadline is not None and self._open:
+                    # The safety valve says wait: keep waiting as a reliable stage would.
+                    timer.cancel()
+                    timer = Deadline(cap)
+                    deadline = None
+                    continue
+                self.reason = "deadline"
+                break
+        finally:
+            timer.cancel()
+            if idle_timer is not None:
+                idle_timer.cancel()
+            for slot in self.slots:
+                if not slot.future.done():
+                    slot.future.cancel()
+            self.elapsed = time.perf_counter() - t0
+
+    def _done(self, slot: Slot, _fut: object) -> None:
+        fut = slot.future
+        if fut.cancelled():
+            return
+        self._open -= 1
+        exc = fut.exception()
+        if exc is None:
+            slot.arrived, slot.header = True, fut.result()
+            self.received += slot.size
+            self._last = time.perf_counter()
+        elif not isinstance(exc, PeerLost):  # a mismatch or a bug: the step fails
+            self._end_with(exc)
+            return
+        if slot.tail:
+            self._tails -= 1
+        if self._open == 0:
+            self._end("complete")
+
+    def _check_idle(self, idle: float) -> None:
+        quiet = time.perf_counter() - self._last
+        if quiet >= idle:
+            self._end("early")
+        else:
+            asyncio.get_running_loop().call_later(idle - quiet, self._check_idle, idle)
+
+    def _end(self, reason: str) -> None:
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_result(reason)
+
+    def _end_with(self, exc: BaseException) -> None:
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_exception(exc)

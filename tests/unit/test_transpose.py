@@ -1,0 +1,240 @@
+"""The bounded-time transpose allreduce on the in-memory network: the reference's worked
+examples (kadhe_optireduce.md §2.2), the Hadamard toy test (§2.6), stale slices, the safety
+valve, the adaptive stage clock, re-sync reporting and falling behind.
+
+Links are cut with ``MemoryNetwork.lose`` (one frame's tag on one link), so each test knows
+exactly which contribution is missing. Stages that wait for a lost frame end at a fixed
+deadline (``D``); the results do not depend on how long that takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from aioreduce.codes.hadamard import Rotation
+from aioreduce.schemes import FellBehind, Result, StragglerError, Transpose
+from aioreduce.schemes.transpose.clock import StageClock
+from aioreduce.schemes.transpose.layout import PHASE2_TAG, Layout
+from aioreduce.transport.memory import MemoryNetwork
+
+D = 0.25  # a fixed stage deadline: generous for one event loop on a busy machine
+X0 = np.array([1.0, 2, 3, 4, 5, 6])
+
+
+async def run_step(net: MemoryNetwork, sessions: list, step: int,
+                   vectors: list[np.ndarray]) -> list[Result | BaseException]:
+    async def one(rank: int) -> Result:
+        own: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+        own.set_result(vectors[rank])
+        return await sessions[rank].step(step, np.zeros_like(vectors[rank]), own)
+
+    tasks = [asyncio.ensure_future(one(r)) for r in range(net.world_size)]
+    await asyncio.wait(tasks)
+    return [t.exception() or t.result() for t in tasks]
+
+
+def worked(**options: object) -> tuple[MemoryNetwork, list, list[np.ndarray]]:
+    """N = 3, length 6, one slice per shard; x_1 = 10 x_0, x_2 = 100 x_0."""
+    net = MemoryNetwork(3)
+    scheme = Transpose(hadamard=False, deadline=D, max_loss=1.0, **options)  # type: ignore
+    return net, [scheme.open(c) for c in net.comms], [X0, 10 * X0, 100 * X0]
+
+
+async def test_worked_example_without_a_drop_is_exact_on_every_rank() -> None:
+    net, sessions, xs = worked()
+    results = await run_step(net, sessions, 0, xs)
+    for res in results:
+        assert isinstance(res, Result) and res.exact and res.received == 1.0
+        assert res.value.tolist() == [111, 222, 333, 444, 555, 666]
+        assert res.late == [] and res.stand_in == []
+    phases = {tag >= PHASE2_TAG for _s, _d, _step, tag in net.sent}
+    assert phases == {False, True}  # both phases ran
+
+
+async def test_a_phase1_drop_loses_exactly_one_contribution_on_every_rank() -> None:
+    net, sessions, xs = worked()
+    net.lose(0, 1, 0)  # node 0's copy of shard 1 never reaches its owner
+    results = await run_step(net, sessions, 0, xs)
+    for rank, res in enumerate(results):
+        assert isinstance(res, Result), (rank, res)
+        assert res.value.tolist() == [111, 222, 330, 440, 555, 666], rank
+        assert not res.exact and res.late == [0] and res.stand_in == []
+        assert res.received == pytest.approx(8 / 9)  # 1 of 3 contributions to 1 of 3 shards
+        assert res.worst_shard == pytest.approx(2 / 3)
+
+
+async def test_a_phase2_drop_affects_only_the_receiving_rank() -> None:
+    net, sessions, xs = worked()
+    net.lose(1, 2, PHASE2_TAG)  # owner 1's reduced shard never reaches node 2
+    r0, r1, r2 = await run_step(net, sessions, 0, xs)
+    for res in (r0, r1):
+        assert isinstance(res, Result) and res.exact
+        assert res.value.tolist() == [111, 222, 333, 444, 555, 666]
+    assert isinstance(r2, Result) and not r2.exact
+    assert r2.value.tolist() == [111, 222, 300, 400, 555, 666]  # its own values stand in
+    assert r2.stand_in == [1] and r2.drifted == [2]
+
+
+async def test_rescale_makes_a_missing_contribution_unbiased() -> None:
+    net, sessions, xs = worked(missing="rescale")
+    net.lose(0, 1, 0)
+    results = await run_step(net, sessions, 0, xs)
+    for res in results:
+        assert isinstance(res, Result)
+        assert res.value.tolist() == pytest.approx([111, 222, 330 * 1.5, 440 * 1.5, 555, 666])
+
+
+async def test_the_safety_valve_raises_naming_the_missing_rank() -> None:
+    net = MemoryNetwork(3)
+    sessions = [Transpose(hadamard=False, deadline=D, max_loss=0.01).open(c) for c in net.comms]
+    net.lose(0, 1, 0)
+    results = await run_step(net, sessions, 0, [X0, 10 * X0, 100 * X0])
+    for res in results:
+        assert isinstance(res, StragglerError) and res.missing == [0], res
+        assert "more than max_loss 1.0%" in str(res)
+
+
+async def test_late_slices_are_dropped_and_never_written_into_a_later_step() -> None:
+    net, sessions, xs = worked()
+    net.hold(0, 1)  # everything rank 0 sends rank 1 in step 0 arrives only after it
+    first = await run_step(net, sessions, 0, xs)
+    assert isinstance(first[1], Result) and first[1].late == [0]
+    net.release(0, 1)  # step 0's frames arrive now, during step 1's time
+    assert not any(k[0] == 0 for k in net.comms[1]._peers[0].staged)  # dropped on arrival
+    second = await run_step(net, sessions, 1, [2 * x for x in xs])
+    for res in second:
+        assert isinstance(res, Result) and res.exact
+        assert res.value.tolist() == [222, 444, 666, 888, 1110, 1332]
+
+
+@pytest.mark.parametrize("world", [4, 7])
+async def test_exact_sums_with_and_without_hadamard(world: int) -> None:
+    net = MemoryNetwork(world)
+    rng = np.random.default_rng(world)
+    for hadamard, dtype, tol in [(False, np.float64, 1e-9), (True, np.float32, 1e-6)]:
+        sessions = [Transpose(hadamard=hadamard, deadline=30.0, slice_bytes=4096).open(c)
+                    for c in net.comms]
+        xs = [rng.standard_normal(10_007).astype(dtype) for _ in range(world)]
+        want = np.sum(np.array(xs, np.float64), axis=0)
+        for res in await run_step(net, sessions, int(hadamard), xs):
+            assert isinstance(res, Result) and res.exact and res.value.dtype == dtype
+            err = np.linalg.norm(res.value - want) / np.linalg.norm(want)
+            assert err < tol, (hadamard, err)
+        await asyncio.gather(*(s.close(1.0) for s in sessions))
+
+
+async def test_a_rank_far_behind_jumps_to_the_step_its_peers_are_at() -> None:
+    net = MemoryNetwork(3)
+    sessions = [Transpose(hadamard=False, deadline=D).open(c) for c in net.comms]
+    xs = [X0, 10 * X0, 100 * X0]
+    for step in range(3):  # ranks 0 and 1 run on; rank 2 is frozen out of these steps
+        tasks = [asyncio.ensure_future(s.step(step, np.zeros(6), _ready(x)))
+                 for s, x in zip(sessions[:2], xs[:2], strict=True)]
+        await asyncio.wait(tasks)
+    with pytest.raises(FellBehind) as err:
+        await sessions[2].step(0, np.zeros(6), _ready(xs[2]))
+    assert err.value.current_step == 2
+
+
+async def test_resync_every_k_steps_and_drift_is_reported_until_then() -> None:
+    net = MemoryNetwork(3)
+    sessions = [Transpose(hadamard=False, deadline=D, max_loss=1.0, resync_every=2).open(c)
+                for c in net.comms]
+    net.lose(1, 2, PHASE2_TAG)
+    xs = [X0, 10 * X0, 100 * X0]
+    first = await run_step(net, sessions, 0, xs)
+    second = await run_step(net, sessions, 1, xs)
+    assert [r.resync for r in first] == [False] * 3  # type: ignore[union-attr]
+    assert [r.resync for r in second] == [True] * 3  # type: ignore[union-attr]
+    # Rank 2 used a stand-in at step 0; ranks 0 and 1 learn it from its step-1 frames.
+    assert [r.drifted for r in second] == [[2], [2], [2]]  # type: ignore[union-attr]
+    third = await run_step(net, sessions, 2, xs)
+    assert third[0].drifted == []  # type: ignore[union-attr]  (cleared by the re-sync)
+
+
+def _ready(x: np.ndarray) -> asyncio.Future[np.ndarray]:
+    fut: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+    fut.set_result(x)
+    return fut
+
+
+# -- the stage clock ---------------------------------------------------------------------------
+def test_the_clock_waits_during_warm_up_then_bounds_by_p95() -> None:
+    clock = StageClock(warmup=20, slack=1.5, min_deadline=0.001)
+    for i in range(20):
+        assert clock.reliable and clock.deadline() is None
+        clock.observe(0.010 + 0.001 * i, 1.0)
+    assert clock.bound == pytest.approx(np.percentile([0.010 + 0.001 * i for i in range(20)], 95))
+    assert clock.deadline() == pytest.approx(min(1.5 * clock.estimate, clock.bound))  # type: ignore
+
+
+def test_a_cut_stage_counts_as_needing_more_time_float_ratio() -> None:
+    clock = StageClock(warmup=1, weight=1.0, min_deadline=0.0)
+    clock.observe(0.010, 1.0)
+    clock.observe(0.009, 0.75)  # cut at 3/4 of its data: it needed about 12 ms
+    assert clock.estimate == pytest.approx(0.012)
+
+
+def test_one_slow_rank_cannot_stretch_the_agreed_deadline() -> None:
+    clock = StageClock(warmup=1, slack=1.0, min_deadline=0.0)
+    clock.observe(0.010, 1.0)
+    clock.heard(1, 0.011, 0.5)
+    clock.heard(2, 0.009, 0.5)
+    clock.heard(3, 5.0, 9.0)  # a straggler's inflated view
+    assert clock.deadline() == pytest.approx(0.0105)
+    clock.heard(4, "x", 1)  # garbage from a peer is ignored
+    assert 4 not in clock.peers
+
+
+# -- layout and rotation ----------------------------------------------------------------------
+def test_layout_gives_the_extra_elements_to_the_first_shards() -> None:
+    lay = Layout(10, 3, 2)
+    assert lay.shards == [(0, 4), (4, 7), (7, 10)]
+    assert lay.slices_of(1) == [(4, 6), (6, 7)]
+    assert lay.tail_index(0) == 1  # float ratio: the last slice of two is a tail slice
+
+
+def test_hadamard_toy_example() -> None:
+    rot = Rotation(4, signs=np.array([1, -1, 1, 1]))
+    y = rot.forward(np.array([8.0, 0, 0, 0]))
+    np.testing.assert_allclose(y, [4, 4, 4, 4])
+    for drop in range(4):  # whichever coordinate is lost, the error is ±2 everywhere
+        lost = y.copy()
+        lost[drop] = 0
+        err = rot.inverse(lost) - np.array([8.0, 0, 0, 0])
+        np.testing.assert_allclose(np.abs(err), [2, 2, 2, 2])
+    lost = y.copy()
+    lost[-1] = 0
+    np.testing.assert_allclose(rot.inverse(lost), [6, -2, 2, -2])
+
+
+@pytest.mark.parametrize("length", [1, 3, 1000, 1024, 5001, 1 << 17])
+def test_rotation_round_trip_and_norm(length: int) -> None:
+    x = np.random.default_rng(length).standard_normal(length)
+    rot = Rotation(length, seed=5)
+    y = rot.forward(x)
+    assert rot.padded - length < 1024  # padding never doubles a long vector
+    assert np.linalg.norm(y) == pytest.approx(np.linalg.norm(x))
+    np.testing.assert_allclose(rot.inverse(y), x, atol=1e-12)
+    assert Rotation(length, seed=5).forward(x).tolist() == y.tolist()  # same seed, same map
+
+
+def test_rotation_spreads_a_lost_tail() -> None:
+    """The reference's numbers: the last 5 % of x is 30x larger; lose the last 1 % of the
+    sent vector. Without rotation that wipes out real entries; with it the error is small
+    and spread out, and the decode is about (1 - p) x."""
+    x = np.random.default_rng(0).standard_normal(4096)
+    x[-205:] *= 30
+    rot = Rotation(4096, seed=1)
+    y = rot.forward(x)
+    cut = y.copy()
+    cut[-41:] = 0
+    plain = x.copy()
+    plain[-41:] = 0
+    err_rot = rot.inverse(cut) - x
+    err_plain = plain - x
+    assert np.abs(err_rot).max() < np.abs(err_plain).max() / 10
+    assert float(rot.inverse(cut) @ x / (x @ x)) == pytest.approx(1 - 41 / 4096, abs=0.01)

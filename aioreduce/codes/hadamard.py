@@ -14,7 +14,10 @@ an ``(a, L/a)`` matrix (mixing coordinates ``L/a`` apart) and then as rows of ``
 neighbours): two matrix products, one BLAS call each. On this project's 2-core machines a
 numpy butterfly (log2 n passes over the vector) takes 170–200 ms for 16 MiB of float32 while
 the two products take about 12 ms; a contiguous lost run is spread ``L/a`` apart and then
-over its neighbours. The vector is padded with zeros to a multiple of ``a·b`` (at most
+over its neighbours. The products run on one BLAS thread: they are memory-bound (two threads
+gain little), and several ranks per host each spinning BLAS threads made them 4× slower
+here (4 ranks on 2 cores, 100k floats: 4.5–6.8 ms with threads, 1.2–1.4 ms without). The
+vector is padded with zeros to a multiple of ``a·b`` (at most
 ``a·b - 1`` elements, never a doubling of the message).
 """
 
@@ -23,8 +26,10 @@ from __future__ import annotations
 from functools import cache
 
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 DEFAULT_FACTORS = (32, 32)
+_BLAS = ThreadpoolController()
 
 
 @cache
@@ -102,6 +107,7 @@ class Rotation:
         """``(H_a ⊗ H_b)·z``: self-inverse, as both factors are symmetric and orthonormal."""
         ha = _sylvester(self.a).astype(z.dtype, copy=False)
         hb = _sylvester(self.b).astype(z.dtype, copy=False)
-        strided = ha @ z.reshape(self.a, -1)
-        mixed: np.ndarray = (strided.reshape(-1, self.b) @ hb).reshape(-1)
+        with _BLAS.limit(limits=1, user_api="blas"):
+            strided = ha @ z.reshape(self.a, -1)
+            mixed: np.ndarray = (strided.reshape(-1, self.b) @ hb).reshape(-1)
         return mixed

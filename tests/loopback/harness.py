@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,8 @@ class Ranks:
                              rendezvous_port=free_port())
         self.specs: list[RankSpec] = plan_ranks([HostSlots("localhost", n)], self.job)
         self.procs: dict[int, subprocess.Popen[str]] = {}
+        self._drained: dict[int, tuple[list[str], list[str]]] = {}
+        self._readers: list[threading.Thread] = []
 
     def env(self, rank: int, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -57,20 +60,41 @@ class Ranks:
         for rank in range(len(self.specs)):
             self.start(rank, *args, prog=prog, **extra_env)
 
-    def wait(self, timeout: float = 60.0) -> dict[int, Done]:
-        """Wait for every started rank; on timeout kill them all and fail with their output."""
-        deadline = time.monotonic() + timeout
-        done: dict[int, Done] = {}
+    def drain(self) -> None:
+        """Read every rank's output in the background from now on (a rank that prints more
+        than a pipe holds would otherwise block in ``print`` while the test waits)."""
         for rank, proc in self.procs.items():
+            if rank in self._drained:
+                continue
+            bufs: tuple[list[str], list[str]] = ([], [])
+            self._drained[rank] = bufs
+            for pipe, buf in zip((proc.stdout, proc.stderr), bufs, strict=True):
+                assert pipe is not None
+                thread = threading.Thread(target=lambda p=pipe, b=buf: b.extend(p), daemon=True)
+                thread.start()
+                self._readers.append(thread)
+
+    def wait(self, timeout: float = 60.0) -> dict[int, Done]:
+        """Wait for every started rank (reading all their output at once); on timeout kill
+        them all and fail with their output."""
+        self.drain()
+        deadline = time.monotonic() + timeout
+        for proc in self.procs.values():
             try:
-                out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.kill()
-                outputs = {r: p.communicate() for r, p in self.procs.items()}
+                for thread in self._readers:
+                    thread.join(timeout=10)
+                outputs = {r: ("".join(o)[-3000:], "".join(e)[-3000:])
+                           for r, (o, e) in self._drained.items()}
                 raise AssertionError(f"ranks still running after {timeout} s: {outputs}"
                                      ) from None
-            done[rank] = Done(rank, proc.returncode, out, err)
-        return done
+        for thread in self._readers:
+            thread.join(timeout=30)
+        return {rank: Done(rank, proc.returncode, "".join(self._drained[rank][0]),
+                           "".join(self._drained[rank][1]))
+                for rank, proc in self.procs.items()}
 
     def kill(self) -> None:
         for proc in self.procs.values():

@@ -2,7 +2,8 @@
 
 Every rank computes deterministic data, runs ``--steps`` aggregation steps and prints one JSON
 line per step (``STEP {...}``) with the relative error of the result against the exact sum,
-which every rank can compute on its own. Ranks listed in ``--die`` SIGKILL themselves at
+which every rank can compute on its own (the data of the step the node is at: after
+``FellBehind`` it jumps ahead). ``--options JSON`` passes more scheme options. Ranks listed in ``--die`` SIGKILL themselves at
 ``--die-step``; ``--stop`` ranks SIGSTOP themselves instead. ``--pace S`` makes each step's
 compute a function that takes S seconds (as a trainer's would); each line then also carries
 the wall-clock start and end (``t0``, ``t1``) and the rank's failover state (``link``).
@@ -43,10 +44,11 @@ def make_scheme(args: argparse.Namespace) -> ar.Scheme:
                 "gc-cyclic": lambda: cyclic_mds(n, args.stragglers),
                 "gc-gaussian": lambda: gaussian_mds(n, args.stragglers, 2)}[args.scheme]()
     name = "gc" if code is not None else args.scheme
-    return by_name(name, strict=False, fanout=args.fanout, levels=args.levels,
-                   stragglers=args.stragglers, chunk_bytes=args.chunk_bytes, code=code,
-                   deadline=args.deadline,
-                   on_insufficient="approximate" if args.approximate else "raise")
+    options = {"fanout": args.fanout, "levels": args.levels, "stragglers": args.stragglers,
+               "chunk_bytes": args.chunk_bytes, "code": code, "deadline": args.deadline,
+               "on_insufficient": "approximate" if args.approximate else "raise",
+               **json.loads(args.options)}
+    return by_name(name, strict=False, **options)
 
 
 def _debug_dump(node: ar.Node) -> None:
@@ -68,11 +70,14 @@ async def main(args: argparse.Namespace) -> None:
         if scheme.coded:
             num = _fit(scheme) if isinstance(scheme, ar.CodedTree) else scheme.code.k * 2
             ids, weights = node.placement(num)
-        for step in range(args.steps):
+        stopped = False
+        while node.step < args.steps:
+            step = node.step  # the data of the step the node runs (it may jump ahead)
             part_norms = None
             if me in args.die and step == args.die_step:
                 os.kill(os.getpid(), signal.SIGKILL)
-            if me in args.stop and step == args.die_step:
+            if me in args.stop and step >= args.die_step and not stopped:
+                stopped = True
                 os.kill(os.getpid(), signal.SIGSTOP)
             if args.flood and me == args.flood_rank and step == args.die_step:
                 print("FLOOD " + json.dumps(await _flood(node, args.flood, args.flood_to,
@@ -87,8 +92,9 @@ async def main(args: argparse.Namespace) -> None:
                     part_norms = np.linalg.norm(parts, axis=1)
             else:
                 rng = np.random.default_rng([me, step])
-                mine = rng.standard_normal(args.dim)
+                mine = rng.standard_normal(args.dim).astype(args.dtype)
                 truth = sum(np.random.default_rng([r, step]).standard_normal(args.dim)
+                            .astype(args.dtype).astype(np.float64)
                             for r in range(node.world_size))
             t0 = time.monotonic()
             wall0 = time.time()
@@ -101,13 +107,16 @@ async def main(args: argparse.Namespace) -> None:
                                             "missing": getattr(exc, "missing", []),
                                             "message": str(exc), "t0": wall0,
                                             "t1": time.time(), "link": _link(node),
+                                            "deadline": _deadline(node),
                                             "seconds": time.monotonic() - t0}), flush=True)
                 continue
             err = float(np.linalg.norm(res.value - truth) / np.linalg.norm(truth))
             out = {"step": step, "result_step": res.step, "rel_err": err,
                    "seconds": res.seconds, "used": res.used, "late": res.late,
                    "exact": res.exact, "error_bound": res.error_bound, "t0": wall0,
-                   "t1": time.time(), "link": _link(node)}
+                   "t1": time.time(), "link": _link(node), "received": res.received,
+                   "stand_in": res.stand_in, "deadline": res.deadline,
+                   "wall": time.monotonic() - t0}
             if part_norms is not None and not res.exact:
                 out["abs_err"] = float(np.linalg.norm(res.value - truth))
                 out["bound"] = res.error_bound * float(np.linalg.norm(part_norms))
@@ -163,6 +172,11 @@ def _link(node: ar.Node) -> str | None:
     return None if failover is None else str(failover.state.value)
 
 
+def _deadline(node: ar.Node) -> float | None:
+    """The stage bound a bounded-time session used last (None for other schemes)."""
+    return getattr(getattr(node, "_session", None), "last_deadline", None)
+
+
 def _fit(scheme: ar.CodedTree) -> int:
     return scheme.min_samples * 2
 
@@ -181,6 +195,8 @@ if __name__ == "__main__":
     p.add_argument("--stragglers", type=int, default=1)
     p.add_argument("--deadline", type=float, default=30.0)
     p.add_argument("--approximate", action="store_true")
+    p.add_argument("--options", default="{}", help="more scheme options, as JSON")
+    p.add_argument("--dtype", default="float64", choices=["float32", "float64"])
     p.add_argument("--chunk-bytes", type=int, default=1 << 20)
     p.add_argument("--die", type=lambda s: [int(x) for x in s.split(",") if x], default=[])
     p.add_argument("--stop", type=lambda s: [int(x) for x in s.split(",") if x], default=[])

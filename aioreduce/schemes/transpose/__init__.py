@@ -50,9 +50,9 @@ class Transpose:
     seed: int = 0
     missing: Missing = "zero"
     deadline: float | None = None
-    warmup: int = 10
+    warmup: int = 20  # stages (two per step)
     slack: float = 1.5
-    min_deadline: float = 0.01
+    min_deadline: float = 0.05  # below this, a busy machine's scheduling noise cuts stages
     idle_fraction: float = 0.1  # early close after this fraction of the estimate is quiet
     max_loss: float = 0.05
     on_excess_loss: OnExcessLoss = "raise"

@@ -1,0 +1,75 @@
+"""The bounded-time transpose allreduce over real processes: exact sums when nothing is late,
+and a rank SIGSTOPped for 5 s that costs the others no more than their stage bounds and
+rejoins with exact results."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from .harness import SCHEMEPROG, Ranks
+from .test_schemes import run, steps_of
+
+pytestmark = pytest.mark.loopback
+
+FIXED = json.dumps({"deadline": 30.0})  # nothing is cut: the sums must be exact
+
+
+@pytest.mark.parametrize("n", [4, 7])
+def test_exact_sums_on_real_processes(ranks, n: int) -> None:
+    for dtype, hadamard, tol in [("float64", False, 1e-9), ("float32", True, 1e-6)]:
+        options = json.dumps({"deadline": 30.0, "hadamard": hadamard, "slice_bytes": 4096})
+        done = run(ranks, n, "transpose", "--steps", "12", "--dim", "30011", "--dtype", dtype,
+                   "--options", options)
+        for rank, d in done.items():
+            assert d.returncode == 0, (rank, d.err[-2000:])
+            got = steps_of(d)
+            assert [s["step"] for s in got] == list(range(12)), rank
+            for s in got:
+                assert s["exact"] and s["received"] == 1.0 and s["rel_err"] < tol, (rank, s)
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_a_rank_stopped_for_5_s_costs_the_others_only_their_bounds_and_rejoins(ranks) -> None:
+    job: Ranks = ranks(4)
+    steps, stop_at = 500, 30
+    job.start_all("transpose", "--steps", str(steps), "--dim", "20000", "--stop", "2",
+                  "--die-step", str(stop_at), "--deadline", "0", "--options",
+                  json.dumps({"deadline": None}), prog=SCHEMEPROG)
+    job.drain()
+    try:
+        limit = time.monotonic() + 120
+        while not _stopped(job.procs[2].pid):  # the rank stops itself at step 30
+            assert job.procs[2].poll() is None and time.monotonic() < limit
+            time.sleep(0.01)
+        t_stop = time.monotonic()
+        while time.monotonic() - t_stop < 5.0:  # the pause under test, not a synchronisation
+            time.sleep(0.1)
+        os.kill(job.procs[2].pid, signal.SIGCONT)
+        done = job.wait(180)
+    finally:
+        job.kill()
+    for rank, d in done.items():
+        assert d.returncode == 0, (rank, d.err[-3000:])
+    for rank in (0, 1, 3):
+        got = steps_of(done[rank])
+        assert got[-1]["step"] == steps - 1
+        cut = [s for s in got if s.get("error") or not s["exact"]]
+        assert len(cut) >= 10, f"rank {rank} never noticed the pause"  # the path under test
+        for s in got[stop_at - 10:]:  # after warm-up: every step within two stage bounds
+            bound = 2 * s["deadline"] + 0.05
+            took = s.get("wall", s["seconds"])
+            assert took <= bound, (rank, s)
+        assert all(s.get("exact") for s in got[-20:]), (rank, got[-20:])
+    back = steps_of(done[2])
+    assert any(s.get("error") == "behind" for s in back), "rank 2 did not jump ahead"
+    assert back[-1]["step"] == steps - 1
+    assert all(s.get("exact") and s["rel_err"] < 1e-9 for s in back[-20:]), back[-20:]

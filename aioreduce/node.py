@@ -56,6 +56,7 @@ class Node:
         self._like: np.ndarray | None = None
         self._last_return = time.perf_counter()
         self._session: Session | None = None
+        self._kept: list[tuple[Scheme, Session]] = []  # sessions kept by use(keep=True)
         if options is None and env.max_frame is not None:
             options = MeshOptions(max_payload=env.max_frame)
         self.mesh = Mesh(env.rank, env.world_size, env.secret, env.job, options)
@@ -126,8 +127,12 @@ class Node:
                 await barrier(self.mesh, self.close_timeout, closing=True)
             except Exception as exc:  # a dead peer must not block shutdown
                 log.warning("rank %d: closing without a clean barrier: %s", self.rank, exc)
+        sessions = [s for _scheme, s in self._kept]
+        self._kept.clear()
         if self._session is not None:
-            session, self._session = self._session, None
+            sessions.append(self._session)
+            self._session = None
+        for session in sessions:
             await session.close(self.close_timeout)
         self._started = False
         await self.mesh.close()
@@ -186,19 +191,28 @@ class Node:
         await barrier(self.mesh, timeout)
 
     # -- aggregation --------------------------------------------------------------------------
-    async def use(self, scheme: Scheme) -> None:
+    async def use(self, scheme: Scheme, *, keep: bool = False) -> None:
         """Switch to another scheme between steps (every rank must switch at the same step).
         The old scheme's session is closed (nothing of it stays behind) and the new one's
-        connections are opened right away. Benchmarks use it to alternate schemes."""
+        connections are opened right away. Benchmarks use it to alternate schemes.
+
+        With ``keep=True`` the old session is kept instead, and a later ``use`` of an equal
+        scheme resumes it with its state (a bounded-time scheme's learned deadline, a tree's
+        result window); kept sessions close with the node."""
         scheme.validate(self.world_size)
         if self._session is not None:
             session, self._session = self._session, None
-            await session.close(self.close_timeout)
+            if keep and self.scheme is not None:
+                self._kept.append((self.scheme, session))
+            else:
+                await session.close(self.close_timeout)
         self.scheme = scheme
         self._like = None
         await self._preconnect()
         if self._started:
-            self._session = scheme.open(self._comm())
+            kept = next((i for i, (s, _) in enumerate(self._kept) if s == scheme), None)
+            self._session = (self._kept.pop(kept)[1] if kept is not None
+                             else scheme.open(self._comm()))
 
     def _comm(self) -> Comm:
         """The comm sessions run on: the mesh, counted when tracing."""

@@ -6,11 +6,13 @@ A spec is a ``;``-separated list of ``TARGET:MODEL`` items:
 * ``MODEL`` is ``delay=SECONDS`` (added to every step), ``slow=FACTOR`` (the rank computes
   FACTOR times slower: its measured compute time is stretched by FACTOR - 1), or
   ``shifted-exp=SHIFT,RATE`` (each step adds SHIFT + Exp(1)/RATE seconds, the compute model of
-  the gradient-coding papers), or ``kill=STEP`` (the rank SIGKILLs itself when it reaches
-  step STEP: a dead node, for testing tolerance).
+  the gradient-coding papers), ``spike=PROB,SECONDS`` (each step, with probability PROB,
+  SECONDS more: the rare long delays of a heavy tail, such as a GC pause or a noisy
+  neighbour), or ``kill=STEP`` (the rank SIGKILLs itself when it reaches step STEP: a dead
+  node, for testing tolerance).
 
 Examples: ``rank=4:delay=0.5``, ``rank=4:slow=3``, ``rank=5:kill=10``,
-``all:shifted-exp=0.01,20;rank=2:slow=3``.
+``all:shifted-exp=0.01,20;rank=2:slow=3``, ``all:spike=0.005,0.2``.
 The runtime reads ``AIOREDUCE_STRAGGLE`` (and ``AIOREDUCE_STRAGGLE_SEED``) when a node is
 created from the environment, so a launcher can slow chosen ranks without touching the program.
 """
@@ -32,6 +34,8 @@ class StraggleRule:
     shift: float = 0.0
     rate: float = 0.0  # 0: no exponential part
     kill_at: int | None = None  # the step at which the rank kills itself
+    spike_prob: float = 0.0
+    spike: float = 0.0
 
     def applies(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
@@ -54,6 +58,9 @@ class StraggleModel:
             if rule.rate > 0 or rule.shift > 0:
                 rng = np.random.default_rng([self.seed, i, rank, step])
                 extra += rule.shift + (rng.exponential(1.0) / rule.rate if rule.rate else 0.0)
+            if rule.spike_prob > 0:
+                rng = np.random.default_rng([self.seed, i, rank, step, 1])
+                extra += rule.spike if rng.random() < rule.spike_prob else 0.0
         return extra
 
     def kills(self, rank: int, step: int) -> bool:
@@ -96,13 +103,18 @@ def parse_straggle(spec: str, seed: int = 0) -> StraggleModel:
             elif kind == "shifted-exp":
                 shift, rate = (float(v) for v in value.split(","))
                 rule = StraggleRule(ranks, shift=shift, rate=rate)
+            elif kind == "spike":
+                prob, seconds = (float(v) for v in value.split(","))
+                rule = StraggleRule(ranks, spike_prob=prob, spike=seconds)
             else:
                 raise ValueError(kind)
         except ValueError:
             raise ValueError(f"straggler spec {item!r}: model must be delay=S, slow=K, "
-                             "shifted-exp=SHIFT,RATE or kill=STEP") from None
+                             "shifted-exp=SHIFT,RATE, spike=PROB,SECONDS or kill=STEP"
+                             ) from None
         if (rule.delay < 0 or rule.slow < 1 or rule.shift < 0 or rule.rate < 0
-                or (rule.kill_at or 0) < 0):
+                or (rule.kill_at or 0) < 0 or not 0 <= rule.spike_prob <= 1
+                or rule.spike < 0):
             raise ValueError(f"straggler spec {item!r}: values must be non-negative "
                              "(slow >= 1)")
         rules.append(rule)

@@ -8,6 +8,15 @@ one rank would need for the whole data set: 1/N for ring and uncoded schemes, th
 coded ones), which is what the injected ``slow=K`` stretches. With ``--verify`` rank 0 checks
 every result against the exact sum; with ``--vs-gloo`` torch.distributed's Gloo ``all_reduce``
 runs on the same ranks and data, with the same emulated compute and stragglers.
+
+Besides the makespan, each rank's own completion time (from the common start until *that*
+rank has the result) is reported: ``rank_p50_s``, ``rank_p99_s``. A bounded-time scheme
+(``transpose``) lets the ranks that were not delayed finish while a delayed rank is still
+computing, which the makespan (it waits for the last rank) cannot show; a rank's own injected
+delay always counts in its own time. ``lost`` is the mean fraction of contributions missing
+from a rank's result, ``raised`` the steps the safety valve refused. Sessions are kept
+across the alternation (``Node.use(keep=True)``), so an adaptive deadline learns from every
+step of its scheme; warm-up iterations cover the transpose's warm-up stages.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import numpy as np
 from ..codes import cyclic_mds, default_code, frc, gaussian_mds, random_cyclic
 from ..codes.model import ComputeModel, LinkModel, predict_ring, predict_star, predict_tree
 from ..node import Node
-from ..schemes import CodedTree, GradientCoding, Scheme, by_name, names
+from ..schemes import CodedTree, GradientCoding, Scheme, StragglerError, by_name, names
 from ..straggle import parse_straggle
 from ..transport.loop import run
 
@@ -58,6 +67,7 @@ class Config:
     netns: bool = False  # every rank on its own emulated host (network namespace)
     link_mbit: float | None = None  # shape each host's link, both directions
     seed: int = field(default=0)
+    options: dict[str, Any] = field(default_factory=dict)  # more scheme options (by name)
 
 
 def build_scheme(name: str, cfg: Config) -> Scheme:
@@ -68,9 +78,19 @@ def build_scheme(name: str, cfg: Config) -> Scheme:
                 "cyclic": lambda: cyclic_mds(n, s), "random": lambda: random_cyclic(n, s),
                 "gaussian": lambda: gaussian_mds(n, s, 2)}
         code = make[cfg.code]()
-    return by_name(name, strict=False, fanout=cfg.fanout, levels=cfg.levels,
-                   stragglers=cfg.stragglers, deadline=cfg.deadline,
-                   chunk_bytes=cfg.chunk_bytes, code=code)
+    options = {"fanout": cfg.fanout, "levels": cfg.levels, "stragglers": cfg.stragglers,
+               "deadline": None if name == "transpose" else cfg.deadline,
+               "chunk_bytes": cfg.chunk_bytes, "code": code, **cfg.options}
+    return by_name(name, strict=False, **options)
+
+
+def warmup_iterations(cfg: Config) -> int:
+    """Iterations before timing starts: at least the transpose's warm-up steps."""
+    if "transpose" in cfg.schemes:
+        scheme = build_scheme("transpose", cfg)
+        if getattr(scheme, "deadline", None) is None:
+            return max(cfg.warmup, getattr(scheme, "warmup", 0) + 1)
+    return cfg.warmup
 
 
 def load_fraction(scheme: Scheme | None, nodes: int) -> float:
@@ -138,20 +158,24 @@ async def _worker(cfg: Config) -> None:
 
             dist.init_process_group("gloo", rank=rank, world_size=world)
         data = _Data(cfg, rank, world)
-        times: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+        # Per iteration: start, end, fraction of contributions received, 1 if refused.
+        times: dict[str, list[tuple[float, float, float, float]]] = {n: [] for n in names}
         errors: dict[str, float] = {n: 0.0 for n in names}
         current: str | None = None
-        for it in range(cfg.warmup + cfg.iters):
+        warmup = warmup_iterations(cfg)
+        for it in range(warmup + cfg.iters):
             order = names if it % 2 == 0 else names[::-1]
             for name in order:
                 scheme = schemes.get(name)
                 if scheme is not None and current != name:
-                    await node.use(scheme)
+                    await node.use(scheme, keep=True)
                     current = name
                 vec = data.mine(name, scheme)
                 sleep = load_fraction(scheme, world) * cfg.compute
                 await node.barrier(timeout=300)
                 t0 = time.monotonic()
+                received, refused = 1.0, 0.0
+                value: np.ndarray | None = None
                 if scheme is None:
                     assert dist is not None
                     await asyncio.sleep(sleep + node.straggle.extra_delay(rank, it, sleep))
@@ -164,11 +188,17 @@ async def _worker(cfg: Config) -> None:
                         return v
 
                     call = node.aggregate if scheme.coded else node.allreduce
-                    value = (await call(compute)).value
+                    try:
+                        res = await call(compute)
+                        value, received = res.value, res.received
+                    except StragglerError as exc:
+                        if exc.received is None:
+                            raise
+                        received, refused = exc.received, 1.0  # the safety valve said no
                 t1 = time.monotonic()
-                if it >= cfg.warmup:
-                    times[name].append((t0, t1))
-                    if rank == 0 and cfg.verify:
+                if it >= warmup:
+                    times[name].append((t0, t1, received, refused))
+                    if rank == 0 and cfg.verify and value is not None and received >= 1.0:
                         errors[name] = max(errors[name], data.rel_err(name, value))
         # Gather everyone's timings at rank 0, as the next step (every rank has run the same
         # steps, so it is the same number everywhere; a far-off step would be refused).
@@ -191,7 +221,7 @@ async def _worker(cfg: Config) -> None:
 
 def _report(cfg: Config, name: str, scheme: Scheme | None, t: np.ndarray, err: float,
             world: int) -> None:
-    """t: (ranks, iters, 2) start/end times. Print one RESULT line for this scheme."""
+    """t: (ranks, iters, 4) start, end, received, refused. Print one RESULT line."""
     slow = set()
     for rule in parse_straggle(cfg.straggle).rules:
         if rule.ranks is not None:
@@ -202,6 +232,11 @@ def _report(cfg: Config, name: str, scheme: Scheme | None, t: np.ndarray, err: f
                            "iters": cfg.iters, "median_s": float(np.median(spans)),
                            "p99_s": float(np.quantile(spans, 0.99)),
                            "steps_s": [round(float(x), 6) for x in spans]}
+    own = (t[:, :, 1] - t[:, :, 0].min(axis=0)).ravel()  # each rank's own completion
+    received = t[:, :, 2]
+    out.update({"rank_p50_s": float(np.median(own)), "rank_p99_s": float(np.quantile(own, 0.99)),
+                "lost": float(1.0 - np.nanmean(received)) if np.isfinite(received).any()
+                else 1.0, "raised": int(t[:, :, 3].sum())})
     if cfg.verify:
         out["max_rel_err"] = err
     out["model_s"] = _predict(cfg, name, scheme, world)

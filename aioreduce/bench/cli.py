@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--link-mbit", type=float, metavar="MBIT",
                     help="with --netns: shape every host's link to MBIT in both directions")
     ar.add_argument("--json", action="store_true", help="JSON lines; the last is the summary")
+    ar.add_argument("--options", type=json.loads, default={}, metavar="JSON",
+                    help='more scheme options, e.g. \'{"slack": 1.3, "max_loss": 1}\'')
     return p
 
 
@@ -115,7 +117,7 @@ def _allreduce(opts: argparse.Namespace) -> list[dict[str, Any]]:
                  chunk_bytes=opts.chunk, model_alpha=opts.model_alpha,
                  model_bandwidth=(opts.link_mbit * 1e6 / 8 if opts.link_mbit
                                   else opts.model_bandwidth),
-                 netns=opts.netns, link_mbit=opts.link_mbit)
+                 netns=opts.netns, link_mbit=opts.link_mbit, options=opts.options)
     results = run_allreduce(cfg)
     gloo = next((r for r in results if r["scheme"] == "gloo"), None)
     rows = [r for r in results if r["scheme"] != "gloo"]
@@ -132,15 +134,19 @@ def _print_allreduce(rows: list[dict[str, Any]]) -> None:
                                                           if r["scheme"] == "gloo"]
     first = rows[0]
     print(f"{first['nodes']} ranks, {_fmt_size(first['size_bytes'])}B vector, "
-          f"{first['iters']} iterations (median and p99 of the per-step makespan)")
+          f"{first['iters']} iterations (median and p99 of the per-step makespan; of each "
+          "rank's own completion time: rank p50, rank p99)")
     print(f"{'scheme':>11} {'median ms':>10} {'p99 ms':>9} {'model ms':>9} {'vs gloo':>8} "
-          f"{'max rel err':>12}")
+          f"{'max rel err':>12} {'rank p50':>9} {'rank p99':>9} {'p99/p50':>8} {'lost':>7} "
+          f"{'raised':>6}")
     for r in rows:
         model = f"{r['model_s'] * 1e3:9.1f}" if r.get("model_s") is not None else f"{'-':>9}"
         ratio = f"{r['ratio_vs_gloo']:8.2f}" if "ratio_vs_gloo" in r else f"{'-':>8}"
         err = f"{r['max_rel_err']:12.2e}" if "max_rel_err" in r else f"{'-':>12}"
+        tail = r["rank_p99_s"] / r["rank_p50_s"] if r.get("rank_p50_s") else float("nan")
         print(f"{r['scheme']:>11} {r['median_s'] * 1e3:10.2f} {r['p99_s'] * 1e3:9.2f} "
-              f"{model} {ratio} {err}")
+              f"{model} {ratio} {err} {r['rank_p50_s'] * 1e3:9.2f} "
+              f"{r['rank_p99_s'] * 1e3:9.2f} {tail:8.2f} {r['lost']:7.2%} {r['raised']:6d}")
 
 
 def _print_p2p(results: list[dict[str, Any]]) -> None:

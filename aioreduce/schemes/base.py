@@ -77,7 +77,7 @@ class Result:
     ranks' contributions in this rank's value), ``worst_shard`` (the same for the worst
     shard), ``stand_in`` (shards, by owner, of which this rank missed some of the reduced
     values and used its stand-in), ``drifted`` (ranks known to have held such a result since
-    the last re-sync: their replicas may differ), ``deadline`` (the stage bound used, seconds)
+    the last re-sync: their replicas may differ), ``deadline`` (the step's time bound, seconds)
     and ``resync`` (re-synchronise the model after this step, e.g. ``Node.broadcast``).
     """
 
@@ -148,9 +148,11 @@ class CodedScheme(Scheme, Protocol):
 class StragglerError(AioreduceError):
     """A step could not be decoded exactly in time: too many ranks of one family missing."""
 
-    def __init__(self, step: int, missing: list[int], detail: str = "") -> None:
+    def __init__(self, step: int, missing: list[int], detail: str = "",
+                 received: float | None = None) -> None:
         self.step = step
         self.missing = sorted(missing)
+        self.received = received  # bounded-time schemes: the fraction that did arrive
         msg = f"step {step}: cannot decode without ranks {self.missing}"
         super().__init__(msg + (f" ({detail})" if detail else ""))
 

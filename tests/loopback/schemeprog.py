@@ -3,13 +3,13 @@
 Every rank computes deterministic data, runs ``--steps`` aggregation steps and prints one JSON
 line per step (``STEP {...}``) with the relative error of the result against the exact sum,
 which every rank can compute on its own (the data of the step the node is at: after
-``FellBehind`` it jumps ahead). ``--options JSON`` passes more scheme options. Ranks listed in ``--die`` SIGKILL themselves at
-``--die-step``; ``--stop`` ranks SIGSTOP themselves instead. ``--pace S`` makes each step's
-compute a function that takes S seconds (as a trainer's would); each line then also carries
-the wall-clock start and end (``t0``, ``t1``) and the rank's failover state (``link``).
-``--flood KIND --flood-rank R --flood-to T``: at ``--die-step`` rank R (authenticated: it
-is a rank of the job) floods rank T over its connection with far-ahead, early, tiny or control
-frames (see :func:`_flood`), prints ``FLOOD {...}`` and leaves the job.
+``FellBehind`` it jumps ahead). ``--options JSON`` passes more scheme options. Ranks listed in
+``--die`` SIGKILL themselves at ``--die-step``; ``--stop`` ranks SIGSTOP themselves instead.
+``--pace S`` makes each step's compute a function that takes S seconds (as a trainer's would);
+each line then also carries the wall-clock start and end (``t0``, ``t1``) and the rank's
+failover state (``link``). ``--flood KIND --flood-rank R --flood-to T``: at ``--die-step`` rank
+R (authenticated: it is a rank of the job) floods rank T over its connection with far-ahead,
+early, tiny or control frames (see :func:`_flood`), prints ``FLOOD {...}`` and leaves the job.
 """
 
 from __future__ import annotations

@@ -47,3 +47,15 @@ def test_kill_model_names_the_rank_and_step() -> None:
     assert not m.kills(4, 10) and not m.kills(1, 100)
     with pytest.raises(ValueError, match="kill=STEP"):
         parse_straggle("rank=5:kill=soon")
+
+
+def test_spike_model_adds_its_seconds_with_its_probability() -> None:
+    model = parse_straggle("all:spike=0.02,0.3", seed=4)
+    delays = [model.extra_delay(r, s, 0.0) for r in range(4) for s in range(5000)]
+    assert set(delays) == {0.0, 0.3}
+    assert 0.015 < delays.count(0.3) / len(delays) < 0.025
+    assert parse_straggle("all:spike=0.02,0.3", seed=4).extra_delay(1, 7, 0) == delays[5007]
+    with pytest.raises(ValueError, match="spike=PROB,SECONDS"):
+        parse_straggle("all:spike=0.5")
+    with pytest.raises(ValueError, match="non-negative"):
+        parse_straggle("all:spike=2,0.1")

@@ -32,9 +32,12 @@ class Transpose:
       slice that did not arrive keeps this rank's own contribution) or ``"rescale"``
       (unbiased: each reduced slice is scaled by N / contributions received; a missing
       reduced slice is N × this rank's own contribution).
-    * ``deadline``: a fixed stage bound in seconds; by default the bound adapts: ``warmup``
-      stages wait for everything and set it from their P95, then ``slack`` × the median over
-      ranks of each rank's EWMA completion estimate, at least ``min_deadline``.
+    * ``deadline``: a fixed bound for the whole step in seconds (half per stage); by default
+      each stage's bound adapts: ``warmup`` steps wait for everything and set a ceiling of
+      ``headroom`` × their P95; then each rank proposes its EWMA completion estimate plus
+      ``slack`` × its EWMA deviation (as TCP's retransmission timeout) and the stage takes
+      the median proposal over ranks (at least ``min_deadline``, at most that ceiling).
+      ``Result.deadline`` is the step's bound: both stages' together.
     * ``max_loss``, ``on_excess_loss``: the safety valve. A step whose missing fraction
       exceeds ``max_loss`` raises :class:`~aioreduce.StragglerError` (``"raise"``) or waits
       past the deadline for the data (``"wait"``); it never silently degrades further.
@@ -50,9 +53,10 @@ class Transpose:
     seed: int = 0
     missing: Missing = "zero"
     deadline: float | None = None
-    warmup: int = 20  # stages (two per step)
-    slack: float = 1.5
-    min_deadline: float = 0.05  # below this, a busy machine's scheduling noise cuts stages
+    warmup: int = 10  # steps
+    slack: float = 4.0  # deviations above the estimate
+    headroom: float = 2.0  # the ceiling is this many times the warm-up's P95
+    min_deadline: float = 0.02  # below this, a busy machine's scheduling noise cuts stages
     idle_fraction: float = 0.1  # early close after this fraction of the estimate is quiet
     max_loss: float = 0.05
     on_excess_loss: OnExcessLoss = "raise"
@@ -73,8 +77,9 @@ class Transpose:
             raise ValueError("deadline must be positive (or None to adapt)")
         if not 0 <= self.max_loss <= 1 or not 0 <= self.inject_loss < 1:
             raise ValueError("max_loss must be in [0, 1] and inject_loss in [0, 1)")
-        if self.warmup < 1 or self.slack <= 0 or self.slice_bytes < 1 or self.behind_steps < 1:
-            raise ValueError("warmup, slack, slice_bytes and behind_steps must be positive")
+        if min(self.warmup, self.slack, self.headroom, self.slice_bytes, self.behind_steps) <= 0:
+            raise ValueError("warmup, slack, headroom, slice_bytes and behind_steps must be "
+                             "positive")
         if self.resync_every < 0 or self.backlog_steps < 1:
             raise ValueError("resync_every must be >= 0 and backlog_steps >= 1")
 

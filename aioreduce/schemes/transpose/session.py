@@ -7,16 +7,18 @@ A step, on rank ``r`` of ``N``:
    row per peer) and phase-2 slices of every other shard (straight into the result);
 2. rotate this rank's vector, send shard ``k``'s slices to owner ``k`` (interleaved across
    owners, in the background: a stopped owner only blocks its own queue);
-3. stage 1 (bounded by ``D``): add what arrived to this rank's own copy of shard ``r``;
+3. stage 1 (bounded by ``D1``): add what arrived to this rank's own copy of shard ``r``;
    raise the floor so late phase-1 slices are dropped on arrival;
 4. send the reduced shard to every rank, with its received fraction and the ranks missing
-   from it; stage 2 ends ``2D`` after stage 1 began (an owner that waited its whole ``D``
-   still has ``D`` to deliver); a reduced slice that did not come gets the stand-in;
-5. rotate back, account for every slice, apply the safety valve, update the clock.
+   from it; stage 2 ends ``D1 + D2`` after stage 1 began (an owner that waited its whole
+   ``D1`` still has ``D2`` to deliver); a reduced slice that did not come gets the stand-in;
+5. rotate back, account for every slice, apply the safety valve, update the clocks (one
+   per stage, as their times differ: stage 1 absorbs the ranks' skew).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -34,14 +36,20 @@ from .stage import Slot, Stage
 if TYPE_CHECKING:
     from . import Transpose
 
+log = logging.getLogger("aioreduce.schemes")
+
 
 class TransposeSession:
     """State of the transpose scheme on one rank (see the module docstring)."""
 
     def __init__(self, comm: Comm, opts: Transpose) -> None:
         self.comm, self.opts = comm, opts
-        self.clock = StageClock(warmup=opts.warmup, slack=opts.slack,
-                                min_deadline=opts.min_deadline, fixed=opts.deadline)
+        # One clock per stage: stage 1 waits out the ranks' skew, stage 2 only a transfer.
+        fixed = None if opts.deadline is None else opts.deadline / 2
+        self.clocks = tuple(StageClock(warmup=opts.warmup, slack=opts.slack,
+                                       headroom=opts.headroom,
+                                       min_deadline=opts.min_deadline, fixed=fixed)
+                            for _stage in range(2))
         self.outbox = Outbox(comm, opts.backlog_steps)
         self.newest = -1  # the newest step any peer's frame was for
         self.drifted: set[int] = set()  # ranks known to have used stand-ins since a re-sync
@@ -92,26 +100,34 @@ class TransposeSession:
             mine = np.asarray(await own).reshape(-1)
             y = rot.forward(mine) if rot is not None else mine.copy()
             self._send_phase1(step, layout, y)
-            deadline = self.clock.deadline()
-            self.last_deadline = deadline or 0.0
+            d1, d2 = (clock.deadline() for clock in self.clocks)
+            self.last_deadline = d1 + d2 if d1 is not None and d2 is not None else 0.0
             stage1 = Stage(phase1, (n - 1) * (hi - lo))
-            await stage1.run(deadline, self._idle(deadline), self._need(), opts.max_wait)
+            await stage1.run(d1, self._idle(0), self._need(), opts.max_wait)
+            if stage1.reason != "complete":
+                log.info("rank %d step %d: stage 1 ended (%s) after %.1f ms of %.1f ms with "
+                         "%.1f%% of its data", me, step, stage1.reason, stage1.elapsed * 1e3,
+                         (d1 or 0) * 1e3, stage1.fraction * 100)
             comm.discard_before(step, PHASE2_TAG)
             self._drop_injected(step, 1, phase1)
             shard_fraction, missing = self._reduce(y, out, scratch, layout, phase1)
             self._send_phase2(step, layout, out, shard_fraction, missing)
             stage2 = Stage(phase2, length - (hi - lo))
-            # Stage 2 ends two bounds after stage 1 began, not one bound after it ended here:
-            # an owner whose stage 1 ran to its deadline sends only then.
-            left = None if deadline is None else max(0.0, 2 * deadline - stage1.elapsed)
-            await stage2.run(left, self._idle(deadline), self._need(), opts.max_wait)
+            # Stage 2 ends both bounds after stage 1 began, not one bound after it ended
+            # here: an owner whose stage 1 ran to its deadline sends only then.
+            left = None if d1 is None or d2 is None else max(d2, d1 + d2 - stage1.elapsed)
+            await stage2.run(left, self._idle(1), self._need(), opts.max_wait)
+            if stage2.reason != "complete":
+                log.info("rank %d step %d: stage 2 ended (%s) after %.1f ms of %.1f ms with "
+                         "%.1f%% of its data", me, step, stage2.reason, stage2.elapsed * 1e3,
+                         (left or 0) * 1e3, stage2.fraction * 100)
             comm.discard_before(step + 1)
             self._drop_injected(step, 2, phase2)
         finally:
             for slot in phase1 + phase2:
                 slot.future.cancel()
-        self.clock.observe(stage1.elapsed, stage1.fraction)
-        self.clock.observe(stage2.elapsed, stage2.fraction)
+        self.clocks[0].observe(stage1.elapsed, stage1.fraction)
+        self.clocks[1].observe(stage2.elapsed, stage2.fraction)
         return self._finish(step, like, rot, y, out, layout, phase1, phase2, shard_fraction,
                             missing, time.perf_counter() - t0)
 
@@ -134,7 +150,8 @@ class TransposeSession:
     def _send_phase1(self, step: int, layout: Layout, y: np.ndarray) -> None:
         """Every shard to its owner, slice by slice, interleaved across owners."""
         me = self.comm.rank
-        meta: dict[str, Any] = {**self.clock.advert(), "d": me in self.drifted}
+        meta: dict[str, Any] = {"c": [clock.advert() for clock in self.clocks],
+                                "d": me in self.drifted}
         owners = [k for k in range(self.comm.world_size) if k != me]
         per_owner = {k: layout.slices_of(k) for k in owners}
         for i in range(max((len(s) for s in per_owner.values()), default=0)):
@@ -160,7 +177,11 @@ class TransposeSession:
                 counts[slot.index] += 1
                 got[slot.src] = got.get(slot.src, 0) + 1
                 meta = slot.header.meta if slot.header is not None else {}
-                self.clock.heard(slot.src, meta.get("tc"), meta.get("tb"))
+                adverts = meta.get("c")
+                if isinstance(adverts, list) and len(adverts) == 2:
+                    for clock, advert in zip(self.clocks, adverts, strict=True):
+                        if isinstance(advert, dict):
+                            clock.heard(slot.src, advert.get("tc"), advert.get("tb"))
                 if meta.get("d") is True:
                     self.drifted.add(slot.src)
         if self.opts.missing == "rescale" and out.dtype.kind == "f":
@@ -223,7 +244,8 @@ class TransposeSession:
         lost = 1.0 - received
         if lost > opts.max_loss + 1e-12:
             raise StragglerError(step, sorted(late), f"{lost:.1%} of the contributions missing "
-                                 f"on rank {me}, more than max_loss {opts.max_loss:.1%}")
+                                 f"on rank {me}, more than max_loss {opts.max_loss:.1%}",
+                                 received)
         value = rot.inverse(out) if rot is not None else out
         value = value.reshape(like.shape)
         value.setflags(write=False)
@@ -238,18 +260,19 @@ class TransposeSession:
     def _drop_injected(self, step: int, phase: int, slots: list[Slot]) -> None:
         """Experiments: lose a seeded fraction of the slices that arrived (not in warm-up)."""
         p = self.opts.inject_loss
-        if p <= 0 or self.clock.reliable:
+        if p <= 0 or self.clocks[0].reliable:
             return
         rng = np.random.default_rng([self.opts.seed, step, phase, self.comm.rank])
         for slot, u in zip(slots, rng.random(len(slots)), strict=True):
             if slot.arrived and u < p:
                 slot.arrived = False
 
-    def _idle(self, deadline: float | None) -> float:
-        estimate = self.clock.estimate
-        if deadline is None or estimate is None:
+    def _idle(self, stage: int) -> float:
+        """Quiet time after which a stage with every tail in closes early."""
+        clock = self.clocks[stage]
+        if clock.reliable or clock.estimate is None:
             return self.opts.max_wait
-        return self.opts.idle_fraction * estimate
+        return self.opts.idle_fraction * clock.estimate
 
     def _need(self) -> float:
         return 1.0 - self.opts.max_loss if self.opts.on_excess_loss == "wait" else 0.0

@@ -36,7 +36,7 @@ from ..codes import cyclic_mds, default_code, frc, gaussian_mds, random_cyclic
 from ..codes.model import ComputeModel, LinkModel, predict_ring, predict_star, predict_tree
 from ..node import Node
 from ..schemes import CodedTree, GradientCoding, Scheme, StragglerError, by_name, names
-from ..straggle import parse_straggle
+from ..straggle import StraggleModel, parse_straggle
 from ..transport.loop import run
 
 SCHEMES = tuple(names())  # every registered scheme
@@ -145,7 +145,11 @@ def _fit(scheme: CodedTree | GradientCoding) -> int:
 
 
 async def _worker(cfg: Config) -> None:
-    node = Node.from_env(close_timeout=30.0)
+    # The bench injects the straggler model itself, by iteration, so every scheme (and Gloo)
+    # sees the same delays at the same iteration (the node would draw them by its own step
+    # number, which differs between the alternating schemes).
+    model = parse_straggle(cfg.straggle, int(os.environ.get("AIOREDUCE_STRAGGLE_SEED", 0)))
+    node = Node.from_env(close_timeout=30.0, straggle=StraggleModel())
     async with node:
         rank, world = node.rank, node.world_size
         schemes = {name: build_scheme(name, cfg) for name in cfg.schemes}
@@ -178,12 +182,14 @@ async def _worker(cfg: Config) -> None:
                 value: np.ndarray | None = None
                 if scheme is None:
                     assert dist is not None
-                    await asyncio.sleep(sleep + node.straggle.extra_delay(rank, it, sleep))
+                    await asyncio.sleep(sleep + model.extra_delay(rank, it, sleep))
                     tensor = torch.from_numpy(vec.copy())
                     dist.all_reduce(tensor)
                     value = tensor.numpy()
                 else:
-                    def compute(v: np.ndarray = vec, t: float = sleep) -> np.ndarray:
+                    def compute(v: np.ndarray = vec,
+                                t: float = sleep + model.extra_delay(rank, it, sleep)
+                                ) -> np.ndarray:
                         time.sleep(t)
                         return v
 

@@ -56,7 +56,7 @@ class Transpose:
     warmup: int = 10  # steps
     slack: float = 4.0  # deviations above the estimate
     headroom: float = 2.0  # the ceiling is this many times the warm-up's P95
-    min_deadline: float = 0.02  # below this, a busy machine's scheduling noise cuts stages
+    min_deadline: float = 0.005  # a floor under the adaptive bound of each stage
     idle_fraction: float = 0.1  # early close after this fraction of the estimate is quiet
     max_loss: float = 0.05
     on_excess_loss: OnExcessLoss = "raise"

@@ -66,6 +66,7 @@ class Config:
     model_bandwidth: float = 1e9
     netns: bool = False  # every rank on its own emulated host (network namespace)
     link_mbit: float | None = None  # shape each host's link, both directions
+    background: int = 0  # bulk TCP flows between hosts (emulated cluster only)
     seed: int = field(default=0)
     options: dict[str, Any] = field(default_factory=dict)  # more scheme options (by name)
 
@@ -298,6 +299,7 @@ def _run_on_cluster(cfg: Config, worker: list[str], env: dict[str, str],
     from .cluster import Cluster
 
     with Cluster(cfg.nodes, rate_mbit=cfg.link_mbit) as cluster:
+        cluster.background(cfg.background)
         job = JobConfig(master_addr=cluster.addr(0), master_port=29500, rendezvous_port=29501)
         hosts = [HostSlots(cluster.ns(i), 1, addr=cluster.addr(i)) for i in range(cfg.nodes)]
         procs = []

@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run every rank on its own emulated host (network namespace; root)")
     ar.add_argument("--link-mbit", type=float, metavar="MBIT",
                     help="with --netns: shape every host's link to MBIT in both directions")
+    ar.add_argument("--background", type=int, default=0, metavar="FLOWS",
+                    help="with --netns: bulk TCP flows between hosts, as other tenants")
     ar.add_argument("--json", action="store_true", help="JSON lines; the last is the summary")
     ar.add_argument("--options", type=json.loads, default={}, metavar="JSON",
                     help='more scheme options, e.g. \'{"slack": 1.3, "max_loss": 1}\'')
@@ -117,7 +119,8 @@ def _allreduce(opts: argparse.Namespace) -> list[dict[str, Any]]:
                  chunk_bytes=opts.chunk, model_alpha=opts.model_alpha,
                  model_bandwidth=(opts.link_mbit * 1e6 / 8 if opts.link_mbit
                                   else opts.model_bandwidth),
-                 netns=opts.netns, link_mbit=opts.link_mbit, options=opts.options)
+                 netns=opts.netns, link_mbit=opts.link_mbit, options=opts.options,
+                 background=opts.background)
     results = run_allreduce(cfg)
     gloo = next((r for r in results if r["scheme"] == "gloo"), None)
     rows = [r for r in results if r["scheme"] != "gloo"]

@@ -21,6 +21,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -187,6 +188,31 @@ class Cluster:
         burst = max(64 * 1024, int(rate_bytes / 250))  # enough for the kernel's timer tick
         _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
              "rate", f"{self.rate_mbit}mbit", "burst", str(burst), "latency", "100ms")
+
+    # -- background traffic ------------------------------------------------------------------
+    def background(self, flows: int, port: int = 5201) -> list[subprocess.Popen[bytes]]:
+        """Start ``flows`` bulk TCP transfers between hosts (flow ``k``: host ``k mod n`` to
+        host ``k+1 mod n``), as other tenants' traffic on the same links. They run until
+        the cluster is torn down (or the caller kills them)."""
+        procs: list[subprocess.Popen[bytes]] = []
+        n = self.hosts
+        for k in range(flows):
+            src, dst = k % n, (k + 1) % n
+            if src == dst:
+                break
+            sink = ("import socket,sys\ns=socket.create_server((sys.argv[1],int(sys.argv[2])))\n"
+                    "print('ready',flush=True)\nc,_=s.accept()\nb=bytearray(1<<20)\n"
+                    "while c.recv_into(b):pass")
+            source = ("import socket,sys\nc=socket.create_connection((sys.argv[1],"
+                      "int(sys.argv[2])))\nb=bytes(1<<20)\nwhile True:c.sendall(b)")
+            addr, p = self.addr(dst), str(port + k)
+            listener = subprocess.Popen(self.exec_argv(dst, [sys.executable, "-c", sink, addr,
+                                                              p]), stdout=subprocess.PIPE)
+            assert listener.stdout is not None
+            listener.stdout.readline()  # wait until it listens
+            procs += [listener, subprocess.Popen(self.exec_argv(src, [sys.executable, "-c",
+                                                                     source, addr, p]))]
+        return procs
 
     # -- real SSH hosts ----------------------------------------------------------------------
     def start_sshd(self, workdir: str, hosts: Sequence[int] | None = None) -> SSHAccess:

@@ -60,7 +60,7 @@ class Transpose:
     idle_fraction: float = 0.1  # early close after this fraction of the estimate is quiet
     max_loss: float = 0.05
     on_excess_loss: OnExcessLoss = "raise"
-    slice_bytes: int = 256 << 10
+    slice_bytes: int = 1 << 20  # 256 KiB slices cost 1.7x ring at 16 MiB (per-frame work)
     resync_every: int = 0
     behind_steps: int = 2
     backlog_steps: int = 8

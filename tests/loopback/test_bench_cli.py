@@ -74,3 +74,19 @@ def test_allreduce_bench_compares_schemes_and_gloo() -> None:
         assert by[name]["ratio_vs_gloo"] == pytest.approx(by[name]["median_s"]
                                                           / by["gloo"]["median_s"])
     assert rows[-1]["median_s"]["ring"] == by["ring"]["median_s"]
+
+
+
+def test_transpose_bench_reports_loss_and_each_ranks_own_time() -> None:
+    res = subprocess.run([sys.executable, "-m", "aioreduce.bench.cli", "allreduce", "--scheme",
+                          "transpose,ring", "--nodes", "3", "--size", "64K", "--iters", "4",
+                          "--verify", "--options", '{"deadline": 0.2, "max_loss": 1}', "--json",
+                          "--straggle", "rank=1:delay=0.5"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    rows = {r["scheme"]: r for r in (json.loads(x) for x in res.stdout.splitlines()[:-1])}
+    t, ring = rows["transpose"], rows["ring"]
+    assert t["lost"] > 0.1 and ring["lost"] == 0.0  # rank 1 is cut every step
+    # The ranks that were not delayed finish long before the delayed one: bounded time.
+    assert t["rank_p50_s"] < 0.5 < ring["rank_p50_s"]
+    assert {"rank_p99_s", "raised", "steps_s"} <= set(t)

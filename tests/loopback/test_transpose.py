@@ -9,7 +9,13 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
+
+import aioreduce as ar
+from aioreduce.env import NodeEnv
+from aioreduce.jobplan import free_port
+from aioreduce.node import Node
 
 from .harness import SCHEMEPROG, Ranks
 from .test_schemes import run, steps_of
@@ -82,3 +88,19 @@ def test_a_rank_stopped_for_5_s_costs_the_others_only_their_bounds_and_rejoins(r
         exact = [s for s in tail if s.get("exact")]
         assert len(exact) >= 85, (rank, [s for s in tail if not s.get("exact")][:5])
         assert all(s["rel_err"] < 1e-9 for s in exact), rank
+
+
+async def test_use_keep_resumes_a_kept_session_with_its_learned_state() -> None:
+    # A one-rank job: Node.use(keep=True) parks the transpose session (and its clocks)
+    # while another scheme runs, and an equal scheme resumes that very session.
+    env = NodeEnv(0, 1, "127.0.0.1", free_port(), b"k" * 32)
+    async with Node(env, scheme=ar.Transpose(warmup=1)) as node:
+        await node.allreduce(np.ones(10))
+        first = node._session
+        await node.use(ar.Ring(), keep=True)
+        assert (await node.allreduce(np.ones(10))).value.tolist() == [1.0] * 10
+        await node.use(ar.Transpose(warmup=1), keep=True)
+        assert node._session is first
+        assert first.clocks[0].bound is not None  # type: ignore[union-attr]  (warmed up)
+        await node.use(ar.Transpose(warmup=2))  # a different scheme: a new session
+        assert node._session is not first

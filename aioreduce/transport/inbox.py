@@ -84,8 +84,8 @@ class Inbox:
         self.staged_bytes = 0  # payload bytes in _staged
         self._on_lost = on_lost
         self.stage_limit = stage_limit
-        self.floor = NO_FLOOR
-        self.floor_tag = 0  # frames of step ``floor`` with a lower tag are stale too
+        # Frames with a (step, tag) below this are stale (a step's own stages cut by tag).
+        self.floor_key: Key = (NO_FLOOR, 0)
         self.conns: set[FrameProtocol] = set()
         self.lost: PeerLost | None = None
         self.control: asyncio.Queue[dict[str, object] | None] = asyncio.Queue()
@@ -156,26 +156,27 @@ class Inbox:
         """Frames of steps below ``step``, and of step ``step`` with a tag below ``tag``, are
         stale from now on: drop staged and held ones (a scheme with stages inside a step, the
         transpose, drops a stage's late frames this way)."""
-        if step > self.floor:
-            self.floor, self.floor_tag = step, tag
-        elif step == self.floor:
-            self.floor_tag = max(self.floor_tag, tag)
+        self.floor_key = max(self.floor_key, (step, tag))
+        floor, floor_tag = self.floor_key
         heap = self._staged_steps
-        while heap and heap[0] < self.floor:
+        while heap and heap[0] < floor:
             old = heapq.heappop(heap)
             for t in self._tags_of.pop(old, ()):
                 self._unstage((old, t))
-        if self.floor_tag:
-            for t in [t for t in self._tags_of.get(self.floor, ()) if t < self.floor_tag]:
-                self._unstage((self.floor, t))
+        for t in [t for t in self._tags_of.get(floor, ()) if t < floor_tag]:
+            self._unstage((floor, t))
         for conn, header in list(self._held.items()):
             if self._stale(header):
                 del self._held[conn]
                 conn.resume_with(None)
 
+    @property
+    def floor(self) -> int:
+        """Frames of steps below this are stale."""
+        return self.floor_key[0]
+
     def _stale(self, header: Header) -> bool:
-        return header.step < self.floor or (header.step == self.floor
-                                            and header.tag < self.floor_tag)
+        return (header.step, header.tag) < self.floor_key
 
     # -- the connection's side (its Router) ----------------------------------------------------
     def choose(self, conn: FrameProtocol, header: Header) -> Destination:

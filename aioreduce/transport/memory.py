@@ -135,8 +135,7 @@ class MemoryComm:
         self.net = net
         self.rank = rank
         self.world_size = net.world_size
-        self.floor = -(1 << 62)
-        self.floor_tag = 0
+        self.floor: Key = (-(1 << 62), 0)  # (step, tag) below this is stale
         self._peers = {r: _FromPeer() for r in range(net.world_size) if r != rank}
         self._lost_listeners: list[Callable[[int], None]] = []
         self._lost_peers: set[int] = set()
@@ -168,16 +167,10 @@ class MemoryComm:
         return fut
 
     def discard_before(self, step: int, tag: int = 0) -> None:
-        if step > self.floor:
-            self.floor, self.floor_tag = step, tag
-        elif step == self.floor:
-            self.floor_tag = max(self.floor_tag, tag)
+        self.floor = max(self.floor, (step, tag))
         for peer in self._peers.values():
-            for key in [k for k in peer.staged if self._stale(k)]:
+            for key in [k for k in peer.staged if k < self.floor]:
                 del peer.staged[key]
-
-    def _stale(self, key: Key) -> bool:
-        return key < (self.floor, self.floor_tag)
 
     def is_lost(self, rank: int) -> bool:
         return rank in self._lost_peers
@@ -207,7 +200,7 @@ class MemoryComm:
             _fill(posted.future, posted.view, posted.dtype, header, payload)
             return
         handled = [h for lo, h in peer.early if header.tag >= lo]
-        if self._stale(key):
+        if key < self.floor:
             if not payload:
                 for h in handled:
                     h(header, memoryview(b""))

@@ -242,8 +242,7 @@ def _report(cfg: Config, name: str, scheme: Scheme | None, t: np.ndarray, err: f
     own = (t[:, :, 1] - t[:, :, 0].min(axis=0)).ravel()  # each rank's own completion
     received = t[:, :, 2]
     out.update({"rank_p50_s": float(np.median(own)), "rank_p99_s": float(np.quantile(own, 0.99)),
-                "lost": float(1.0 - np.nanmean(received)) if np.isfinite(received).any()
-                else 1.0, "raised": int(t[:, :, 3].sum())})
+                "lost": float(1.0 - received.mean()), "raised": int(t[:, :, 3].sum())})
     if cfg.verify:
         out["max_rel_err"] = err
     out["model_s"] = _predict(cfg, name, scheme, world)

@@ -40,10 +40,15 @@ class Layout:
             lo = hi
         return bounds
 
+    @cached_property
+    def _slices(self) -> list[list[tuple[int, int]]]:
+        return [[(s, min(s + self.slice_elems, hi)) for s in range(lo, hi, self.slice_elems)]
+                for lo, hi in self.shards]
+
     def slices_of(self, owner: int) -> list[tuple[int, int]]:
-        """``[lo, hi)`` (absolute) of the slices of ``owner``'s shard, in sending order."""
-        lo, hi = self.shards[owner]
-        return [(s, min(s + self.slice_elems, hi)) for s in range(lo, hi, self.slice_elems)]
+        """``[lo, hi)`` (absolute) of the slices of ``owner``'s shard, in sending order (computed
+        once per layout: the session looks them up for every slot)."""
+        return self._slices[owner]
 
     def tail_index(self, owner: int) -> int:
         """Index of the first tail slice of ``owner``'s shard (floating-point ratio: the

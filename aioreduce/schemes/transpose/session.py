@@ -175,15 +175,9 @@ class TransposeSession:
                 a, b = slices[slot.index]
                 out[a:b] += scratch[slot.src, a - lo:b - lo]
                 counts[slot.index] += 1
+                if slot.src not in got and slot.header is not None:
+                    self._learn(slot.src, slot.header.meta)  # the same on all its slices
                 got[slot.src] = got.get(slot.src, 0) + 1
-                meta = slot.header.meta if slot.header is not None else {}
-                adverts = meta.get("c")
-                if isinstance(adverts, list) and len(adverts) == 2:
-                    for clock, advert in zip(self.clocks, adverts, strict=True):
-                        if isinstance(advert, dict):
-                            clock.heard(slot.src, advert.get("tc"), advert.get("tb"))
-                if meta.get("d") is True:
-                    self.drifted.add(slot.src)
         if self.opts.missing == "rescale" and out.dtype.kind == "f":
             for i in np.flatnonzero(counts < n):
                 a, b = slices[i]
@@ -192,6 +186,17 @@ class TransposeSession:
         fraction = float(sizes @ counts / (n * sizes.sum())) if slices else 1.0
         missing = [j for j in range(n) if j != me and got.get(j, 0) < len(slices)]
         return fraction, missing
+
+    def _learn(self, src: int, meta: dict[str, Any]) -> None:
+        """What a peer's phase-1 frames carry: its deadline proposals and whether it used a
+        stand-in since the last re-sync."""
+        adverts = meta.get("c")
+        if isinstance(adverts, list) and len(adverts) == 2:
+            for clock, advert in zip(self.clocks, adverts, strict=True):
+                if isinstance(advert, dict):
+                    clock.heard(src, advert.get("tc"), advert.get("tb"))
+        if meta.get("d") is True:
+            self.drifted.add(src)
 
     def _send_phase2(self, step: int, layout: Layout, out: np.ndarray, fraction: float,
                      missing: list[int]) -> None:
@@ -223,7 +228,7 @@ class TransposeSession:
                 if isinstance(ranks, list):
                     late.update(r for r in ranks if isinstance(r, int) and 0 <= r < n)
             else:  # the stand-in: our own contribution (x N when rescaling)
-                out[a:b] = y[a:b] * weight if weight != 1 else y[a:b]
+                np.multiply(y[a:b], weight, out=out[a:b])
                 got[slot.src] = got.get(slot.src, 0.0) + (b - a) / n
                 stand_in.add(slot.src)
         for k in range(n):
@@ -231,7 +236,7 @@ class TransposeSession:
                 lo, hi = layout.shards[k]
                 fractions[k] = got.get(k, 0.0) / (hi - lo) if hi > lo else 1.0
                 if hi > lo and k not in got:  # nothing posted: the owner's link is lost
-                    out[lo:hi] = y[lo:hi] * weight if weight != 1 else y[lo:hi]
+                    np.multiply(y[lo:hi], weight, out=out[lo:hi])
                     fractions[k] = 1 / n
                     stand_in.add(k)
         late.update(stand_in)

@@ -252,3 +252,15 @@ def test_rotation_spreads_a_lost_tail() -> None:
     err_plain = plain - x
     assert np.abs(err_rot).max() < np.abs(err_plain).max() / 10
     assert float(rot.inverse(cut) @ x / (x @ x)) == pytest.approx(1 - 41 / 4096, abs=0.01)
+
+
+async def test_integer_vectors_with_the_rotation_are_refused_naming_the_rank() -> None:
+    net = MemoryNetwork(3)
+    sessions = [Transpose(deadline=D).open(c) for c in net.comms]
+    ints = [np.arange(6) * (r + 1) for r in range(3)]
+    for rank, res in enumerate(await run_step(net, sessions, 0, ints)):
+        assert isinstance(res, TypeError) and f"rank {rank}:" in str(res)
+        assert "hadamard=False" in str(res)
+    plain = [Transpose(hadamard=False, deadline=D).open(c) for c in net.comms]
+    for res in await run_step(net, plain, 1, ints):  # the corrected retry works
+        assert isinstance(res, Result) and res.value.tolist() == (np.arange(6) * 6).tolist()

@@ -163,8 +163,9 @@ class Inbox:
             old = heapq.heappop(heap)
             for t in self._tags_of.pop(old, ()):
                 self._unstage((old, t))
-        for t in [t for t in self._tags_of.get(floor, ()) if t < floor_tag]:
-            self._unstage((floor, t))
+        if floor_tag:  # only a scheme with stages inside a step sets one
+            for t in [t for t in self._tags_of.get(floor, ()) if t < floor_tag]:
+                self._unstage((floor, t))
         for conn, header in list(self._held.items()):
             if self._stale(header):
                 del self._held[conn]

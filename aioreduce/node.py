@@ -15,13 +15,14 @@ keeps from step to step lives in that session (see :mod:`aioreduce.schemes`). ``
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
 import time
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 import numpy as np
 
@@ -30,12 +31,34 @@ from .errors import VectorMismatch
 from .schemes import CodedScheme, FellBehind, Result, Scheme, Session
 from .schemes.base import Comm, DecodeTimed
 from .schemes.broadcast import broadcast
+from .schemes.gather import allgather
 from .straggle import StraggleModel, parse_straggle
 from .telemetry import Tracer, TracingComm, trace_path
 from .transport import Mesh, MeshOptions, barrier, rendezvous
 from .wire import Header
 
 log = logging.getLogger("aioreduce")
+
+ReduceOp = Literal["sum", "mean"]
+# A numpy array, a CPU torch tensor, or a function returning either (typed loosely so that
+# importing aioreduce never imports torch).
+Reducible: TypeAlias = "np.ndarray | Callable[[], np.ndarray] | Any"
+
+
+def _is_tensor(obj: object) -> bool:
+    """A torch tensor? Decided without importing torch unless the object comes from it."""
+    if not type(obj).__module__.startswith("torch"):
+        return False
+    from .torch.tensors import is_tensor
+    return is_tensor(obj)
+
+
+def mean_divisor(res: Result, world_size: int) -> float:
+    """How many contributions ``res.value`` sums: every rank it used, or for a bounded-time
+    result the fraction that arrived of all ranks' contributions."""
+    if res.received < 1.0:
+        return max(world_size * res.received, 1.0)
+    return float(max(len(res.used), 1))
 
 
 class Node:
@@ -54,6 +77,7 @@ class Node:
         self.straggle = straggle or StraggleModel()
         self._step = 0
         self._like: np.ndarray | None = None
+        self._tensor_out = False  # the compute function passed returns torch tensors
         self._last_return = time.perf_counter()
         self._session: Session | None = None
         self._kept: list[tuple[Scheme, Session]] = []  # sessions kept by use(keep=True)
@@ -230,26 +254,83 @@ class Node:
         assert isinstance(scheme, CodedScheme)
         return scheme.placement(self.rank, num_samples)
 
-    async def aggregate(self, vector: np.ndarray | Callable[[], np.ndarray]) -> Result:
+    async def aggregate(self, vector: Reducible, *, op: ReduceOp = "sum") -> Result:
         """One step of a coded scheme: the exact sum of everyone's data, same on every rank.
 
         ``vector`` is this rank's weighted gradient over :meth:`placement`, or a function that
         computes it: then the receives from this rank's children are posted first and the
         function runs in a worker thread while their messages arrive. A function is not
         called at all for a step whose result is already here (this rank was paused and is
-        catching up), so pass one where you can.
+        catching up), so pass one where you can. A CPU torch tensor (or a function returning
+        one) works too: the result's ``value`` is then a tensor (see :mod:`aioreduce.torch`).
+        ``op="mean"`` divides the sum by the number of ranks that hold data.
 
         Raises :class:`~aioreduce.StragglerError` when a step cannot be decoded in time and
         :class:`~aioreduce.FellBehind` when this rank is further behind than its peers keep
         results for (the node then stands at the job's current step).
         """
-        self._require(coded=True)
-        return await self._run(vector)
+        scheme = self._require(coded=True)
+        res = await self._reduce(vector, op, any_shape=False)
+        if op == "mean":
+            assert isinstance(scheme, CodedScheme)
+            holders = sum(1 for r in range(self.world_size)
+                          if len(scheme.placement(r, scheme.min_samples)[0]))
+            res = dataclasses.replace(res, value=res.value / holders)
+        return res
 
-    async def allreduce(self, array: np.ndarray | Callable[[], np.ndarray]) -> Result:
-        """One step of an uncoded scheme (Ring, Tree, Star): the sum of every rank's array."""
+    async def allreduce(self, array: Reducible, *, op: ReduceOp = "sum",
+                        any_shape: bool = False) -> Result:
+        """One step of an uncoded scheme (Ring, Tree, Star, Transpose): the sum of every
+        rank's array, or with ``op="mean"`` the sum divided by the number of contributions
+        it holds. A CPU torch tensor works too (the result's ``value`` is then a tensor).
+
+        ``any_shape=True`` lets every step have a shape of its own (as a collective library
+        does: the ranks agree per call, and a disagreement raises ``VectorMismatch`` on every
+        rank) instead of refusing a change of shape as a caller mistake."""
         self._require(coded=False)
-        return await self._run(array)
+        res = await self._reduce(array, op, any_shape=any_shape)
+        if op == "mean":
+            res = dataclasses.replace(res, value=res.value / mean_divisor(res, self.world_size))
+        return res
+
+    async def _reduce(self, vector: Reducible, op: str, *, any_shape: bool) -> Result:
+        """Tensors to arrays and back around :meth:`_run`."""
+        if op not in ("sum", "mean"):
+            raise ValueError(f"rank {self.rank}: op must be 'sum' or 'mean', not {op!r} (min, "
+                             "max and product: gather with Node.allgather)")
+        if any_shape:
+            self._like = None
+        tensors = _is_tensor(vector)
+        if tensors:
+            from .torch.tensors import to_numpy
+            vector = to_numpy(vector, self.rank)
+        elif callable(vector):
+            vector = self._numpy_compute(vector)
+        res = await self._run(vector)
+        if tensors or (callable(vector) and self._tensor_out):
+            from .torch.tensors import tensor_result
+            return tensor_result(res)
+        return res
+
+    def _numpy_compute(self, compute: Callable[[], object]) -> Callable[[], np.ndarray]:
+        """``compute`` as a function of numpy arrays; remembers that it returns tensors, so
+        a step whose compute is skipped (known already) returns a tensor all the same."""
+        def run() -> np.ndarray:
+            out = compute()
+            if _is_tensor(out):
+                from .torch.tensors import to_numpy
+                self._tensor_out = True
+                return to_numpy(out, self.rank)
+            return out  # type: ignore[return-value]  # checked by the session
+        return run
+
+    async def allgather(self, array: np.ndarray) -> Result:
+        """Every rank's ``array``, stacked (row ``r`` is rank ``r``'s), exactly, on every rank.
+        A collective step; point to point (each rank sends ``N - 1`` copies), for small
+        arrays: shapes, flags, or reductions other than a sum."""
+        step = self._step
+        self._step += 1
+        return await allgather(self.mesh, step, array)
 
     async def broadcast(self, array: np.ndarray, root: int = 0) -> Result:
         """Every rank gets ``root``'s ``array`` exactly (others pass an array of the same

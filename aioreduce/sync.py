@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Coroutine, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
 
 import numpy as np
 
-from .node import Node
+from .node import Node, ReduceOp, Reducible
 from .schemes import Result, Scheme
 from .transport.loop import loop_factory
 
@@ -56,22 +56,28 @@ class SyncNode:
     def world_size(self) -> int:
         return self.node.world_size
 
-    def allreduce(self, array: np.ndarray | Callable[[], np.ndarray]) -> Result:
-        """The sum of every rank's array (uncoded schemes) as a :class:`Result`, the same
-        type the async API returns; blocks until it is here."""
-        return self._call(self.node.allreduce(array))
+    def allreduce(self, array: Reducible, *, op: ReduceOp = "sum",
+                  any_shape: bool = False) -> Result:
+        """The sum (or mean) of every rank's array (uncoded schemes) as a :class:`Result`,
+        the same type the async API returns; blocks until it is here (see
+        :meth:`Node.allreduce`)."""
+        return self._call(self.node.allreduce(array, op=op, any_shape=any_shape))
 
     def broadcast(self, array: np.ndarray, root: int = 0) -> Result:
         """``root``'s array on every rank (see :meth:`Node.broadcast`)."""
         return self._call(self.node.broadcast(array, root))
 
+    def allgather(self, array: np.ndarray) -> Result:
+        """Every rank's array, stacked (see :meth:`Node.allgather`)."""
+        return self._call(self.node.allgather(array))
+
     def use(self, scheme: Scheme) -> None:
         """Switch schemes between steps, on every rank (see :meth:`Node.use`)."""
         self._call(self.node.use(scheme))
 
-    def aggregate(self, vector: np.ndarray | Callable[[], np.ndarray]) -> Result:
+    def aggregate(self, vector: Reducible, *, op: ReduceOp = "sum") -> Result:
         """One coded step (see :meth:`Node.aggregate`); the full :class:`Result`."""
-        return self._call(self.node.aggregate(vector))
+        return self._call(self.node.aggregate(vector, op=op))
 
     def placement(self, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, weights) this rank computes on under a coded scheme."""

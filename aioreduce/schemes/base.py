@@ -141,6 +141,10 @@ class Scheme(Protocol):
 class CodedScheme(Scheme, Protocol):
     """A scheme whose ranks compute on a placement of the data set."""
 
+    @property
+    def min_samples(self) -> int:
+        """The smallest data-set size the placement fits; multiples of it fit too."""
+
     def placement(self, rank: int, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, weights) rank ``rank`` computes its weighted gradient on."""
 

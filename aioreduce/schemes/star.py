@@ -45,6 +45,11 @@ class GradientCoding:
                              "where a worker uses one coefficient set for all its parts "
                              "(group_code, gaussian_mds)")
 
+    @property
+    def min_samples(self) -> int:
+        """The smallest data-set size the placement fits (multiples fit too): one per part."""
+        return self.code.k
+
     def placement(self, rank: int, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
         """Worker ``rank``'s samples and weights (the master computes nothing)."""
         if rank == 0:

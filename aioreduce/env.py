@@ -52,7 +52,8 @@ class NodeEnv:
             raise ConfigError(f"world size must be at least 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside 0..{self.world_size - 1}")
-        if not 0 < self.master_port < 65536:
+        # Port 0: rank 0 listens on a free port and publishes it itself (Node's on_listen).
+        if not (0 < self.master_port < 65536 or (self.master_port == 0 and self.rank == 0)):
             raise ConfigError(f"rendezvous port {self.master_port} is not a valid TCP port")
         if not self.secret:
             raise ConfigError("the job secret is empty")

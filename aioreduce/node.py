@@ -67,8 +67,12 @@ class Node:
     def __init__(self, env: NodeEnv, *, scheme: Scheme | None = None,
                  straggle: StraggleModel | str | None = None,
                  options: MeshOptions | None = None, close_timeout: float = 10.0,
-                 trace: str | None = None) -> None:
+                 trace: str | None = None,
+                 on_listen: Callable[[str, int], None] | None = None) -> None:
         self.env = env
+        # Rank 0: called with the rendezvous (address, port) once it listens, before waiting
+        # for the others (the torch backend publishes it in torch's store).
+        self.on_listen = on_listen
         self.scheme = scheme
         if scheme is not None:
             scheme.validate(env.world_size)
@@ -121,7 +125,12 @@ class Node:
         """Listen and rendezvous; afterwards every rank's address is known."""
         env = self.env
         if env.rank == 0:
-            await self.mesh.listen(env.bind_addr or _bind_for(env.master_addr), env.master_port)
+            _host, port = await self.mesh.listen(env.bind_addr or _bind_for(env.master_addr),
+                                                 env.master_port)
+            if env.master_port == 0:  # a free port was taken: tell the others (a torch store)
+                env = self.env = dataclasses.replace(env, master_port=port)
+            if self.on_listen is not None:
+                self.on_listen(env.master_addr, env.master_port)
         await rendezvous(self.mesh, (env.master_addr, env.master_port),
                          advertise=env.advertise_addr, bind=env.bind_addr,
                          timeout=env.rendezvous_timeout)

@@ -14,6 +14,7 @@ the step's receives first and runs the function in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Coroutine, Mapping
 from types import TracebackType
@@ -46,7 +47,11 @@ class SyncNode:
         self._closed = False
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self.timeout)
+        return self.submit(coro).result(self.timeout)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coro`` (a coroutine of the node's) on the node's loop without waiting."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     @property
     def rank(self) -> int:

@@ -37,7 +37,7 @@ from .process_group import ProcessGroupAioreduce
 
 
 def aioreduce_hook(state: ProcessGroupAioreduce,
-                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # type: ignore[name-defined]
     """DDP communication hook: the bucket's mean over the ranks, summed by the node."""
     return state.future_sum(bucket.buffer(), average=True)
 
@@ -78,7 +78,7 @@ def register(ddp_model: TorchDDP, pg: ProcessGroupAioreduce) -> None:
     ddp_model.register_forward_pre_hook(resync)
 
 
-def DistributedDataParallel(module: torch.nn.Module,  # noqa: N802 (named after torch's)
+def DistributedDataParallel(module: torch.nn.Module,
                             node: SyncNode | ProcessGroupAioreduce, **ddp_kwargs: Any
                             ) -> TorchDDP:
     """``torch.nn.parallel.DistributedDataParallel(module)`` over ``node`` (a blocking node

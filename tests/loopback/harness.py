@@ -74,6 +74,10 @@ class Ranks:
                 thread.start()
                 self._readers.append(thread)
 
+    def output(self, rank: int) -> str:
+        """What ``rank`` has printed on stdout so far (after :meth:`drain`)."""
+        return "".join(list(self._drained[rank][0]))
+
     def wait(self, timeout: float = 60.0) -> dict[int, Done]:
         """Wait for every started rank (reading all their output at once); on timeout kill
         them all and fail with their output."""

@@ -1,0 +1,59 @@
+"""The torch backend "aioreduce" on 3 real processes: every collective's values, async
+handles, changing shapes, a clear NotImplementedError, and a model mismatch named on every
+rank."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .harness import HERE, Ranks
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.loopback
+
+PROG = str(HERE / "torchops.py")
+
+
+def _run(*args: str, n: int = 3) -> dict[int, dict[str, object]]:
+    job = Ranks(n)
+    try:
+        job.start_all(*args, prog=PROG)
+        done = job.wait(120)
+    finally:
+        job.kill()
+    assert all(d.returncode == 0 for d in done.values()), {r: d.err[-2000:]
+                                                            for r, d in done.items()}
+    out: dict[int, dict[str, object]] = {}
+    for r, d in done.items():
+        out[r] = {}
+        for line in d.out.splitlines():
+            if line.startswith("OP "):
+                name, value = line[3:].split(" ", 1)
+                out[r][name] = json.loads(value)
+    return out
+
+
+def test_every_collective_gives_the_exact_value_on_every_rank() -> None:
+    got = _run()
+    for r in range(3):
+        g = got[r]
+        assert g["backend"] == "aioreduce"
+        assert g["SUM"] == [6.0, 6.0] and g["AVG"] == [2.0, 2.0]
+        assert g["MIN"] == [1.0, 0.0] and g["MAX"] == [3.0, 4.0] and g["PRODUCT"] == [6.0, 0.0]
+        assert g["int_sum"] == [3, 3]
+        assert g["async"] == [3.0, 3.0, 3.0]
+        assert g["broadcast"] == [2.0, 2.0]
+        assert g["all_gather"] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
+        assert g["all_gather_into_tensor"] == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
+        assert g["reduce_scatter"] == [3.0 * r + 3.0] * 2
+        assert g["reduce_scatter_tensor"] == [6.0 * r, 6.0 * r + 3.0]
+        assert g["reduce"] == ([6.0] if r == 0 else [float(r + 1)])
+        assert "send is not implemented" in str(g["send"])
+
+
+def test_a_different_model_on_one_rank_is_named_on_every_rank() -> None:
+    got = _run("--mismatch")
+    for r in range(3):
+        assert "ranks [1]" in str(got[r]["mismatch"]) and f"rank {r}:" in str(got[r]["mismatch"])

@@ -1,0 +1,80 @@
+"""One rank exercising the "aioreduce" torch backend's collectives; prints ``OP name value``.
+
+    torchops.py [--mismatch]
+
+``--mismatch``: rank 1 builds another model and wraps it with aioreduce's DDP, which must
+raise the same error on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+import aioreduce as ar
+import aioreduce.torch as art
+
+
+def say(name: str, value: object) -> None:
+    print(f"OP {name} {json.dumps(value)}", flush=True)
+
+
+def ops() -> None:
+    dist.init_process_group(backend="aioreduce")
+    r, n = dist.get_rank(), dist.get_world_size()
+    say("backend", dist.get_backend())
+    for op in ("SUM", "AVG", "MIN", "MAX", "PRODUCT"):
+        t = torch.tensor([float(r + 1), float(2 * r)])
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+        say(op, t.tolist())
+    t = torch.tensor([r, 1], dtype=torch.int64)
+    dist.all_reduce(t)
+    say("int_sum", t.tolist())
+    works = [dist.all_reduce(torch.full((3,), float(i)), async_op=True) for i in range(3)]
+    for w in works:
+        w.wait()
+    held = [torch.full((1000 * (i + 1),), float(r)) for i in range(3)]  # shapes change per call
+    works = [dist.all_reduce(h, async_op=True) for h in held]
+    for w in works:
+        w.wait()
+    say("async", [float(h[0]) for h in held])
+    b = torch.full((2,), float(r))
+    dist.broadcast(b, src=n - 1)
+    say("broadcast", b.tolist())
+    outs = [torch.zeros(2) for _ in range(n)]
+    dist.all_gather(outs, torch.full((2,), float(r)))
+    say("all_gather", [o.tolist() for o in outs])
+    flat = torch.zeros(2 * n)
+    dist.all_gather_into_tensor(flat, torch.full((2,), float(r)))
+    say("all_gather_into_tensor", flat.tolist())
+    rs = torch.zeros(2)
+    dist.reduce_scatter(rs, [torch.full((2,), float(i + r)) for i in range(n)])
+    say("reduce_scatter", rs.tolist())
+    rs = torch.zeros(2)
+    dist.reduce_scatter_tensor(rs, torch.arange(2.0 * n))
+    say("reduce_scatter_tensor", rs.tolist())
+    red = torch.tensor([float(r + 1)])
+    dist.reduce(red, dst=0)
+    say("reduce", red.tolist())
+    dist.barrier()
+    try:
+        dist.send(torch.zeros(1), dst=(r + 1) % n)
+    except NotImplementedError as exc:
+        say("send", str(exc))
+    dist.destroy_process_group()
+
+
+def mismatch() -> None:
+    with ar.connect(scheme=ar.Ring()) as node:
+        width = 7 if node.rank == 1 else 8
+        try:
+            art.DistributedDataParallel(torch.nn.Linear(4, width), node)
+        except ValueError as exc:
+            say("mismatch", str(exc))
+
+
+if __name__ == "__main__":
+    mismatch() if "--mismatch" in sys.argv else ops()

@@ -6,6 +6,8 @@
   (:mod:`.process_group`): ``dist.init_process_group(backend="aioreduce")``.
 * :func:`DistributedDataParallel` (:mod:`.ddp`): torch's DDP with every gradient bucket summed
   by a node of ours (``register_hook`` for a DDP model built over our process group).
+* :class:`DistributedOptimizer` (:mod:`.optimizer`): Horovod's pattern, reductions start as
+  gradients become ready; ``should_commit`` skips an update that is not exact enough.
 * :class:`CodedSampler` and :func:`weighted_loss` (:mod:`.coded`): coded mini-batches for
   ``CodedTree`` and ``GradientCoding``.
 """
@@ -15,23 +17,27 @@ from __future__ import annotations
 from .coded import CodedSampler, apply_flat, flat_grad, weighted_loss
 from .ddp import DistributedDataParallel, aioreduce_hook, check_same_model
 from .ddp import register as register_hook
+from .optimizer import DistributedOptimizer, min_received, require_exact
 from .process_group import ProcessGroupAioreduce, configure, register
 from .tensors import TensorResult, to_numpy
 
 register()
 
 __all__ = [
-           "CodedSampler",
-           "DistributedDataParallel",
-           "ProcessGroupAioreduce",
-           "TensorResult",
-           "aioreduce_hook",
-           "apply_flat",
-           "check_same_model",
-           "configure",
-           "flat_grad",
-           "register",
-           "register_hook",
-           "to_numpy",
-           "weighted_loss",
+    "CodedSampler",
+    "DistributedDataParallel",
+    "DistributedOptimizer",
+    "ProcessGroupAioreduce",
+    "TensorResult",
+    "aioreduce_hook",
+    "apply_flat",
+    "check_same_model",
+    "configure",
+    "flat_grad",
+    "min_received",
+    "register",
+    "register_hook",
+    "require_exact",
+    "to_numpy",
+    "weighted_loss",
 ]

@@ -1,6 +1,6 @@
 """The torch backend "aioreduce" on 3 real processes: every collective's values, async
-handles, changing shapes, a clear NotImplementedError, and a model mismatch named on every
-rank."""
+handles, changing shapes, a clear NotImplementedError, a model mismatch named on every
+rank; the optimizer wrapper's accumulation, skip_synchronize and commit policy."""
 
 from __future__ import annotations
 
@@ -57,3 +57,16 @@ def test_a_different_model_on_one_rank_is_named_on_every_rank() -> None:
     got = _run("--mismatch")
     for r in range(3):
         assert "ranks [1]" in str(got[r]["mismatch"]) and f"rank {r}:" in str(got[r]["mismatch"])
+
+
+def test_optimizer_wrapper_accumulates_clips_and_refuses_a_commit() -> None:
+    got = _run("--optim", n=2)
+    for r in range(2):
+        g = got[r]
+        assert "in flight" in str(g["zero_grad_in_flight"]) and f"rank {r}" in str(
+            g["zero_grad_in_flight"])
+        assert g["accumulated"] == 16.5  # (11 * 1 + 11 * 2) / 2
+        stepped = float(g["after_clipped_step"])  # type: ignore[arg-type]
+        assert abs(stepped) < 1e-5  # 1 - lr * (the gradient clipped to norm 1)
+        committed, value, results = g["refused"]  # type: ignore[misc]
+        assert committed is False and value == stepped and results == 1  # not updated

@@ -2,7 +2,7 @@
 
 Acceptance: DDP with our communication hook (ring) and stock DDP over
 ``init_process_group(backend="aioreduce")`` end with parameters equal to Gloo DDP's within
-1e-5 relative (float32).
+1e-5 relative (float32); so does the Horovod-style optimizer wrapper (no DDP).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def _train(mode: str, out: Path, n: int = 4, steps: int = 20) -> dict[int, str]:
     return {r: d.out for r, d in done.items()}
 
 
-def test_hook_and_backend_match_gloo_ddp(tmp_path: Path) -> None:
-    outs = {mode: _train(mode, tmp_path) for mode in ("gloo", "hook", "backend")}
+def test_hook_backend_and_optimizer_wrapper_match_gloo_ddp(tmp_path: Path) -> None:
+    outs = {mode: _train(mode, tmp_path) for mode in ("gloo", "hook", "backend", "optimizer")}
     # The paths we mean: every bucket through our hook; the backend really is ours.
     for out in outs["hook"].values():
         hooked = int(out.split("HOOKED ")[1].split()[0])
@@ -41,7 +41,9 @@ def test_hook_and_backend_match_gloo_ddp(tmp_path: Path) -> None:
     assert all("BACKEND aioreduce" in out for out in outs["backend"].values())
     ref = np.load(tmp_path / "gloo.0.npy")
     scale = np.abs(ref).max()
-    for mode in ("gloo", "hook", "backend"):
+    for out in outs["optimizer"].values():
+        assert int(out.split("BUCKETS ")[1].split()[0]) >= 3, out
+    for mode in ("gloo", "hook", "backend", "optimizer"):
         for rank in range(4):
             got = np.load(tmp_path / f"{mode}.{rank}.npy")
             assert np.abs(got - ref).max() / scale < 1e-5, (mode, rank)

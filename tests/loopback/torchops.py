@@ -76,5 +76,38 @@ def mismatch() -> None:
             say("mismatch", str(exc))
 
 
+def optim() -> None:
+    """DistributedOptimizer: accumulation over 2 passes, a refused commit, zero_grad while
+    reductions are in flight, skip_synchronize around clipping."""
+    with ar.connect(scheme=ar.Ring()) as node:
+        w = torch.nn.Parameter(torch.ones(1))
+        c = float(node.rank + 1)
+        opt = art.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), node,
+                                       backward_passes_per_step=2)
+        (w * c).sum().backward()
+        (w * 10 * c).sum().backward()  # the second pass starts the reduction
+        try:
+            opt.zero_grad()
+        except RuntimeError as exc:
+            say("zero_grad_in_flight", str(exc))
+        opt.synchronize()
+        say("accumulated", float(w.grad[0]))  # mean over ranks of 11 * (rank + 1)
+        torch.nn.utils.clip_grad_norm_([w], 1.0)
+        with opt.skip_synchronize():
+            opt.step()
+        say("after_clipped_step", float(w[0]))
+        refuse = art.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), node,
+                                          should_commit=lambda results: False)
+        refuse.zero_grad()
+        (w * c).sum().backward()
+        refuse.step()
+        say("refused", [refuse.committed, float(w[0]), len(refuse.results)])
+
+
 if __name__ == "__main__":
-    mismatch() if "--mismatch" in sys.argv else ops()
+    if "--mismatch" in sys.argv:
+        mismatch()
+    elif "--optim" in sys.argv:
+        optim()
+    else:
+        ops()

@@ -3,9 +3,11 @@
     torchprog.py MODE --steps N --out DIR
 
 MODE: ``gloo`` (stock DDP over Gloo), ``hook`` (stock DDP, buckets through aioreduce's
-communication hook on ``aioreduce.connect(scheme=Ring())``) or ``backend``
-(``init_process_group(backend="aioreduce")`` and stock DDP, no hook). Every rank trains the
-same MLP on its own seeded batches and writes its final parameters to ``DIR/MODE.RANK.npy``.
+communication hook on ``aioreduce.connect(scheme=Ring())``), ``backend``
+(``init_process_group(backend="aioreduce")`` and stock DDP, no hook) or ``optimizer`` (no DDP:
+``aioreduce.torch.DistributedOptimizer`` with small buckets, so several are in flight).
+Every rank trains the same MLP on its own seeded batches and writes its final parameters to
+``DIR/MODE.RANK.npy``.
 """
 
 from __future__ import annotations
@@ -31,19 +33,24 @@ def mlp() -> torch.nn.Module:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["gloo", "hook", "backend"])
+    ap.add_argument("mode", choices=["gloo", "hook", "backend", "optimizer"])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     rank = int(os.environ["RANK"])
     node = None
-    if a.mode == "hook":
+    if a.mode in ("hook", "optimizer"):
         node = ar.connect(scheme=ar.Ring())
+    if a.mode == "hook":
         model = art.DistributedDataParallel(mlp(), node)
+    elif a.mode == "optimizer":
+        model = mlp()
     else:
         dist.init_process_group("aioreduce" if a.mode == "backend" else "gloo")
         model = DistributedDataParallel(mlp())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if a.mode == "optimizer":
+        opt = art.DistributedOptimizer(opt, node, bucket_bytes=64 << 10)
     gen = torch.Generator().manual_seed(1000 + rank)
     for step in range(a.steps):
         x = torch.randn(32, 64, generator=gen)
@@ -57,6 +64,8 @@ def main() -> None:
     np.save(os.path.join(a.out, f"{a.mode}.{rank}.npy"), flat)
     if a.mode == "hook":  # the path: every bucket went through our hook
         print(f"HOOKED {len(model.process_group.last_results)}", flush=True)
+    elif a.mode == "optimizer":  # the path: several buckets summed per step
+        print(f"BUCKETS {len(opt.results)}", flush=True)
     else:
         print(f"BACKEND {dist.get_backend()}", flush=True)
     if node is not None:

@@ -1,0 +1,189 @@
+"""Horovod's pattern: an optimizer whose gradients are summed while the backward pass runs.
+
+    opt = aioreduce.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), 0.1), node)
+    loss.backward()          # buckets start their allreduce as their gradients become ready
+    opt.step()               # waits for them, writes the means into .grad, then steps
+
+Gradients are grouped into buckets (``bucket_bytes``, in reverse registration order, the order
+a backward pass produces them). A parameter's ``register_post_accumulate_grad_hook`` marks it
+ready; a bucket whose parameters are all ready is handed to the node, in bucket order only, so
+every rank issues the same collectives in the same order whatever order its hooks fire in.
+
+* ``synchronize()`` waits for every bucket (parameters that got no gradient count as zeros);
+  ``with opt.skip_synchronize(): opt.step()`` after an explicit ``synchronize()`` (gradient
+  clipping in between).
+* ``backward_passes_per_step=k``: gradients accumulate over k backward passes, then are summed.
+* ``should_commit(results) -> bool``: the update is skipped when it returns False (a user
+  policy on ``Result.exact``, ``error_bound``, ``received``...; see :func:`require_exact`);
+  :attr:`committed` says what the last ``step`` did.
+* Coded schemes (``CodedTree``, ``GradientCoding``): one ``aggregate`` of all gradients at
+  ``synchronize`` (a coded step covers the whole gradient).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ..schemes import Result
+from ..sync import SyncNode
+from .process_group import ProcessGroupAioreduce
+from .tensors import to_numpy
+
+CommitPolicy = Callable[[list[Result]], bool]
+
+
+def require_exact(results: list[Result]) -> bool:
+    """Commit only exact aggregates (every bucket's ``Result.exact``)."""
+    return all(r.exact for r in results)
+
+
+def min_received(fraction: float) -> CommitPolicy:
+    """Commit when every bucket holds at least ``fraction`` of all contributions."""
+    return lambda results: all(r.received >= fraction for r in results)
+
+
+class DistributedOptimizer:
+    """Wraps ``optimizer`` so that ``step`` applies the mean (or sum) of every rank's gradient."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, node: SyncNode, *,
+                 op: str = "mean", backward_passes_per_step: int = 1,
+                 should_commit: CommitPolicy | None = None,
+                 bucket_bytes: int = 25 << 20) -> None:
+        if op not in ("sum", "mean"):
+            raise ValueError(f"rank {node.rank}: op must be 'sum' or 'mean', not {op!r}")
+        if backward_passes_per_step < 1:
+            raise ValueError(f"rank {node.rank}: backward_passes_per_step must be >= 1")
+        self.optimizer = optimizer
+        self.node = node
+        self.op = op
+        self.passes = backward_passes_per_step
+        self.should_commit = should_commit
+        self.committed = True
+        self.results: list[Result] = []  # of the last synchronize
+        self.coded = bool(getattr(node.node.scheme, "coded", False))
+        self._pg = ProcessGroupAioreduce(node)
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        self._buckets = _buckets(list(reversed(params)), bucket_bytes)
+        self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b}
+        self._counts: dict[int, int] = {}
+        self._ready: list[int] = [0] * len(self._buckets)
+        self._pending: list[tuple[list[torch.Tensor], torch.Tensor,
+                                  torch.futures.Future[Any]]] = []
+        self._launched = 0
+        self._skip = False
+        if not self.coded:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    # -- the optimizer's face ------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._pending:
+            raise RuntimeError(f"rank {self.node.rank}: zero_grad() while gradient reductions "
+                               "are in flight; call step() or synchronize() first")
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Synchronize (unless inside :meth:`skip_synchronize`), then step the wrapped
+        optimizer if ``should_commit`` allows it."""
+        if not self._skip:
+            self.synchronize()
+        self.committed = self.should_commit is None or self.should_commit(self.results)
+        if not self.committed:
+            return None
+        return self.optimizer.step(closure)
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``step()`` inside does not synchronize (call :meth:`synchronize` before it)."""
+        self._skip = True
+        try:
+            yield
+        finally:
+            self._skip = False
+
+    # -- reductions ----------------------------------------------------------------------------
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        key = id(p)
+        self._counts[key] = self._counts.get(key, 0) + 1
+        if self._counts[key] == self.passes:
+            self._ready[self._bucket_of[key]] += 1
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Start the buckets that are complete, in bucket order only."""
+        while (self._launched < len(self._buckets)
+               and self._ready[self._launched] == len(self._buckets[self._launched])):
+            self._launch(self._launched)
+            self._launched += 1
+
+    def _flat(self, params: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in params])
+
+    def _launch(self, i: int) -> None:
+        params = self._buckets[i]
+        flat = self._flat(params)
+        fut = self._pg.future_sum(flat, average=self.op == "mean")
+        self._pending.append((params, flat, fut))
+
+    def synchronize(self) -> None:
+        """Wait for every bucket's sum and write it into the parameters' ``.grad``."""
+        self._pg.take_results()
+        if self.coded:
+            params = [p for b in self._buckets for p in b]
+            res = self.node.aggregate(to_numpy(self._flat(params), self.node.rank),
+                                      op="mean" if self.op == "mean" else "sum")
+            self._write(params, torch.from_numpy(res.value.copy()))
+            self.results = [res]
+            return
+        for i in range(len(self._buckets)):  # parameters without a gradient count as ready
+            self._ready[i] = len(self._buckets[i])
+        self._launch_ready()
+        pending, self._pending = self._pending, []
+        for params, flat, fut in pending:
+            fut.wait()
+            self._write(params, flat)
+        self.results = self._pg.take_results()
+        self._counts.clear()
+        self._ready = [0] * len(self._buckets)
+        self._launched = 0
+
+    @staticmethod
+    def _write(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+        offset = 0
+        for p in params:
+            n = p.numel()
+            value = flat[offset:offset + n].view_as(p).to(p.dtype)
+            if p.grad is None:
+                p.grad = value.clone()
+            else:
+                p.grad.copy_(value)
+            offset += n
+
+
+def _buckets(params: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Consecutive parameters of one dtype, up to ``limit`` bytes a bucket."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if not out or size + nbytes > limit or out[-1][0].dtype != p.dtype:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += nbytes
+    return out

@@ -1,0 +1,93 @@
+"""The torch integration's pure parts: optional import, tensor conversion, the coded sampler."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import aioreduce as ar
+
+torch = pytest.importorskip("torch")
+
+from aioreduce.torch.coded import CodedSampler, weighted_loss  # noqa: E402
+from aioreduce.torch.tensors import tensor_result, to_numpy  # noqa: E402
+
+
+def test_aioreduce_imports_and_runs_without_torch() -> None:
+    code = ("import sys; sys.modules['torch'] = None\n"  # any 'import torch' now fails
+            "import numpy as np, aioreduce as ar\n"
+            "from aioreduce.node import _is_tensor\n"
+            "assert not _is_tensor(np.zeros(3)) and not _is_tensor([1])\n"
+            "try:\n    import aioreduce.torch\nexcept ImportError:\n    print('no torch ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "no torch ok" in out.stdout, out.stderr
+
+
+def test_cpu_tensors_are_shared_not_copied_and_others_are_named() -> None:
+    t = torch.arange(6.0).reshape(2, 3)
+    a = to_numpy(t, 3)
+    a[0, 0] = 42.0
+    assert t[0, 0] == 42.0  # the same memory
+    with pytest.raises(TypeError, match="rank 3: tensors of torch.bfloat16"):
+        to_numpy(torch.zeros(2, dtype=torch.bfloat16), 3)
+    with pytest.raises(TypeError, match="rank 3: expected a torch tensor, not list"):
+        to_numpy([1.0], 3)
+    ro = np.arange(4.0)
+    ro.setflags(write=False)
+    res = tensor_result(ar.Result(ro, 0, [0, 1]))
+    res.value.add_(1)  # a writable copy: the in-flight value is untouched
+    assert ro.tolist() == [0.0, 1.0, 2.0, 3.0] and res.used == [0, 1]
+
+
+@pytest.mark.parametrize("n, batch", [(1797, 128), (20, 7), (15, 15), (3, 128)])
+def test_coded_sampler_covers_each_global_batch_with_its_placement(n: int, batch: int) -> None:
+    scheme = ar.CodedTree(3, 2, 1)
+    samplers = [CodedSampler(n, batch, scheme=scheme, rank=r, seed=5) for r in range(13)]
+    for s in samplers:
+        s.set_epoch(2)
+    per_rank = [list(s) for s in samplers]
+    assert all(len(p) == -(-n // batch) for p in per_rank)
+    seen: list[int] = []
+    for step in range(len(per_rank[0])):
+        # every rank derived the same global batch
+        batches = {tuple(s.batch) for s in samplers}  # the last one of the epoch
+        assert len(batches) == 1
+        want = set()
+        for r in range(13):
+            idx, w = per_rank[r][step]
+            assert w.dtype == torch.float32 and len(idx) == len(w)
+            want |= set(idx.tolist())
+        seen += sorted(want)
+    assert sorted(seen) == list(range(n))  # each sample in exactly one global batch
+
+
+def test_coded_sampler_weights_decode_to_the_batch_mean() -> None:
+    """Per-sample values through the placement and the tree's own reference decode."""
+    scheme = ar.CodedTree(3, 2, 1)
+    n, batch = 37, 20
+    values = np.random.default_rng(0).normal(size=(n, 4))
+    s0 = CodedSampler(n, batch, scheme=scheme, rank=0, shuffle=False)
+    for step, _ in enumerate(s0):
+        b = s0.batch
+        padded = -(-len(b) // scheme.min_samples) * scheme.min_samples
+        vals = np.zeros((padded, 4))
+        vals[: len(b)] = values[b] / len(b)
+        got = scheme.plan(padded).reference_aggregate(vals, missing=[5])
+        assert np.allclose(got, values[b].mean(axis=0)), step
+
+
+def test_gradient_coding_master_gets_no_samples_and_weighted_loss_is_linear() -> None:
+    scheme = ar.GradientCoding(ar.codes.frc(4, 1))
+    s = CodedSampler(10, 4, scheme=scheme, rank=0)
+    assert len(s) == 3 and all(len(idx) == 0 for idx, _w in s)
+    assert sum(len(idx) for idx, _w in CodedSampler(10, 4, scheme=scheme, rank=1)) > 0
+    out = torch.randn(3, 5, requires_grad=True)
+    y = torch.tensor([0, 1, 2])
+    w = torch.tensor([1.0, 0.0, 2.0])
+    loss = weighted_loss(torch.nn.functional.cross_entropy, out, y, w)
+    per = torch.nn.functional.cross_entropy(out, y, reduction="none")
+    assert torch.allclose(loss, per[0] + 2 * per[2])

@@ -45,6 +45,7 @@ class SyncNode:
             self._stop_loop()
             raise
         self._closed = False
+        self.keepalive: object = None  # what must live as long as the node (a torch store)
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return self.submit(coro).result(self.timeout)

@@ -1,5 +1,7 @@
 """PyTorch integration (needs the ``torch`` extra).
 
+* :func:`connect`: a blocking node that meets its peers through torch's store (torchrun and
+  aioreduce-launch set ``MASTER_ADDR``/``MASTER_PORT``; no job secret to distribute).
 * Tensors in, tensors out: ``node.allreduce(tensor)`` / ``node.aggregate(tensor)`` return a
   :class:`TensorResult` (``op="mean"`` divides by the contributions used).
 * ``import aioreduce.torch`` registers the ``torch.distributed`` backend ``"aioreduce"``
@@ -18,7 +20,7 @@ from .coded import CodedSampler, apply_flat, flat_grad, weighted_loss
 from .ddp import DistributedDataParallel, aioreduce_hook, check_same_model
 from .ddp import register as register_hook
 from .optimizer import DistributedOptimizer, min_received, require_exact
-from .process_group import ProcessGroupAioreduce, configure, register
+from .process_group import ProcessGroupAioreduce, configure, connect, register
 from .tensors import TensorResult, to_numpy
 
 register()
@@ -33,6 +35,7 @@ __all__ = [
     "apply_flat",
     "check_same_model",
     "configure",
+    "connect",
     "flat_grad",
     "min_received",
     "register",

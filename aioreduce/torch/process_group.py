@@ -32,13 +32,15 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import Store
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch._C._distributed_c10d import _create_work_from_future as _work_of  # type: ignore[attr-defined]
 
 from ..env import NodeEnv
+from ..errors import ConfigError
 from ..node import Node
 from ..schemes import Result, Scheme
 from ..schemes.registry import by_name
+from ..straggle import parse_straggle
 from ..sync import SyncNode
 from .tensors import to_numpy
 
@@ -332,12 +334,17 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
             self.node.close()
 
 
-def _node_from_store(store: Store, rank: int, world_size: int,
-                     timeout: timedelta) -> SyncNode:
+def _node_from_store(store: Store, rank: int, world_size: int, timeout: timedelta,
+                     scheme: Scheme | None = None) -> SyncNode:
     """Rendezvous through torch's store: rank 0 listens on a free port and publishes its
-    address, the job's secret (unless ``AIOREDUCE_SECRET`` is set everywhere) and a job id."""
+    address, the job's secret (unless ``AIOREDUCE_SECRET`` is set everywhere) and a job id.
+    ``AIOREDUCE_STRAGGLE`` injects stragglers as for any node."""
     env = os.environ
     host = env.get("AIOREDUCE_MASTER_ADDR") or env.get("MASTER_ADDR") or "127.0.0.1"
+    extra: dict[str, Any] = {}
+    if env.get("AIOREDUCE_STRAGGLE"):
+        extra["straggle"] = parse_straggle(env["AIOREDUCE_STRAGGLE"],
+                                           int(env.get("AIOREDUCE_STRAGGLE_SEED", 0)))
     if rank == 0:
         secret = env.get("AIOREDUCE_SECRET") or secrets.token_hex(32)
         job = env.get("AIOREDUCE_JOB") or secrets.token_hex(8)
@@ -348,21 +355,37 @@ def _node_from_store(store: Store, rank: int, world_size: int,
         def publish(addr: str, port: int) -> None:
             store.set("aioreduce/master", f"{addr} {port}")
 
-        node_env = NodeEnv(rank, world_size, host, 0, secret.encode(), job,
-                           advertise_addr=env.get("AIOREDUCE_ADDR") or None,
-                           bind_addr=env.get("AIOREDUCE_BIND") or None,
-                           rendezvous_timeout=timeout.total_seconds(), source="torch")
-        node = Node(node_env, scheme=default_scheme(), on_listen=publish)
+        extra["on_listen"] = publish
+        addr, port = host, 0
     else:
-        addr, port = store.get("aioreduce/master").decode().rsplit(" ", 1)
+        addr, port_text = store.get("aioreduce/master").decode().rsplit(" ", 1)
+        port = int(port_text)
         secret = env.get("AIOREDUCE_SECRET") or store.get("aioreduce/secret").decode()
         job = store.get("aioreduce/job").decode()
-        node_env = NodeEnv(rank, world_size, addr, int(port), secret.encode(), job,
-                           advertise_addr=env.get("AIOREDUCE_ADDR") or None,
-                           bind_addr=env.get("AIOREDUCE_BIND") or None,
-                           rendezvous_timeout=timeout.total_seconds(), source="torch")
-        node = Node(node_env, scheme=default_scheme())
-    return SyncNode(node, timeout=None)
+    node_env = NodeEnv(rank, world_size, addr, port, secret.encode(), job,
+                       advertise_addr=env.get("AIOREDUCE_ADDR") or None,
+                       bind_addr=env.get("AIOREDUCE_BIND") or None,
+                       rendezvous_timeout=timeout.total_seconds(), source="torch")
+    return SyncNode(Node(node_env, scheme=scheme or default_scheme(), **extra), timeout=None)
+
+
+def connect(scheme: Scheme | None = None, *, timeout: float = 300.0) -> SyncNode:
+    """A blocking node (as :func:`aioreduce.connect`) that meets its peers through a torch
+    ``TCPStore`` on ``MASTER_ADDR:MASTER_PORT``, as torchrun and aioreduce-launch set them: no
+    job secret to distribute (rank 0 makes one and hands it over the store). Not together with
+    ``init_process_group`` on the same port; with a process group of ours, use its ``.node``."""
+    env = os.environ
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    except KeyError as exc:
+        raise ConfigError(f"aioreduce.torch.connect needs {exc.args[0]} (run under torchrun or "
+                          "aioreduce-launch)") from None
+    wait = timedelta(seconds=timeout)
+    store = TCPStore(host, port, world, rank == 0, wait)
+    node = _node_from_store(PrefixStore("aioreduce-connect", store), rank, world, wait, scheme)
+    node.keepalive = store  # rank 0 serves the store; it lives as long as the node
+    return node
 
 
 def _create(store: Store, rank: int, world_size: int,

@@ -1,0 +1,56 @@
+"""The torch examples converge on scikit-learn's digits (>= 90 % test accuracy), launched with
+``aioreduce-launch -n N`` and with ``torchrun``, on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+pytestmark = pytest.mark.loopback
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _summary(cmd: list[str], timeout: float = 400) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert out.returncode == 0, (cmd, out.stdout[-3000:], out.stderr[-3000:])
+    line = next(x for x in out.stdout.splitlines() if "SUMMARY " in x)
+    return json.loads(line.split("SUMMARY ", 1)[1])
+
+
+def _launch(n: int, script: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "aioreduce_launch.cli", "-n", str(n), "--", sys.executable,
+            str(EXAMPLES / script), *args]
+
+
+def _torchrun(n: int, script: str, *args: str) -> list[str]:
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    return [torchrun, "--standalone", "--nproc_per_node", str(n), str(EXAMPLES / script), *args]
+
+
+def test_torch_ddp_example_backend_and_hook() -> None:
+    s = _summary(_launch(4, "torch_ddp.py", "--epochs", "10"))
+    assert s["via"] == "backend" and s["test_accuracy"] >= 0.9, s
+    s = _summary(_torchrun(4, "torch_ddp.py", "--epochs", "10", "--via", "hook",
+                           "--scheme", "transpose"))
+    assert s["via"] == "hook" and s["scheme"] == "transpose" and s["test_accuracy"] >= 0.9, s
+
+
+def test_torch_coded_example_with_a_straggler() -> None:
+    s = _summary(_launch(13, "torch_coded.py", "--epochs", "6", "--quiet",
+                         "--straggle", "rank=4:slow=3"))
+    assert s["ranks"] == 13 and s["test_accuracy"] >= 0.9, s
+    s = _summary(_torchrun(13, "torch_coded.py", "--epochs", "6", "--quiet",
+                           "--straggle", "rank=7:delay=0.1"))
+    assert s["test_accuracy"] >= 0.9, s

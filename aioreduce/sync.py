@@ -77,9 +77,9 @@ class SyncNode:
         """Every rank's array, stacked (see :meth:`Node.allgather`)."""
         return self._call(self.node.allgather(array))
 
-    def use(self, scheme: Scheme) -> None:
+    def use(self, scheme: Scheme, *, keep: bool = False) -> None:
         """Switch schemes between steps, on every rank (see :meth:`Node.use`)."""
-        self._call(self.node.use(scheme))
+        self._call(self.node.use(scheme, keep=keep))
 
     def aggregate(self, vector: Reducible, *, op: ReduceOp = "sum") -> Result:
         """One coded step (see :meth:`Node.aggregate`); the full :class:`Result`."""

@@ -95,7 +95,30 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--json", action="store_true", help="JSON lines; the last is the summary")
     ar.add_argument("--options", type=json.loads, default={}, metavar="JSON",
                     help='more scheme options, e.g. \'{"slack": 1.3, "max_loss": 1}\'')
+    ddp = sub.add_parser("ddp", help="one torch model: Gloo DDP, aioreduce ring (DDP hook) and "
+                                     "coded-tree (coded mini-batches) side by side")
+    ddp.add_argument("--fanout", type=int, default=3)
+    ddp.add_argument("--levels", type=int, default=2)
+    ddp.add_argument("--stragglers", type=int, default=1)
+    ddp.add_argument("--hidden", type=int, default=1024,
+                     help="width of the MLP's three hidden layers (1024: 2.2M parameters)")
+    ddp.add_argument("--batch", type=int, default=416, help="global mini-batch (default 416)")
+    ddp.add_argument("--iters", type=int, default=20, help="timed steps per scheme")
+    ddp.add_argument("--warmup", type=int, default=3)
+    ddp.add_argument("--straggle", default="none|rank=4:delay=0.3|rank=4:slow=3",
+                     help="straggler settings, '|'-separated, one launch each ('none': none)")
+    ddp.add_argument("--json", action="store_true", help="one JSON object per line")
     return p
+
+
+def _ddp(opts: argparse.Namespace) -> list[dict[str, Any]]:
+    from ..codes import TreeTopology
+    from .ddp import DdpConfig, run_ddp
+
+    cfg = DdpConfig(nodes=TreeTopology(opts.fanout, opts.levels).size, fanout=opts.fanout,
+                    levels=opts.levels, stragglers=opts.stragglers, hidden=opts.hidden,
+                    batch=opts.batch, iters=opts.iters, warmup=opts.warmup)
+    return run_ddp(cfg, [s.strip() for s in opts.straggle.split("|") if s.strip()])
 
 
 def _allreduce(opts: argparse.Namespace) -> list[dict[str, Any]]:
@@ -180,6 +203,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   "results": rows}))
         else:
             _print_allreduce(rows)
+        return 0
+    if opts.command == "ddp":
+        from .ddp import print_ddp
+
+        rows = _ddp(opts)
+        if opts.json:
+            for r in rows:
+                print(json.dumps(r))
+        else:
+            print_ddp(rows)
         return 0
     if opts.command == "p2p":
         from .p2p import run_p2p

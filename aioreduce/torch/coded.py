@@ -29,6 +29,7 @@ depends on the other samples of a batch (``BatchNorm`` in training mode: use ``G
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from functools import cache
 from typing import Any
@@ -106,8 +107,13 @@ def flat_grad(module: torch.nn.Module) -> torch.Tensor:
                       for p in module.parameters()])
 
 
-def apply_flat(module: torch.nn.Module, flat: torch.Tensor) -> None:
-    """Write a flat gradient (as :func:`flat_grad` lays it out) into the parameters' ``.grad``."""
+def apply_flat(module: torch.nn.Module, flat: torch.Tensor | np.ndarray) -> None:
+    """Write a flat gradient (as :func:`flat_grad` lays it out) into the parameters' ``.grad``
+    (a numpy result is read, not kept)."""
+    if isinstance(flat, np.ndarray):
+        with warnings.catch_warnings():  # read-only is fine: it is only read, then copied
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.from_numpy(np.ascontiguousarray(flat))
     offset = 0
     for p in module.parameters():
         n = p.numel()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -46,6 +46,7 @@ class SyncNode:
             raise
         self._closed = False
         self.keepalive: object = None  # what must live as long as the node (a torch store)
+        self._turn: asyncio.Lock | None = None  # see submit_in_order
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return self.submit(coro).result(self.timeout)
@@ -53,6 +54,18 @@ class SyncNode:
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run ``coro`` (a coroutine of the node's) on the node's loop without waiting."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def submit_in_order(self, make: Callable[[], Coroutine[Any, Any, T]]
+                        ) -> concurrent.futures.Future[T]:
+        """Like :meth:`submit`, but the coroutines submitted this way run one at a time, in
+        the order they were submitted (collectives issued from a trainer's threads: every
+        rank issues them in the same order, so they must also run in it)."""
+        async def in_turn() -> T:
+            if self._turn is None:  # made on the loop, where it is used
+                self._turn = asyncio.Lock()
+            async with self._turn:  # asyncio.Lock is fair: first come, first served
+                return await make()
+        return self.submit(in_turn())
 
     @property
     def rank(self) -> int:

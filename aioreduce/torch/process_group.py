@@ -126,7 +126,6 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         self.node = node
         self._owns_node = owns_node
         self._completer = _Completer(node.rank)
-        self._serial: Any = None  # an asyncio.Lock, made on the node's loop
         self.last_results: list[Result] = []  # of the sums since the last take_results()
         self.needs_resync = False  # a bounded-time sum asked for a re-sync of the replicas
 
@@ -148,15 +147,7 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
                finish: Callable[[Any], Any]) -> dist.Work:
         """Queue ``make()`` on the node's loop after every collective issued before it."""
         fut: torch.futures.Future[Any] = torch.futures.Future()
-
-        async def serial() -> Any:
-            import asyncio
-            if self._serial is None:
-                self._serial = asyncio.Lock()
-            async with self._serial:
-                return await make()
-
-        self._completer.add(self.node.submit(serial()), fut, finish)
+        self._completer.add(self.node.submit_in_order(make), fut, finish)
         return _work(fut)
 
     def future_sum(self, tensor: torch.Tensor, *, average: bool) -> torch.futures.Future[Any]:
@@ -166,12 +157,8 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         arr = to_numpy(tensor, self.node.rank)
         node = self.node.node
 
-        async def serial() -> Result:
-            import asyncio
-            if self._serial is None:
-                self._serial = asyncio.Lock()
-            async with self._serial:
-                return await node.allreduce(arr, any_shape=True)
+        async def total() -> Result:
+            return await node.allreduce(arr, any_shape=True)
 
         def finish(res: Result) -> torch.Tensor:
             self._note(res)
@@ -181,7 +168,7 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
                 np.copyto(arr, res.value, casting="unsafe")
             return tensor
 
-        self._completer.add(self.node.submit(serial()), fut, finish)
+        self._completer.add(self.node.submit_in_order(total), fut, finish)
         return fut
 
     def _note(self, res: Result) -> None:

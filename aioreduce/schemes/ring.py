@@ -44,23 +44,53 @@ def _segments(length: int, n: int) -> list[tuple[int, int]]:
 
 async def _ring(comm: Comm, acc: np.ndarray, send_to: int, recv_from: int, pos: int,
                 step: int, tag: int) -> None:
-    """One directional ring over ``acc`` (a view), in which this rank is at position ``pos``."""
+    """One directional ring over ``acc`` (a view), in which this rank is at position ``pos``.
+
+    Receives are posted ahead of the sends they follow, so a neighbour that is a sub-step
+    ahead streams straight into its destination: the next reduce-scatter segment lands in a
+    second scratch buffer while this one is added, and every all-gather segment has its
+    receive posted into ``acc`` before the all-gather starts (a segment is only sent after it
+    was received, so an early arrival never overwrites what is still to be sent). Without
+    this, a segment of more than the inbox's staging limit was held back in the kernel until
+    its receive was posted: a stall per sub-step.
+    """
     n = comm.world_size
     seg = _segments(acc.size, n)
-    scratch = np.empty(max(hi - lo for lo, hi in seg), acc.dtype)
-    for i in range(n - 1):  # reduce-scatter
-        s_lo, s_hi = seg[(pos - i) % n]
-        r_lo, r_hi = seg[(pos - i - 1) % n]
-        tmp = scratch[: r_hi - r_lo]
-        fut = comm.post_recv(recv_from, tmp, step=step, tag=tag + i)
-        await asyncio.gather(comm.send(send_to, acc[s_lo:s_hi], step=step, tag=tag + i), fut)
-        acc[r_lo:r_hi] += tmp
-    for i in range(n - 1):  # all-gather
-        s_lo, s_hi = seg[(pos + 1 - i) % n]
-        r_lo, r_hi = seg[(pos - i) % n]
-        fut = comm.post_recv(recv_from, acc[r_lo:r_hi], step=step, tag=tag + n + i)
-        await asyncio.gather(comm.send(send_to, acc[s_lo:s_hi], step=step, tag=tag + n + i),
-                             fut)
+    width = max(hi - lo for lo, hi in seg)
+    scratch = (np.empty(width, acc.dtype), np.empty(width, acc.dtype))
+    posted: list[asyncio.Future[Header]] = []
+
+    def post_reduce(i: int) -> asyncio.Future[Header]:
+        lo, hi = seg[(pos - i - 1) % n]
+        fut = comm.post_recv(recv_from, scratch[i % 2][: hi - lo], step=step, tag=tag + i)
+        posted.append(fut)
+        return fut
+
+    try:
+        ahead = post_reduce(0)
+        for i in range(n - 1):  # reduce-scatter
+            s_lo, s_hi = seg[(pos - i) % n]
+            r_lo, r_hi = seg[(pos - i - 1) % n]
+            fut = ahead
+            if i + 1 < n - 1:
+                ahead = post_reduce(i + 1)  # into the other scratch, added at step i + 1
+            await asyncio.gather(comm.send(send_to, acc[s_lo:s_hi], step=step, tag=tag + i),
+                                 fut)
+            acc[r_lo:r_hi] += scratch[i % 2][: r_hi - r_lo]
+        gathered = []
+        for i in range(n - 1):  # all-gather: every receive posted now, into its segment
+            r_lo, r_hi = seg[(pos - i) % n]
+            gathered.append(comm.post_recv(recv_from, acc[r_lo:r_hi], step=step,
+                                           tag=tag + n + i))
+        posted += gathered
+        for i in range(n - 1):
+            s_lo, s_hi = seg[(pos + 1 - i) % n]
+            await asyncio.gather(comm.send(send_to, acc[s_lo:s_hi], step=step,
+                                           tag=tag + n + i), gathered[i])
+    finally:
+        for fut in posted:  # a failed step withdraws what it posted: nothing lands later
+            if not fut.done():
+                fut.cancel()
 
 
 @dataclass(frozen=True)

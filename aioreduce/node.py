@@ -82,6 +82,7 @@ class Node:
         self._step = 0
         self._like: np.ndarray | None = None
         self._tensor_out = False  # the compute function passed returns torch tensors
+        self._holders: tuple[Scheme, int] | None = None  # see _data_holders
         self._last_return = time.perf_counter()
         self._session: Session | None = None
         self._kept: list[tuple[Scheme, Session]] = []  # sessions kept by use(keep=True)
@@ -281,11 +282,17 @@ class Node:
         scheme = self._require(coded=True)
         res = await self._reduce(vector, op, any_shape=False)
         if op == "mean":
-            assert isinstance(scheme, CodedScheme)
-            holders = sum(1 for r in range(self.world_size)
-                          if len(scheme.placement(r, scheme.min_samples)[0]))
-            res = dataclasses.replace(res, value=res.value / holders)
+            res = dataclasses.replace(res, value=res.value / self._data_holders(scheme))
         return res
+
+    def _data_holders(self, scheme: Scheme) -> int:
+        """How many ranks hold data under a coded ``scheme`` (computed once per scheme)."""
+        if self._holders is None or self._holders[0] is not scheme:
+            assert isinstance(scheme, CodedScheme)
+            count = sum(1 for r in range(self.world_size)
+                        if len(scheme.placement(r, scheme.min_samples)[0]))
+            self._holders = (scheme, count)
+        return self._holders[1]
 
     async def allreduce(self, array: Reducible, *, op: ReduceOp = "sum",
                         any_shape: bool = False) -> Result:

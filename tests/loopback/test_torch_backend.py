@@ -63,6 +63,7 @@ def test_optimizer_wrapper_accumulates_clips_and_refuses_a_commit() -> None:
     got = _run("--optim", n=2)
     for r in range(2):
         g = got[r]
+        assert g["tensor_mean"] == ["Tensor", [1.5, 2.0]]  # tensors in, tensors out
         assert "in flight" in str(g["zero_grad_in_flight"]) and f"rank {r}" in str(
             g["zero_grad_in_flight"])
         assert g["accumulated"] == 16.5  # (11 * 1 + 11 * 2) / 2

@@ -80,6 +80,8 @@ def optim() -> None:
     """DistributedOptimizer: accumulation over 2 passes, a refused commit, zero_grad while
     reductions are in flight, skip_synchronize around clipping."""
     with ar.connect(scheme=ar.Ring()) as node:
+        res = node.allreduce(torch.tensor([float(node.rank + 1), 2.0]), op="mean")
+        say("tensor_mean", [type(res.value).__name__, res.value.tolist()])
         w = torch.nn.Parameter(torch.ones(1))
         c = float(node.rank + 1)
         opt = art.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), node,

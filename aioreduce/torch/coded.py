@@ -29,7 +29,6 @@ depends on the other samples of a batch (``BatchNorm`` in training mode: use ``G
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator
 from functools import cache
 from typing import Any
@@ -38,6 +37,7 @@ import numpy as np
 import torch
 
 from ..schemes import CodedScheme
+from .grads import flatten_grads, write_grads
 
 
 class CodedSampler:
@@ -103,23 +103,10 @@ def weighted_loss(loss_fn: Callable[..., torch.Tensor], output: torch.Tensor,
 
 def flat_grad(module: torch.nn.Module) -> torch.Tensor:
     """The module's gradients as one flat tensor (zeros where a parameter has none)."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                      for p in module.parameters()])
+    return flatten_grads(module.parameters())
 
 
 def apply_flat(module: torch.nn.Module, flat: torch.Tensor | np.ndarray) -> None:
     """Write a flat gradient (as :func:`flat_grad` lays it out) into the parameters' ``.grad``
     (a numpy result is read, not kept)."""
-    if isinstance(flat, np.ndarray):
-        with warnings.catch_warnings():  # read-only is fine: it is only read, then copied
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.from_numpy(np.ascontiguousarray(flat))
-    offset = 0
-    for p in module.parameters():
-        n = p.numel()
-        chunk = flat[offset:offset + n].view_as(p).to(p.dtype)
-        if p.grad is None:
-            p.grad = chunk.clone()
-        else:
-            p.grad.copy_(chunk)
-        offset += n
+    write_grads(module.parameters(), flat)

@@ -30,6 +30,7 @@ import torch
 
 from ..schemes import Result
 from ..sync import SyncNode
+from .grads import flatten_grads, write_grads
 from .process_group import ProcessGroupAioreduce
 from .tensors import to_numpy
 
@@ -63,7 +64,8 @@ class DistributedOptimizer:
         self.passes = backward_passes_per_step
         self.should_commit = should_commit
         self.committed = True
-        self.results: list[Result] = []  # of the last synchronize
+        self.results: list[Result] = []  # of the last synchronize, one per bucket
+        self._step_results: list[Result] = []  # filled as this step's buckets complete
         self.coded = bool(getattr(node.node.scheme, "coded", False))
         self._pg = ProcessGroupAioreduce(node)
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
@@ -130,24 +132,20 @@ class DistributedOptimizer:
             self._launch(self._launched)
             self._launched += 1
 
-    def _flat(self, params: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in params])
-
     def _launch(self, i: int) -> None:
         params = self._buckets[i]
-        flat = self._flat(params)
-        fut = self._pg.future_sum(flat, average=self.op == "mean")
+        flat = flatten_grads(params)
+        fut = self._pg.future_sum(flat, average=self.op == "mean",
+                                  on_result=self._step_results.append)
         self._pending.append((params, flat, fut))
 
     def synchronize(self) -> None:
         """Wait for every bucket's sum and write it into the parameters' ``.grad``."""
-        self._pg.take_results()
         if self.coded:
             params = [p for b in self._buckets for p in b]
-            res = self.node.aggregate(to_numpy(self._flat(params), self.node.rank),
+            res = self.node.aggregate(to_numpy(flatten_grads(params), self.node.rank),
                                       op="mean" if self.op == "mean" else "sum")
-            self._write(params, torch.from_numpy(res.value.copy()))
+            write_grads(params, res.value)
             self.results = [res]
             return
         for i in range(len(self._buckets)):  # parameters without a gradient count as ready
@@ -156,23 +154,12 @@ class DistributedOptimizer:
         pending, self._pending = self._pending, []
         for params, flat, fut in pending:
             fut.wait()
-            self._write(params, flat)
-        self.results = self._pg.take_results()
+            write_grads(params, flat)
+        # Every bucket's result, in bucket order (the futures completed in issue order).
+        self.results, self._step_results = self._step_results, []
         self._counts.clear()
         self._ready = [0] * len(self._buckets)
         self._launched = 0
-
-    @staticmethod
-    def _write(params: list[torch.Tensor], flat: torch.Tensor) -> None:
-        offset = 0
-        for p in params:
-            n = p.numel()
-            value = flat[offset:offset + n].view_as(p).to(p.dtype)
-            if p.grad is None:
-                p.grad = value.clone()
-            else:
-                p.grad.copy_(value)
-            offset += n
 
 
 def _buckets(params: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:

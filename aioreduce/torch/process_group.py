@@ -150,9 +150,12 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         self._completer.add(self.node.submit_in_order(make), fut, finish)
         return _work(fut)
 
-    def future_sum(self, tensor: torch.Tensor, *, average: bool) -> torch.futures.Future[Any]:
+    def future_sum(self, tensor: torch.Tensor, *, average: bool,
+                   on_result: Callable[[Result], None] | None = None
+                   ) -> torch.futures.Future[Any]:
         """The sum (or mean) of ``tensor`` over the ranks, written into ``tensor``; a torch
-        future of it (the DDP hook hands this one back to DDP)."""
+        future of it (the DDP hook hands this one back to DDP). ``on_result`` gets the step's
+        :class:`~aioreduce.Result` first (on our completing thread)."""
         fut: torch.futures.Future[Any] = torch.futures.Future()
         arr = to_numpy(tensor, self.node.rank)
         node = self.node.node
@@ -162,6 +165,8 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
 
         def finish(res: Result) -> torch.Tensor:
             self._note(res)
+            if on_result is not None:
+                on_result(res)
             if average:
                 np.divide(res.value, self.node.world_size, out=arr, casting="unsafe")
             else:

@@ -109,6 +109,13 @@ def _reduce_op(opts: object) -> Any:
     return getattr(op, "op", op)
 
 
+def _sync_back(tensor: torch.Tensor, view: np.ndarray) -> None:
+    """``view`` came from :func:`to_numpy`: the tensor's own memory when it is contiguous,
+    else a contiguous copy, whose new values go back into the tensor here."""
+    if not tensor.is_contiguous():
+        tensor.copy_(torch.from_numpy(view).view(tensor.shape))
+
+
 _LOCAL: dict[Any, Callable[..., Any]] = {dist.ReduceOp.MIN: np.min, dist.ReduceOp.MAX: np.max,
           dist.ReduceOp.PRODUCT: np.prod}
 
@@ -171,6 +178,7 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
                 np.divide(res.value, self.node.world_size, out=arr, casting="unsafe")
             else:
                 np.copyto(arr, res.value, casting="unsafe")
+            _sync_back(tensor, arr)
             return tensor
 
         self._completer.add(self.node.submit_in_order(total), fut, finish)
@@ -215,6 +223,7 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
             if op == dist.ReduceOp.AVG:
                 out = out / node.world_size
             np.copyto(arr, out, casting="unsafe")
+            _sync_back(tensor, arr)
             return [tensor]
 
         return self._issue(lambda: node.allgather(arr), finish)
@@ -228,6 +237,7 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         def finish(res: Result) -> list[torch.Tensor]:
             if node.rank != root:
                 np.copyto(arr, res.value)
+                _sync_back(tensor, arr)
             return [tensor]
 
         return self._issue(lambda: node.broadcast(arr, root), finish)
@@ -245,6 +255,7 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         def finish(res: Result) -> list[list[torch.Tensor]]:
             for r, view in enumerate(views):
                 np.copyto(view, res.value[r].reshape(view.shape))
+                _sync_back(outs[r], view)
             return [outs]
 
         return self._issue(lambda: node.allgather(arr), finish)

@@ -43,6 +43,7 @@ def test_every_collective_gives_the_exact_value_on_every_rank() -> None:
         assert g["SUM"] == [6.0, 6.0] and g["AVG"] == [2.0, 2.0]
         assert g["MIN"] == [1.0, 0.0] and g["MAX"] == [3.0, 4.0] and g["PRODUCT"] == [6.0, 0.0]
         assert g["int_sum"] == [3, 3]
+        assert g["strided"] == [6.0, 6.0, 6.0]
         assert g["async"] == [3.0, 3.0, 3.0]
         assert g["broadcast"] == [2.0, 2.0]
         assert g["all_gather"] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]

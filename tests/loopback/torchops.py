@@ -30,6 +30,10 @@ def ops() -> None:
         t = torch.tensor([float(r + 1), float(2 * r)])
         dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
         say(op, t.tolist())
+    strided = torch.zeros(3, 2)[:, 0]  # not contiguous: the result must still land in it
+    strided += r + 1
+    dist.all_reduce(strided)
+    say("strided", strided.tolist())
     t = torch.tensor([r, 1], dtype=torch.int64)
     dist.all_reduce(t)
     say("int_sum", t.tolist())

@@ -207,34 +207,32 @@ async def _worker(cfg: Config) -> None:
                     times[name].append((t0, t1, received, refused))
                     if rank == 0 and cfg.verify and value is not None and received >= 1.0:
                         errors[name] = max(errors[name], data.rel_err(name, value))
-        # Gather everyone's timings at rank 0, as the next step (every rank has run the same
-        # steps, so it is the same number everywhere; a far-off step would be refused).
-        gather_step = node.step
+        # Everyone's timings, one collective step per scheme (every rank ran the same steps).
         for name in names:
-            mine = np.array(times[name], np.float64)
+            every = (await node.allgather(np.array(times[name], np.float64))).value
             if rank == 0:
-                allt = [mine]
-                for r in range(1, world):
-                    buf = np.empty_like(mine)
-                    await node.recv_into(r, buf, step=gather_step, tag=names.index(name),
-                                         timeout=60)
-                    allt.append(buf)
-                _report(cfg, name, schemes.get(name), np.stack(allt), errors[name], world)
-            else:
-                await node.send(0, mine, step=gather_step, tag=names.index(name))
+                _report(cfg, name, schemes.get(name), every, errors[name], world)
         if dist is not None:
             dist.destroy_process_group()
+
+
+def makespans(straggle: str, t: np.ndarray) -> np.ndarray:
+    """Per iteration, seconds from the common start until the last rank that is not an
+    injected straggler (a rank named in ``straggle``) was done; ``t[rank, iter]`` starts
+    with (start, end)."""
+    slow: set[int] = set()
+    for rule in parse_straggle(straggle).rules:
+        if rule.ranks is not None:
+            slow |= set(rule.ranks)
+    fast = [r for r in range(t.shape[0]) if r not in slow] or list(range(t.shape[0]))
+    spans: np.ndarray = t[fast, :, 1].max(axis=0) - t[:, :, 0].min(axis=0)
+    return spans
 
 
 def _report(cfg: Config, name: str, scheme: Scheme | None, t: np.ndarray, err: float,
             world: int) -> None:
     """t: (ranks, iters, 4) start, end, received, refused. Print one RESULT line."""
-    slow = set()
-    for rule in parse_straggle(cfg.straggle).rules:
-        if rule.ranks is not None:
-            slow |= set(rule.ranks)
-    fast = [r for r in range(world) if r not in slow] or list(range(world))
-    spans = t[fast, :, 1].max(axis=0) - t[:, :, 0].min(axis=0)
+    spans = makespans(cfg.straggle, t)
     out: dict[str, Any] = {"scheme": name, "nodes": world, "size_bytes": cfg.size_bytes,
                            "iters": cfg.iters, "median_s": float(np.median(spans)),
                            "p99_s": float(np.quantile(spans, 0.99)),

@@ -186,14 +186,18 @@ def _print_p2p(results: list[dict[str, Any]]) -> None:
                   f"us, raw {r['raw_rtt_us']:.0f} us (median of {r['rounds']})")
 
 
+def _json_lines(rows: list[dict[str, Any]]) -> None:
+    for r in rows:
+        print(json.dumps(r))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``aioreduce-bench``."""
     opts = build_parser().parse_args(argv)
     if opts.command == "allreduce":
         rows = _allreduce(opts)
         if opts.json:
-            for r in rows:
-                print(json.dumps(r))
+            _json_lines(rows)
             schemes = [r for r in rows if r["scheme"] != "gloo"]
             if len(schemes) > 1:  # the last line sums up the comparison
                 print(json.dumps({"scheme": ",".join(r["scheme"] for r in rows),
@@ -209,8 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         rows = _ddp(opts)
         if opts.json:
-            for r in rows:
-                print(json.dumps(r))
+            _json_lines(rows)
         else:
             print_ddp(rows)
         return 0
@@ -219,8 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         results = run_p2p(opts.sizes, opts.trials, opts.min_bytes, opts.rtt_rounds)
         if opts.json:
-            for r in results:
-                print(json.dumps(r))
+            _json_lines(results)
         else:
             _print_p2p(results)
     return 0

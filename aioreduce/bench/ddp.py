@@ -63,6 +63,8 @@ def _worker(cfg: DdpConfig) -> None:
     import aioreduce.torch as art
     from aioreduce.straggle import parse_straggle
 
+    from .allreduce import makespans
+
     torch.set_num_threads(1)
     model_of_straggle = parse_straggle(cfg.straggle)
     node = ar.connect(scheme=ar.Ring(), straggle=ar.StraggleModel())  # injected here instead
@@ -122,18 +124,13 @@ def _worker(cfg: DdpConfig) -> None:
             opt.step()
             if it >= cfg.warmup:
                 times[name].append((t0, time.monotonic()))
-    slow: set[int] = set()
-    for rule in model_of_straggle.rules:
-        slow |= set(rule.ranks or ())
-    fast = [r for r in range(world) if r not in slow] or list(range(world))
-    for name in models:
-        mine = np.array(times[name], np.float64)
-        every = node.allgather(mine).value  # (ranks, iters, 2)
+    for name, model in models.items():
+        every = node.allgather(np.array(times[name], np.float64)).value  # (ranks, iters, 2)
         if rank == 0:
-            spans = every[fast, :, 1].max(axis=0) - every[:, :, 0].min(axis=0)
+            spans = makespans(cfg.straggle, every)
             print("RESULT " + json.dumps({
                 "scheme": name, "straggle": cfg.straggle or "none", "nodes": world,
-                "parameters": sum(p.numel() for p in _model(cfg.hidden).parameters()),
+                "parameters": sum(p.numel() for p in model.parameters()),
                 "global_batch": cfg.batch, "iters": cfg.iters,
                 "median_s": float(np.median(spans)), "p99_s": float(np.quantile(spans, 0.99)),
                 "steps_s": [round(float(s), 5) for s in spans]}), flush=True)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.nn.utils import parameters_to_vector
 
 from ..sync import SyncNode
 from .process_group import ProcessGroupAioreduce
@@ -71,9 +72,14 @@ def register(ddp_model: TorchDDP, pg: ProcessGroupAioreduce) -> None:
         if not pg.needs_resync:
             return
         pg.needs_resync = False
-        with torch.no_grad():
-            for p in module.parameters():
-                pg.broadcast([p.data], dist.BroadcastOptions()).wait()
+        params = list(module.parameters())
+        with torch.no_grad():  # one broadcast of all parameters, flat, copied back in place
+            flat = parameters_to_vector(params)
+            pg.broadcast([flat], dist.BroadcastOptions()).wait()
+            offset = 0
+            for p in params:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
 
     ddp_model.register_forward_pre_hook(resync)
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..node import ReduceOp
 from ..schemes import Result
 from ..sync import SyncNode
 from .grads import flatten_grads, write_grads
@@ -51,7 +52,7 @@ class DistributedOptimizer:
     """Wraps ``optimizer`` so that ``step`` applies the mean (or sum) of every rank's gradient."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, node: SyncNode, *,
-                 op: str = "mean", backward_passes_per_step: int = 1,
+                 op: ReduceOp = "mean", backward_passes_per_step: int = 1,
                  should_commit: CommitPolicy | None = None,
                  bucket_bytes: int = 25 << 20) -> None:
         if op not in ("sum", "mean"):
@@ -73,9 +74,9 @@ class DistributedOptimizer:
         self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b}
         self._counts: dict[int, int] = {}
         self._ready: list[int] = [0] * len(self._buckets)
+        # The buckets launched this step, in bucket order (their count is the next to launch).
         self._pending: list[tuple[list[torch.Tensor], torch.Tensor,
                                   torch.futures.Future[Any]]] = []
-        self._launched = 0
         self._skip = False
         if not self.coded:
             for p in params:
@@ -127,10 +128,9 @@ class DistributedOptimizer:
 
     def _launch_ready(self) -> None:
         """Start the buckets that are complete, in bucket order only."""
-        while (self._launched < len(self._buckets)
-               and self._ready[self._launched] == len(self._buckets[self._launched])):
-            self._launch(self._launched)
-            self._launched += 1
+        while ((i := len(self._pending)) < len(self._buckets)
+               and self._ready[i] == len(self._buckets[i])):
+            self._launch(i)
 
     def _launch(self, i: int) -> None:
         params = self._buckets[i]
@@ -144,7 +144,7 @@ class DistributedOptimizer:
         if self.coded:
             params = [p for b in self._buckets for p in b]
             res = self.node.aggregate(to_numpy(flatten_grads(params), self.node.rank),
-                                      op="mean" if self.op == "mean" else "sum")
+                                      op=self.op)
             write_grads(params, res.value)
             self.results = [res]
             return
@@ -159,7 +159,6 @@ class DistributedOptimizer:
         self.results, self._step_results = self._step_results, []
         self._counts.clear()
         self._ready = [0] * len(self._buckets)
-        self._launched = 0
 
 
 def _buckets(params: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:

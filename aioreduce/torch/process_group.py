@@ -38,7 +38,7 @@ from torch._C._distributed_c10d import _create_work_from_future as _work_of  # t
 from ..env import NodeEnv
 from ..errors import ConfigError
 from ..node import Node
-from ..schemes import Result, Scheme
+from ..schemes import Result, Scheme, Transpose
 from ..schemes.registry import by_name
 from ..straggle import parse_straggle
 from ..sync import SyncNode
@@ -116,8 +116,8 @@ def _sync_back(tensor: torch.Tensor, view: np.ndarray) -> None:
         tensor.copy_(torch.from_numpy(view).view(tensor.shape))
 
 
-_LOCAL: dict[Any, Callable[..., Any]] = {dist.ReduceOp.MIN: np.min, dist.ReduceOp.MAX: np.max,
-          dist.ReduceOp.PRODUCT: np.prod}
+_LOCAL: dict[Any, Callable[..., Any]] = {
+    dist.ReduceOp.MIN: np.min, dist.ReduceOp.MAX: np.max, dist.ReduceOp.PRODUCT: np.prod}
 
 
 class ProcessGroupAioreduce(dist.ProcessGroup):
@@ -150,12 +150,18 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         return f"ProcessGroupAioreduce(rank={self.node.rank}, size={self.node.world_size})"
 
     # -- machinery -----------------------------------------------------------------------------
-    def _issue(self, make: Callable[[], Coroutine[Any, Any, Any]],
-               finish: Callable[[Any], Any]) -> dist.Work:
-        """Queue ``make()`` on the node's loop after every collective issued before it."""
+    def _queue(self, make: Callable[[], Coroutine[Any, Any, Any]],
+               finish: Callable[[Any], Any]) -> torch.futures.Future[Any]:
+        """Queue ``make()`` on the node's loop after every collective issued before it; a
+        torch future of ``finish(its result)``, completed by our thread."""
         fut: torch.futures.Future[Any] = torch.futures.Future()
         self._completer.add(self.node.submit_in_order(make), fut, finish)
-        return _work(fut)
+        return fut
+
+    def _issue(self, make: Callable[[], Coroutine[Any, Any, Any]],
+               finish: Callable[[Any], Any]) -> dist.Work:
+        """:meth:`_queue` as the ``Work`` a collective returns."""
+        return _work(self._queue(make, finish))
 
     def future_sum(self, tensor: torch.Tensor, *, average: bool,
                    on_result: Callable[[Result], None] | None = None
@@ -163,7 +169,6 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         """The sum (or mean) of ``tensor`` over the ranks, written into ``tensor``; a torch
         future of it (the DDP hook hands this one back to DDP). ``on_result`` gets the step's
         :class:`~aioreduce.Result` first (on our completing thread)."""
-        fut: torch.futures.Future[Any] = torch.futures.Future()
         arr = to_numpy(tensor, self.node.rank)
         node = self.node.node
 
@@ -181,8 +186,7 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
             _sync_back(tensor, arr)
             return tensor
 
-        self._completer.add(self.node.submit_in_order(total), fut, finish)
-        return fut
+        return self._queue(total, finish)
 
     def _note(self, res: Result) -> None:
         self.last_results.append(res)
@@ -197,8 +201,7 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
 
     def _exact_sum_only(self, arr: np.ndarray) -> bool:
         """Integers under a scheme that may drop data are summed exactly by gathering."""
-        scheme = self.node.node.scheme
-        return arr.dtype.kind != "f" and type(scheme).__name__ == "Transpose"
+        return arr.dtype.kind != "f" and isinstance(self.node.node.scheme, Transpose)
 
     # -- collectives ---------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:  # type: ignore[override]

@@ -1,6 +1,7 @@
 """The torch backend "aioreduce" on 3 real processes: every collective's values, async
 handles, changing shapes, a clear NotImplementedError, a model mismatch named on every
-rank; the optimizer wrapper's accumulation, skip_synchronize and commit policy."""
+rank; the optimizer wrapper's accumulation, skip_synchronize and commit policy; the DDP
+wrapper re-syncing replicas under a lossy bounded-time scheme."""
 
 from __future__ import annotations
 
@@ -72,3 +73,21 @@ def test_optimizer_wrapper_accumulates_clips_and_refuses_a_commit() -> None:
         assert abs(stepped) < 1e-5  # 1 - lr * (the gradient clipped to norm 1)
         committed, value, results = g["refused"]  # type: ignore[misc]
         assert committed is False and value == stepped and results == 1  # not updated
+
+
+def test_ddp_over_a_lossy_transpose_resyncs_replicas_from_rank_0() -> None:
+    got = _run("--resync")
+    steps = [f"step{i}" for i in range(12)]
+    resyncs = [i for i, s in enumerate(steps) if got[0][s]["resync"]]  # type: ignore[index]
+    assert resyncs and resyncs == [i for i, s in enumerate(steps)
+                                   if got[1][s]["resync"]]  # type: ignore[index]
+    # The path we mean: results were lossy, so replicas drifted apart before a re-sync ...
+    assert min(got[r][s]["received"] for r in range(3) for s in steps) < 1.0  # type: ignore[index]
+    drifted = [i for i in range(1, 12) if i - 1 not in resyncs
+               and got[0][steps[i]]["params"] != got[1][steps[i]]["params"]]  # type: ignore[index]
+    assert drifted
+    # ... and after every re-sync step, every rank holds rank 0's parameters at the next forward.
+    for i in resyncs:
+        if i + 1 < 12:
+            ref = got[0][steps[i + 1]]["params"]  # type: ignore[index]
+            assert all(got[r][steps[i + 1]]["params"] == ref for r in range(3)), i  # type: ignore[index]

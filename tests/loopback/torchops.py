@@ -110,8 +110,34 @@ def optim() -> None:
         say("refused", [refuse.committed, float(w[0]), len(refuse.results)])
 
 
+def resync() -> None:
+    """aioreduce's DDP over a lossy Transpose: replicas drift, then every resync_every steps
+    the parameters are re-synced from rank 0 before the next forward."""
+    scheme = ar.Transpose(resync_every=3, inject_loss=0.3, max_loss=1.0, hadamard=False,
+                          warmup=2, slice_bytes=256)
+    with ar.connect(scheme=scheme) as node:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 64)
+        ddp = art.DistributedDataParallel(model, node)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        pg = ddp.process_group
+        gen = torch.Generator().manual_seed(node.rank)
+        for step in range(12):
+            opt.zero_grad()
+            out = ddp(torch.randn(8, 64, generator=gen))
+            at_forward = torch.nn.utils.parameters_to_vector(model.parameters()).tolist()
+            out.sum().backward()
+            opt.step()
+            results = pg.take_results()
+            say(f"step{step}", {"resync": any(r.resync for r in results),
+                                "received": min(r.received for r in results),
+                                "params": at_forward})
+
+
 if __name__ == "__main__":
-    if "--mismatch" in sys.argv:
+    if "--resync" in sys.argv:
+        resync()
+    elif "--mismatch" in sys.argv:
         mismatch()
     elif "--optim" in sys.argv:
         optim()

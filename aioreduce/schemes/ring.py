@@ -47,27 +47,46 @@ def _segments(length: int, n: int) -> list[tuple[int, int]]:
     return [(int(edges[i]), int(edges[i + 1])) for i in range(n)]
 
 
-async def _ring(comm: Comm, acc: np.ndarray, send_to: int, recv_from: int, pos: int,
-                step: int, tag: int) -> None:
-    """One directional ring over ``acc`` (a view), in which this rank is at position ``pos``.
+class _Scratch:
+    """Two receive buffers for one direction of the ring, kept across steps.
 
-    Receives are posted ahead of the sends they follow, so a neighbour that is a sub-step
-    ahead streams straight into its destination: the next reduce-scatter segment lands in a
-    second scratch buffer while this one is added, and every all-gather segment has its
-    receive posted into ``acc`` before the all-gather starts (a segment is only sent after it
-    was received, so an early arrival never overwrites what is still to be sent). Without
-    this, a segment of more than the inbox's staging limit was held back in the kernel until
-    its receive was posted: a stall per sub-step.
+    A fresh 16 MiB buffer per step costs its page faults (and the kernel's zeroing) every
+    step, which on a 4-rank 64 MiB ring was as much CPU as the additions themselves.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: tuple[np.ndarray, np.ndarray] | None = None
+
+    def get(self, width: int, dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:
+        bufs = self._bufs
+        if bufs is None or bufs[0].size < width or bufs[0].dtype != dtype:
+            bufs = self._bufs = (np.empty(width, dtype), np.empty(width, dtype))
+        return bufs
+
+
+async def _ring(comm: Comm, mine: np.ndarray, acc: np.ndarray, scratch: _Scratch, send_to: int,
+                recv_from: int, pos: int, step: int, tag: int) -> None:
+    """One directional ring: ``acc`` (a view, uninitialised) becomes the sum over the ring of
+    ``mine`` (a view of the same size, only read); this rank is at position ``pos``.
+
+    ``acc`` needs no copy of ``mine`` first: the first send reads ``mine``, each reduced
+    segment is written as ``mine + received`` straight into ``acc``, and the all-gather
+    overwrites the rest. Receives are posted ahead of the sends they follow, so a neighbour
+    that is a sub-step ahead streams straight into its destination: the next reduce-scatter
+    segment lands in the second scratch buffer while this one is added, and every all-gather
+    segment has its receive posted into ``acc`` before the all-gather starts (a segment is
+    only sent after it was received, so an early arrival never overwrites what is still to be
+    sent). Without this, a segment of more than the inbox's staging limit was held back in the
+    kernel until its receive was posted: a stall per sub-step.
     """
     n = comm.world_size
     seg = _segments(acc.size, n)
-    width = max(hi - lo for lo, hi in seg)
-    scratch = (np.empty(width, acc.dtype), np.empty(width, acc.dtype))
+    bufs = scratch.get(max(hi - lo for lo, hi in seg), acc.dtype)
     posted: list[asyncio.Future[Header]] = []
 
     def post_reduce(i: int) -> asyncio.Future[Header]:
         lo, hi = seg[(pos - i - 1) % n]
-        fut = comm.post_recv(recv_from, scratch[i % 2][: hi - lo], step=step, tag=tag + i)
+        fut = comm.post_recv(recv_from, bufs[i % 2][: hi - lo], step=step, tag=tag + i)
         posted.append(fut)
         return fut
 
@@ -79,9 +98,10 @@ async def _ring(comm: Comm, acc: np.ndarray, send_to: int, recv_from: int, pos: 
             fut = ahead
             if i + 1 < n - 1:
                 ahead = post_reduce(i + 1)  # into the other scratch, added at step i + 1
-            await asyncio.gather(comm.send(send_to, acc[s_lo:s_hi], step=step, tag=tag + i),
+            src = mine if i == 0 else acc  # segment pos - i was reduced at step i - 1
+            await asyncio.gather(comm.send(send_to, src[s_lo:s_hi], step=step, tag=tag + i),
                                  fut)
-            acc[r_lo:r_hi] += scratch[i % 2][: r_hi - r_lo]
+            np.add(mine[r_lo:r_hi], bufs[i % 2][: r_hi - r_lo], out=acc[r_lo:r_hi])
         gathered = []
         for i in range(n - 1):  # all-gather: every receive posted now, into its segment
             r_lo, r_hi = seg[(pos - i) % n]
@@ -126,6 +146,7 @@ class RingSession:
         # Aborts of steps this rank has not begun (it is behind): a few, newest kept.
         self._ahead: dict[int, AioreduceError] = {}
         self._sends: set[asyncio.Task[None]] = set()
+        self._scratch = (_Scratch(), _Scratch())  # one per direction
         self._removers: list[Callable[[], None]] = [
             comm.on_early(peer, ABORT_TAG, functools.partial(self._abort_heard, peer))
             for peer in range(comm.world_size) if peer != comm.rank]
@@ -181,9 +202,9 @@ class RingSession:
         if early is not None:
             self._aborted.set_result(early)
         mine = (await own).reshape(-1)
-        acc = mine.copy()
         if comm.world_size > 1:
-            work = asyncio.ensure_future(self._exchange(acc, step))
+            acc = np.empty_like(mine)
+            work = asyncio.ensure_future(self._exchange(mine, acc, step))
             waits: set[asyncio.Future[Any]] = {work, self._aborted}
             try:
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -200,24 +221,28 @@ class RingSession:
             if exc is not None:
                 self._tell_everyone(step, exc)
                 raise exc
+        else:
+            acc = mine.copy()
         comm.discard_before(step + 1)
         value = acc.reshape(like.shape)
         value.setflags(write=False)
         return Result(value, step, list(range(comm.world_size)), [], True, 0.0,
                       time.perf_counter() - t0)
 
-    async def _exchange(self, acc: np.ndarray, step: int) -> None:
+    async def _exchange(self, mine: np.ndarray, acc: np.ndarray, step: int) -> None:
         comm = self.comm
         n, rank = comm.world_size, comm.rank
         prev, nxt = ring_neighbours(rank, n)
         if self.bidirectional and acc.size >= 2 * n:
             half = acc.size // 2
             # Position on the reversed ring (0 -> N-1 -> ... -> 1 -> 0) is -rank mod n.
-            await asyncio.gather(_ring(comm, acc[:half], nxt, prev, rank, step, 0),
-                                 _ring(comm, acc[half:], prev, nxt, (-rank) % n, step,
-                                       1 << 20))
+            fwd, back = self._scratch
+            await asyncio.gather(
+                _ring(comm, mine[:half], acc[:half], fwd, nxt, prev, rank, step, 0),
+                _ring(comm, mine[half:], acc[half:], back, prev, nxt, (-rank) % n, step,
+                      1 << 20))
         else:
-            await _ring(comm, acc, nxt, prev, rank, step, 0)
+            await _ring(comm, mine, acc, self._scratch[0], nxt, prev, rank, step, 0)
 
 
 def _mismatch(step: int, exc: VectorMismatch, me: int, mine: np.ndarray) -> VectorMismatch:

@@ -279,3 +279,34 @@ async def test_a_dead_rank_in_the_ring_stops_every_rank() -> None:
     for rank, res in results.items():
         assert isinstance(res, ar.PeerLost) and res.rank == 3, (rank, res)
     await job.close()
+
+
+async def test_the_ring_reuses_a_result_only_once_nobody_holds_it() -> None:
+    # A result's memory serves a later step's result once nothing refers to it any more
+    # (fresh memory costs page faults every step); a result someone holds is never written.
+    world = 4
+    job = Job(ar.Ring(), world)
+    held: list[tuple[int, object]] = []  # (step, results) of the odd steps, kept to the end
+    copies: list[dict[int, np.ndarray]] = []
+    dropped: set[int] = set()  # addresses of results nobody holds any more
+    held_at: set[int] = set()
+    reused = 0
+    for step in range(12):
+        results = await job.run(step)
+        job.assert_exact(step, results)
+        at = {res.value.__array_interface__["data"][0]  # type: ignore[union-attr]
+              for res in results.values()}
+        assert not at & held_at, "a held result's memory was written"
+        reused += len(at & dropped)
+        if step % 2:
+            held.append((step, results))
+            copies.append({r: np.array(res.value) for r, res in results.items()})  # type: ignore[union-attr]
+            held_at |= at
+        else:
+            dropped |= at
+        del results
+        for (_, res_held), copy in zip(held, copies, strict=True):
+            for r, res in res_held.items():  # type: ignore[attr-defined]
+                np.testing.assert_array_equal(res.value, copy[r])
+    assert reused > 0  # the reuse path was taken
+    await job.close()

@@ -10,7 +10,7 @@ Prefixes and headers are read into a small staging buffer. When a header is comp
 asks its ``choose`` callback where the payload goes:
 
 * a writable memoryview of exactly the payload size: the rest of the payload is received straight
-  into it (only bytes already sitting in the staging buffer are copied, at most a few KiB);
+  into it (only bytes already sitting in the staging buffer are copied);
 * ``None``: the payload is unwanted (a late frame); it is received into a reusable scratch buffer
   and discarded, never allocated per frame;
 * :data:`DEFER`: the caller has nowhere to put it yet. The decoder stops (``get_buffer`` returns
@@ -21,8 +21,16 @@ Bounds: a new decoder is *pre-authentication*: headers of at most
 :data:`~aioreduce.wire.frame.PRE_AUTH_MAX_HEADER` bytes with the handshake's fields only, no
 payload, and a staging buffer of a few KiB. :meth:`FrameDecoder.authenticate` lifts that to
 :data:`~aioreduce.wire.frame.MAX_HEADER`, full headers and payloads up to ``max_payload``, and a
-larger staging buffer (fewer reads for small frames). Wrong magic, version, lengths or an
-undecodable header raise :class:`ProtocolError`; the decoder is then dead.
+larger staging buffer (fewer reads for small frames).
+
+Large frames come in runs (segments of a vector), and a staging read that asks the kernel for
+everything it has pulls the start of the next frame's payload into the staging buffer, to be
+copied again: up to the whole buffer per frame, an eighth of a 1 MiB payload. So after a frame
+whose payload was larger than the staging buffer, the next prefix and header are read exactly
+(two small reads), and its payload goes straight to its destination.
+
+Wrong magic, version, lengths or an undecodable header raise :class:`ProtocolError`; the
+decoder is then dead.
 """
 
 from __future__ import annotations
@@ -98,6 +106,9 @@ class FrameDecoder:
         self._header: Header | None = None
         self._dest: memoryview = memoryview(b"")
         self._got = 0  # payload bytes received so far
+        # The last payload was larger than the staging buffer: read the next prefix and header
+        # exactly, so none of its payload is staged and copied twice.
+        self._exact = False
 
     def authenticate(self, max_payload: int) -> None:
         """The peer proved the secret: full headers, payloads up to ``max_payload``."""
@@ -145,7 +156,15 @@ class FrameDecoder:
             return memoryview(self._stage)[:0]
         if self._lo == self._hi:
             self._lo = self._hi = 0
-        elif self._hi == len(self._stage):
+            if self._exact:
+                return memoryview(self._stage)[:PREFIX_SIZE if st is _State.PREFIX
+                                               else self._header_len]
+        elif self._exact:
+            need = (PREFIX_SIZE if st is _State.PREFIX else self._header_len) - (
+                self._hi - self._lo)
+            if need > 0 and self._hi + need <= len(self._stage):
+                return memoryview(self._stage)[self._hi:self._hi + need]
+        if self._hi == len(self._stage) and self._lo < self._hi:
             # Only a partial prefix/header remains (frames are consumed eagerly); move it down.
             n = self._hi - self._lo
             self._stage[:n] = self._stage[self._lo:self._hi]
@@ -287,6 +306,7 @@ class FrameDecoder:
         if payload is None and self._state is _State.PAYLOAD:
             payload = self._dest
         frame = Frame(header, payload)
+        self._exact = self._payload_len > len(self._stage)
         self._header = None
         self._dest = memoryview(b"")
         self._state = _State.PREFIX

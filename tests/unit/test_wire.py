@@ -119,6 +119,52 @@ def test_any_split_yields_the_same_frames(spec: list, cuts: list[int]) -> None:
     assert not split.mid_frame
 
 
+def test_after_a_large_payload_the_next_header_is_read_exactly() -> None:
+    # A kernel that fills whatever buffer it is given. After a payload larger than the staging
+    # buffer, the next prefix and header are read exactly, so the following payload goes
+    # straight to its destination instead of partly through the staging buffer.
+    big, small = np.arange(80_000, dtype="<f4"), np.arange(10, dtype="<f4")  # 320 KB, 40 B
+    arrays = [big, big, small, big, big * 2]
+    headers = [Header(step=i, tag=0, src=1) for i in range(len(arrays))]
+    stream = memoryview(b"".join(wire_bytes(h, a) for h, a in zip(headers, arrays, strict=True)))
+    dec, _ = collecting_decoder()
+    staged: list[int] = [0]  # bytes that landed outside a destination, per frame
+    frames = []
+    pos = 0
+    while pos < len(stream):
+        buf = dec.get_buffer()
+        n = min(len(buf), len(stream) - pos)
+        buf[:n] = stream[pos:pos + n]
+        pos += n
+        if isinstance(buf.obj, bytearray):
+            staged[-1] += n
+        for frame in dec.buffer_updated(n):
+            frames.append(frame)
+            staged.append(0)
+    assert [bytes(f.payload or b"") for f in frames] == [a.tobytes() for a in arrays]
+    exact = [len(wire_bytes(h, a)) - a.nbytes for h, a in zip(headers, arrays, strict=True)]
+    assert staged[0] > exact[0]  # the first read asks for all there is (nothing known yet)
+    assert staged[1] == exact[1] and staged[2] == exact[2]  # after a large payload: exact
+    # After the small frame the read is large again (small frames come in runs too): the
+    # big payload behind it is partly staged, and the one after that is exact once more.
+    assert staged[3] > exact[3] and staged[4] == exact[4]
+
+
+@pytest.mark.parametrize("cut", [1, 7, 4096, 200_000])
+def test_large_frames_survive_any_split(cut: int) -> None:
+    arrays = [np.arange(60_000, dtype="<f8"), np.arange(3, dtype="<i8"),
+              np.arange(70_000, dtype="<f4"), np.arange(50_000, dtype="<f4")]
+    headers = [Header(step=i, tag=i, src=2) for i in range(len(arrays))]
+    stream = b"".join(wire_bytes(h, a) for h, a in zip(headers, arrays, strict=True))
+    dec, _ = collecting_decoder()
+    got = []
+    for start in range(0, len(stream), cut):
+        got += [(f.header.step, f.header.tag, bytes(f.payload or b""))
+                for f in dec.receive_data(stream[start:start + cut])]
+    assert got == [(h.step, h.tag, a.tobytes()) for h, a in zip(headers, arrays, strict=True)]
+    assert not dec.mid_frame
+
+
 def _raw(magic: bytes = MAGIC, version: int = VERSION, hlen: int | None = None,
          plen: int = 0, header: bytes | None = None) -> bytes:
     head = header if header is not None else Header().to_bytes()

@@ -24,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -291,7 +293,10 @@ def run_allreduce(cfg: Config, timeout: float = 3600.0) -> list[dict[str, Any]]:
 
 def _run_on_cluster(cfg: Config, worker: list[str], env: dict[str, str],
                     timeout: float) -> str:
-    """Every rank in its own network namespace, links shaped; rank 0's stdout."""
+    """Every rank in its own network namespace, links shaped; rank 0's stdout.
+
+    The first rank to fail ends the run: the others are killed and the error names it (a
+    rank that died leaves the rest waiting for it, so waiting for rank 0 would hang)."""
     from ..jobplan import HostSlots, JobConfig, plan_ranks
     from .cluster import Cluster
 
@@ -299,7 +304,12 @@ def _run_on_cluster(cfg: Config, worker: list[str], env: dict[str, str],
         cluster.background(cfg.background)
         job = JobConfig(master_addr=cluster.addr(0), master_port=29500, rendezvous_port=29501)
         hosts = [HostSlots(cluster.ns(i), 1, addr=cluster.addr(i)) for i in range(cfg.nodes)]
-        procs = []
+        # Gloo picks its address from the hostname, which resolves to 127.0.0.1 inside a
+        # namespace (then every rank dials itself: "connectFullMesh failed"); name the
+        # emulated host's interface instead.
+        env = {**env, "GLOO_SOCKET_IFNAME": "eth0"}
+        procs: list[subprocess.Popen[str]] = []
+        exits: queue.Queue[int] = queue.Queue()
         try:
             for i, spec in enumerate(plan_ranks(hosts, job)):
                 procs.append(subprocess.Popen(
@@ -307,18 +317,34 @@ def _run_on_cluster(cfg: Config, worker: list[str], env: dict[str, str],
                                                        "AIOREDUCE_BIND": cluster.addr(i)},
                     stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL,
                     start_new_session=True, text=True))
-            out, _ = procs[0].communicate(timeout=timeout)
-            for p in procs[1:]:
-                p.wait(timeout=60)
-            if any(p.returncode for p in procs):
-                raise RuntimeError("benchmark ranks failed (exit codes "
-                                   f"{[p.returncode for p in procs]})")
-            return out
+            out: list[str] = []
+            stdout = procs[0].stdout
+            assert stdout is not None
+            reader = threading.Thread(target=lambda: out.append(stdout.read()), daemon=True)
+            reader.start()
+            for i, p in enumerate(procs):
+                threading.Thread(target=_wait_then_put, args=(p, i, exits), daemon=True).start()
+            deadline = time.monotonic() + timeout
+            for _ in procs:
+                i = exits.get(timeout=max(0.0, deadline - time.monotonic()))
+                if procs[i].returncode:
+                    raise RuntimeError(f"benchmark rank {i} failed (exit code "
+                                       f"{procs[i].returncode}); the other ranks were stopped")
+            reader.join(timeout=60)
+            return "".join(out)
+        except queue.Empty:
+            raise RuntimeError(f"benchmark ranks still running after {timeout:.0f} s; "
+                               "stopped") from None
         finally:
             for p in procs:
                 if p.poll() is None:
                     os.killpg(p.pid, 9)
                     p.wait()
+
+
+def _wait_then_put(proc: subprocess.Popen[str], index: int, exits: queue.Queue[int]) -> None:
+    proc.wait()
+    exits.put(index)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:

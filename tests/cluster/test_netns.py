@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -77,3 +79,29 @@ def test_ring_and_coded_tree_are_exact_across_emulated_hosts() -> None:
     rows = [json.loads(x) for x in res.stdout.splitlines()][:-1]
     assert {r["scheme"] for r in rows} == {"coded-tree", "ring"}
     assert all(r["max_rel_err"] < 1e-6 and r["nodes"] == 7 for r in rows)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch (Gloo)")
+def test_gloo_runs_side_by_side_on_the_emulated_hosts() -> None:
+    # Gloo used to dial 127.0.0.1 inside the namespaces ("connectFullMesh failed").
+    res = subprocess.run([sys.executable, "-m", "aioreduce.bench.cli", "allreduce", "--scheme",
+                          "ring", "--nodes", "4", "--size", "256K", "--iters", "3", "--verify",
+                          "--netns", "--link-mbit", "1000", "--vs-gloo", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(x) for x in res.stdout.splitlines()]
+    assert sorted(r["scheme"] for r in rows) == ["gloo", "ring"]
+    assert all(r["max_rel_err"] < 1e-6 and r["nodes"] == 4 for r in rows)
+
+
+def test_a_failed_rank_ends_the_cluster_run_and_is_named() -> None:
+    # Rank 2 fails at once; the others would wait for it (as ranks wait for a peer that died).
+    # The run must stop them and name rank 2, not wait for rank 0 until the timeout.
+    from aioreduce.bench.allreduce import Config, _run_on_cluster
+
+    worker = [sys.executable, "-c", "import os, sys, time\n"
+              "sys.exit(3) if os.environ['RANK'] == '2' else time.sleep(600)"]
+    cfg = Config(schemes=["ring"], nodes=4, size_bytes=1024, netns=True)
+    with pytest.raises(RuntimeError, match=r"rank 2 failed \(exit code 3\)"):
+        _run_on_cluster(cfg, worker, dict(os.environ), timeout=300)
+    assert not {n for n in _namespaces() if n.startswith(f"arx{os.getpid()}")}

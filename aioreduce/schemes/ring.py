@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -36,11 +35,11 @@ from ..errors import AioreduceError, PeerLost, VectorMismatch
 from ..topology import ring_neighbours
 from ..wire import Header
 from .base import Comm, Result
+from .pool import BufferPool
 
 ABORT_TAG = 1 << 30  # above every data tag of a step (those stay below 1 << 21)
 MAX_TEXT = 1000
 MAX_AHEAD = 4
-SPARES = 2
 EMPTY = np.empty(0, np.uint8)
 
 
@@ -149,9 +148,8 @@ class RingSession:
         self._ahead: dict[int, AioreduceError] = {}
         self._sends: set[asyncio.Task[None]] = set()
         self._scratch = (_Scratch(), _Scratch())  # one per direction
-        # The last results, reused once nobody holds them: two, because the common loop
-        # ``res = await node.allreduce(x)`` still holds the previous one when a step starts.
-        self._spares: list[np.ndarray] = []
+        # Results reused once nobody holds them (fresh memory costs page faults every step).
+        self.pool = BufferPool()
         self._removers: list[Callable[[], None]] = [
             comm.on_early(peer, ABORT_TAG, functools.partial(self._abort_heard, peer))
             for peer in range(comm.world_size) if peer != comm.rank]
@@ -208,7 +206,7 @@ class RingSession:
             self._aborted.set_result(early)
         mine = (await own).reshape(-1)
         if comm.world_size > 1:
-            acc = self._result_buffer(mine)
+            acc = self.pool.take(mine.size, mine.dtype)
             work = asyncio.ensure_future(self._exchange(mine, acc, step))
             waits: set[asyncio.Future[Any]] = {work, self._aborted}
             try:
@@ -229,24 +227,10 @@ class RingSession:
         else:
             acc = mine.copy()
         comm.discard_before(step + 1)
-        self._spares = [acc, *self._spares[:SPARES - 1]]
         value = acc.reshape(like.shape)
         value.setflags(write=False)
         return Result(value, step, list(range(comm.world_size)), [], True, 0.0,
                       time.perf_counter() - t0)
-
-    def _result_buffer(self, mine: np.ndarray) -> np.ndarray:
-        """Where this step's result goes: the previous result's memory if no one else holds
-        it any more (its reference count says so: every view, tensor or memoryview of it holds
-        one), else new memory. Fresh memory costs a page fault per page the first time it is
-        written, every step: on a 4-rank 64 MiB ring that was a tenth of the step time."""
-        spares = self._spares
-        for i in range(len(spares)):
-            # Held by the list and getrefcount's argument only: nobody else can see it.
-            if (sys.getrefcount(spares[i]) == 2 and spares[i].size == mine.size
-                    and spares[i].dtype == mine.dtype):
-                return spares.pop(i)
-        return np.empty_like(mine)
 
     async def _exchange(self, mine: np.ndarray, acc: np.ndarray, step: int) -> None:
         comm = self.comm

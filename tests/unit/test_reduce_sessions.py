@@ -281,11 +281,18 @@ async def test_a_dead_rank_in_the_ring_stops_every_rank() -> None:
     await job.close()
 
 
-async def test_the_ring_reuses_a_result_only_once_nobody_holds_it() -> None:
-    # A result's memory serves a later step's result once nothing refers to it any more
-    # (fresh memory costs page faults every step); a result someone holds is never written.
-    world = 4
-    job = Job(ar.Ring(), world)
+@pytest.mark.parametrize("scheme, world", [
+    (ar.Ring(), 4),
+    # A result log of two results (6 float64 each): older results leave it, and can be reused.
+    (ar.Tree(2, deadline=NO_WAIT, history_bytes=96), 7),
+    (ar.CodedTree(**{**TREE, "deadline": NO_WAIT}, history_bytes=96), 13),
+])
+async def test_memory_is_reused_only_once_nobody_holds_it(scheme: ar.Scheme, world: int
+                                                           ) -> None:
+    # A result's (or a receive buffer's) memory serves a later step once nothing refers to it
+    # any more (fresh memory costs page faults every step); a result someone holds is never
+    # written.
+    job = Job(scheme, world)
     held: list[tuple[int, object]] = []  # (step, results) of the odd steps, kept to the end
     copies: list[dict[int, np.ndarray]] = []
     dropped: set[int] = set()  # addresses of results nobody holds any more

@@ -62,7 +62,7 @@ class UpPath:
         self.session, self.step, self.lay = session, step, lay
         fam, comm = session.family, session.comm
         self.gather = Gather(len(fam.children), fam.code, len(lay.msg_bounds))
-        self.bufs = [np.empty(lay.msg_len, lay.dtype) for _ in fam.children]
+        self.bufs = [session.pool.take(lay.msg_len, lay.dtype) for _ in fam.children]
         self.posted: list[asyncio.Future[Header]] = []
         for i, child in enumerate(fam.children):
             for c, (lo, hi) in enumerate(lay.msg_bounds):
@@ -80,7 +80,7 @@ class UpPath:
         s, lay, gather = self.session, self.lay, self.gather
         kids = s.family.children
         m = s.family.code.m if s.family.code is not None else 1
-        out = np.empty(lay.length if m == 1 else m * lay.msg_len, lay.dtype)
+        out = s.pool.take(lay.length if m == 1 else m * lay.msg_len, lay.dtype)
         exact, err, used_kids = True, 0.0, set[int]()
         last = len(lay.msg_bounds) - 1
         for c, (lo, hi) in enumerate(lay.msg_bounds):
@@ -150,7 +150,7 @@ class Source:
     def __init__(self, session: ReduceSession, rank: int, step: int, lay: Layout) -> None:
         comm = session.comm
         self.rank, self.step = rank, step
-        self.buf = np.empty(lay.length, lay.dtype)
+        self.buf = session.pool.take(lay.length, lay.dtype)
         self.bounds = lay.bounds
         self.chunks = [comm.post_recv(rank, self.buf[lo:hi], step=step, tag=DOWN + c)
                        for c, (lo, hi) in enumerate(lay.bounds)]

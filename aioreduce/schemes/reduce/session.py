@@ -31,6 +31,7 @@ import numpy as np
 from ...wire import Header
 from ..base import Comm, Result, StepOptions
 from ..outbox import Outbox
+from ..pool import BufferPool
 from .failover import Link, ParentFailover
 from .family import DOWN, REQUEST_TAG, VERDICT_TAG, Family
 from .history import Outcome, ResultLog
@@ -51,6 +52,9 @@ class ReduceSession:
         self.comm, self.family, self.opts, self.encode = comm, family, opts, encode
         self.outbox = Outbox(comm, opts.backlog_steps, on_drained=self._drained)
         self.log = ResultLog(opts.history_bytes)
+        # Receive buffers and results, reused once nothing refers to them (not the caller, a
+        # background send, a posted receive or the result log): a step's worth kept spare.
+        self.pool = BufferPool(spare=len(family.children) + 3)
         self.failover = (ParentFailover(family.parent, family.grandparent)
                          if family.parent is not None else None)
         self._pending: dict[int, set[int]] = {}  # step -> ranks that asked before it was known

@@ -459,7 +459,7 @@ class Node:
         if self.straggle.kills(self.rank, step):
             # A real death, as a crashed or preempted machine: no cleanup, no goodbye.
             os.kill(os.getpid(), signal.SIGKILL)
-        delay = self.straggle.extra_delay(self.rank, step, compute_seconds)
+        delay = self.straggle.extra_delay(self.rank, step, compute_seconds, self.world_size)
         if delay > 0:
             await asyncio.sleep(delay)
         return vec

@@ -8,11 +8,13 @@ A spec is a ``;``-separated list of ``TARGET:MODEL`` items:
   ``shifted-exp=SHIFT,RATE`` (each step adds SHIFT + Exp(1)/RATE seconds, the compute model of
   the gradient-coding papers), ``spike=PROB,SECONDS`` (each step, with probability PROB,
   SECONDS more: the rare long delays of a heavy tail, such as a GC pause or a noisy
-  neighbour), or ``kill=STEP`` (the rank SIGKILLs itself when it reaches step STEP: a dead
-  node, for testing tolerance).
+  neighbour), ``pause=LO,HI`` (each step ONE of the target ranks, drawn anew per step and the
+  same draw on every rank, pauses a uniform LO..HI seconds: a GC pause or a preempted VM
+  somewhere in the cluster), or ``kill=STEP`` (the rank SIGKILLs itself when it reaches step
+  STEP: a dead node, for testing tolerance).
 
 Examples: ``rank=4:delay=0.5``, ``rank=4:slow=3``, ``rank=5:kill=10``,
-``all:shifted-exp=0.01,20;rank=2:slow=3``, ``all:spike=0.005,0.2``.
+``all:shifted-exp=0.01,20;rank=2:slow=3``, ``all:spike=0.005,0.2``, ``all:pause=0.1,0.5``.
 The runtime reads ``AIOREDUCE_STRAGGLE`` (and ``AIOREDUCE_STRAGGLE_SEED``) when a node is
 created from the environment, so a launcher can slow chosen ranks without touching the program.
 """
@@ -36,6 +38,7 @@ class StraggleRule:
     kill_at: int | None = None  # the step at which the rank kills itself
     spike_prob: float = 0.0
     spike: float = 0.0
+    pause: tuple[float, float] | None = None  # one target rank per step pauses LO..HI s
 
     def applies(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
@@ -48,11 +51,19 @@ class StraggleModel:
     rules: tuple[StraggleRule, ...] = ()
     seed: int = 0
 
-    def extra_delay(self, rank: int, step: int, compute_seconds: float) -> float:
-        """Seconds to add at ``step`` for a rank whose own work took ``compute_seconds``."""
+    def extra_delay(self, rank: int, step: int, compute_seconds: float, world: int = 0
+                    ) -> float:
+        """Seconds to add at ``step`` for a rank whose own work took ``compute_seconds``
+        (``world``: the job's size, which ``all:pause`` draws its rank from)."""
         extra = 0.0
         for i, rule in enumerate(self.rules):
             if not rule.applies(rank):
+                continue
+            if rule.pause is not None:
+                if self._paused(i, step, world) == rank:
+                    lo, hi = rule.pause
+                    extra += lo + (hi - lo) * np.random.default_rng(
+                        [self.seed, i, step, 2]).random()
                 continue
             extra += rule.delay + (rule.slow - 1.0) * max(0.0, compute_seconds)
             if rule.rate > 0 or rule.shift > 0:
@@ -62,6 +73,28 @@ class StraggleModel:
                 rng = np.random.default_rng([self.seed, i, rank, step, 1])
                 extra += rule.spike if rng.random() < rule.spike_prob else 0.0
         return extra
+
+    def _paused(self, i: int, step: int, world: int) -> int:
+        """The rank rule ``i`` (a pause) pauses at ``step``: the same on every rank."""
+        rule = self.rules[i]
+        if rule.ranks is not None:
+            pool = sorted(rule.ranks)
+        elif world > 0:
+            pool = list(range(world))
+        else:
+            raise ValueError("an 'all:pause' straggler model needs the world size")
+        return pool[int(np.random.default_rng([self.seed, i, step, 3]).integers(len(pool)))]
+
+    def stragglers(self, step: int, world: int) -> frozenset[int]:
+        """The ranks slowed on purpose at ``step``: those a rule names, and the one a pause
+        rule picked (benchmarks leave them out of the makespan of the others)."""
+        out: set[int] = set()
+        for i, rule in enumerate(self.rules):
+            if rule.pause is not None:
+                out.add(self._paused(i, step, world))
+            elif rule.ranks is not None:
+                out |= rule.ranks
+        return frozenset(out)
 
     def kills(self, rank: int, step: int) -> bool:
         """True if ``rank`` is to die (SIGKILL itself) on reaching ``step``."""
@@ -106,11 +139,16 @@ def parse_straggle(spec: str, seed: int = 0) -> StraggleModel:
             elif kind == "spike":
                 prob, seconds = (float(v) for v in value.split(","))
                 rule = StraggleRule(ranks, spike_prob=prob, spike=seconds)
+            elif kind == "pause":
+                lo, hi = (float(v) for v in value.split(","))
+                if not 0 <= lo <= hi:
+                    raise ValueError(kind)
+                rule = StraggleRule(ranks, pause=(lo, hi))
             else:
                 raise ValueError(kind)
         except ValueError:
             raise ValueError(f"straggler spec {item!r}: model must be delay=S, slow=K, "
-                             "shifted-exp=SHIFT,RATE, spike=PROB,SECONDS or kill=STEP"
+                             "shifted-exp=SHIFT,RATE, spike=PROB,SECONDS, pause=LO,HI or kill=STEP"
                              ) from None
         if (rule.delay < 0 or rule.slow < 1 or rule.shift < 0 or rule.rate < 0
                 or (rule.kill_at or 0) < 0 or not 0 <= rule.spike_prob <= 1

@@ -185,13 +185,13 @@ async def _worker(cfg: Config) -> None:
                 value: np.ndarray | None = None
                 if scheme is None:
                     assert dist is not None
-                    await asyncio.sleep(sleep + model.extra_delay(rank, it, sleep))
+                    await asyncio.sleep(sleep + model.extra_delay(rank, it, sleep, world))
                     tensor = torch.from_numpy(vec.copy())
                     dist.all_reduce(tensor)
                     value = tensor.numpy()
                 else:
                     def compute(v: np.ndarray = vec,
-                                t: float = sleep + model.extra_delay(rank, it, sleep)
+                                t: float = sleep + model.extra_delay(rank, it, sleep, world)
                                 ) -> np.ndarray:
                         time.sleep(t)
                         return v
@@ -218,23 +218,24 @@ async def _worker(cfg: Config) -> None:
             dist.destroy_process_group()
 
 
-def makespans(straggle: str, t: np.ndarray) -> np.ndarray:
+def makespans(straggle: str, t: np.ndarray, first_iter: int = 0) -> np.ndarray:
     """Per iteration, seconds from the common start until the last rank that is not an
-    injected straggler (a rank named in ``straggle``) was done; ``t[rank, iter]`` starts
-    with (start, end)."""
-    slow: set[int] = set()
-    for rule in parse_straggle(straggle).rules:
-        if rule.ranks is not None:
-            slow |= set(rule.ranks)
-    fast = [r for r in range(t.shape[0]) if r not in slow] or list(range(t.shape[0]))
-    spans: np.ndarray = t[fast, :, 1].max(axis=0) - t[:, :, 0].min(axis=0)
+    injected straggler at that iteration (a rank a rule names, or the one a pause rule
+    picked) was done; ``t[rank, i]`` (iteration ``first_iter + i``) starts with (start, end)."""
+    model = parse_straggle(straggle)
+    ranks = t.shape[0]
+    spans = np.empty(t.shape[1])
+    for i in range(t.shape[1]):
+        slow = model.stragglers(first_iter + i, ranks)
+        fast = [r for r in range(ranks) if r not in slow] or list(range(ranks))
+        spans[i] = t[fast, i, 1].max() - t[:, i, 0].min()
     return spans
 
 
 def _report(cfg: Config, name: str, scheme: Scheme | None, t: np.ndarray, err: float,
             world: int) -> None:
     """t: (ranks, iters, 4) start, end, received, refused. Print one RESULT line."""
-    spans = makespans(cfg.straggle, t)
+    spans = makespans(cfg.straggle, t, warmup_iterations(cfg))
     out: dict[str, Any] = {"scheme": name, "nodes": world, "size_bytes": cfg.size_bytes,
                            "iters": cfg.iters, "median_s": float(np.median(spans)),
                            "p99_s": float(np.quantile(spans, 0.99)),

@@ -108,7 +108,7 @@ def _worker(cfg: DdpConfig) -> None:
                     idx, w = next(coded_batches)
                 c0 = time.monotonic()
                 out = model(data[idx])
-                extra = model_of_straggle.extra_delay(rank, it, time.monotonic() - c0)
+                extra = model_of_straggle.extra_delay(rank, it, time.monotonic() - c0, world)
                 time.sleep(extra)
                 loss = art.weighted_loss(F.cross_entropy, out, labels[idx], w)
                 loss.backward()  # type: ignore[no-untyped-call]
@@ -119,7 +119,8 @@ def _worker(cfg: DdpConfig) -> None:
                 x, y = data[lo:lo + per_rank], labels[lo:lo + per_rank]
                 c0 = time.monotonic()
                 out = model(x)
-                time.sleep(model_of_straggle.extra_delay(rank, it, time.monotonic() - c0))
+                time.sleep(model_of_straggle.extra_delay(rank, it, time.monotonic() - c0,
+                                                        world))
                 F.cross_entropy(out, y).backward()  # type: ignore[no-untyped-call]
             opt.step()
             if it >= cfg.warmup:
@@ -127,7 +128,7 @@ def _worker(cfg: DdpConfig) -> None:
     for name, model in models.items():
         every = node.allgather(np.array(times[name], np.float64)).value  # (ranks, iters, 2)
         if rank == 0:
-            spans = makespans(cfg.straggle, every)
+            spans = makespans(cfg.straggle, every, cfg.warmup)
             print("RESULT " + json.dumps({
                 "scheme": name, "straggle": cfg.straggle or "none", "nodes": world,
                 "parameters": sum(p.numel() for p in model.parameters()),

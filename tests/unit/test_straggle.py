@@ -59,3 +59,37 @@ def test_spike_model_adds_its_seconds_with_its_probability() -> None:
         parse_straggle("all:spike=0.5")
     with pytest.raises(ValueError, match="non-negative"):
         parse_straggle("all:spike=2,0.1")
+
+
+def test_pause_model_pauses_one_rank_per_step_the_same_on_every_rank() -> None:
+    model = parse_straggle("all:pause=0.1,0.5", seed=2)
+    world = 13
+    victims = []
+    for step in range(3000):
+        delays = [model.extra_delay(r, step, 0.0, world) for r in range(world)]
+        paused = [r for r, d in enumerate(delays) if d > 0]
+        assert len(paused) == 1 and 0.1 <= delays[paused[0]] <= 0.5  # exactly one, in range
+        assert model.stragglers(step, world) == frozenset(paused)  # what the benches leave out
+        victims.append(paused[0])
+    counts = np.bincount(victims, minlength=world)
+    assert counts.min() > 0.6 * 3000 / world  # every rank takes its turn, about as often
+    named = parse_straggle("rank=2,5:pause=0.2,0.2")
+    assert {r for s in range(50) for r in named.stragglers(s, world)} == {2, 5}
+    assert parse_straggle("rank=4:slow=3").stragglers(0, world) == frozenset({4})
+    with pytest.raises(ValueError, match="world size"):
+        model.extra_delay(0, 0, 0.0)
+    with pytest.raises(ValueError, match="pause=LO,HI"):
+        parse_straggle("all:pause=0.5,0.1")
+
+
+def test_makespan_leaves_out_the_rank_paused_at_that_step() -> None:
+    from aioreduce.bench.allreduce import makespans
+
+    spec, world, first = "all:pause=0.3,0.3", 4, 5
+    model = parse_straggle(spec)
+    t = np.zeros((world, 3, 2))
+    t[:, :, 1] = 1.0  # every rank done after 1 s ...
+    for i in range(3):
+        t[sorted(model.stragglers(first + i, world))[0], i, 1] = 9.0  # ... but the paused one
+    assert list(makespans(spec, t, first)) == [1.0, 1.0, 1.0]
+    assert list(makespans("", t, first)) == [9.0, 9.0, 9.0]

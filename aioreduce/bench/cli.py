@@ -108,6 +108,23 @@ def build_parser() -> argparse.ArgumentParser:
     ddp.add_argument("--straggle", default="none|rank=4:delay=0.3|rank=4:slow=3",
                      help="straggler settings, '|'-separated, one launch each ('none': none)")
     ddp.add_argument("--json", action="store_true", help="one JSON object per line")
+    sw = sub.add_parser("sweep", help="schemes x ranks x vector sizes x straggler models on the "
+                                      "emulated cluster; resumable JSON lines and plots")
+    sw.add_argument("--out", default="sweep", help="directory for results.jsonl and the PNGs")
+    sw.add_argument("--scheme", default="ring,coded-tree,gc,tree",
+                    help="schemes per cell (coded-tree where the ranks form a full tree)")
+    sw.add_argument("--nodes", type=lambda t: [int(x) for x in t.split(",")], default=[13, 40])
+    sw.add_argument("--sizes", type=_sizes, default=_sizes("40K,4M,64M"))
+    sw.add_argument("--stragglers", default="none,slow3,pause,shifted-exp,heavy-tail",
+                    help="straggler models by name (see the module docstring)")
+    sw.add_argument("--iters", type=int, default=20)
+    sw.add_argument("--compute", type=float, default=0.05, metavar="SECONDS",
+                    help="emulated compute: seconds one rank needs for the whole data set")
+    sw.add_argument("--link-mbit", type=float, default=1000.0)
+    sw.add_argument("--no-netns", action="store_true",
+                    help="ranks on 127.0.0.1 instead of emulated hosts (no shaping)")
+    sw.add_argument("--no-gloo", action="store_true", help="leave Gloo out")
+    sw.add_argument("--plot", action="store_true", help="only draw the PNGs from --out")
     return p
 
 
@@ -186,6 +203,25 @@ def _print_p2p(results: list[dict[str, Any]]) -> None:
                   f"us, raw {r['raw_rtt_us']:.0f} us (median of {r['rounds']})")
 
 
+def _sweep(opts: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from . import sweep
+
+    out = Path(opts.out)
+    if not opts.plot:
+        cells = sweep.grid(opts.nodes, opts.sizes,
+                           [s.strip() for s in opts.stragglers.split(",") if s.strip()])
+        ran = sweep.sweep(cells, [s.strip() for s in opts.scheme.split(",") if s.strip()], out,
+                          iters=opts.iters, compute=opts.compute, netns=not opts.no_netns,
+                          link_mbit=None if opts.no_netns else opts.link_mbit,
+                          vs_gloo=not opts.no_gloo and sweep.gloo_available())
+        print(f"{ran} cells run, {len(cells) - ran} already in {out / sweep.RESULTS}")
+    for path in sweep.plot(out):
+        print(path)
+    return 0
+
+
 def _json_lines(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         print(json.dumps(r))
@@ -217,6 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print_ddp(rows)
         return 0
+    if opts.command == "sweep":
+        return _sweep(opts)
     if opts.command == "p2p":
         from .p2p import run_p2p
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -105,3 +106,22 @@ def test_a_failed_rank_ends_the_cluster_run_and_is_named() -> None:
     with pytest.raises(RuntimeError, match=r"rank 2 failed \(exit code 3\)"):
         _run_on_cluster(cfg, worker, dict(os.environ), timeout=300)
     assert not {n for n in _namespaces() if n.startswith(f"arx{os.getpid()}")}
+
+
+def test_sweep_runs_resumes_and_plots(tmp_path: Path) -> None:
+    # The short version of `aioreduce-bench sweep` (the full grid is a script-length run).
+    cmd = [sys.executable, "-m", "aioreduce.bench.cli", "sweep", "--out", str(tmp_path),
+           "--nodes", "7", "--sizes", "40K", "--stragglers", "none,pause", "--iters", "3",
+           "--no-gloo"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    cells = {(r["cell"], r["scheme"]) for r in rows}
+    assert cells == {(f"7/40960/{m}", s) for m in ("none", "pause")
+                     for s in ("ring", "coded-tree", "gc", "tree")}
+    assert all(len(r["steps_s"]) == 3 and r["netns"] for r in rows)
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "0 cells run, 2 already" in again.stdout  # resumed
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == len(rows)
+    for png in ("median_p99.png", "speedup_vs_ring.png", "cdf_7.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,229 @@
+"""``aioreduce-bench sweep``: every scheme (and Gloo) over a grid of cluster sizes, vector sizes
+and straggler models, on the emulated cluster; resumable JSON lines and plots.
+
+A *cell* is one (ranks, vector size, straggler model); its schemes run alternated in one launch
+(``aioreduce-bench allreduce``), so they share the machine's noise. Each finished cell appends
+its rows to ``results.jsonl`` in the output directory (one row per scheme, with the cell's
+key); a sweep started again skips the cells already there, so an interrupted sweep resumes.
+``--plot`` (or the end of a sweep) draws from that file:
+
+* ``median_p99.png``: median (solid) and p99 (dashed) step time against ranks, one panel per
+  (straggler model, vector size);
+* ``speedup_vs_ring.png``: ring's median over each scheme's, per cell;
+* ``cdf_<ranks>.png``: the step-time CDF of every scheme, one panel per (model, size).
+
+Straggler models (``--stragglers``, by name): ``none``; ``slow3`` (the last rank, a leaf of
+the tree, computes 3x slower); ``pause`` (each step one random rank pauses 100-500 ms, as a GC
+pause or a preempted VM); ``shifted-exp`` (every rank, every step: 5 ms + Exp with mean 20 ms,
+the model of the gradient-coding papers); ``heavy-tail`` (every rank, every step: 2 % chance of
+300 ms more). A cell's makespan leaves out that step's injected stragglers (see
+:func:`~.allreduce.makespans`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..codes import TreeTopology
+from .allreduce import Config, run_allreduce
+
+STRAGGLERS = {
+    "none": "",
+    "slow3": "rank={last}:slow=3",
+    "pause": "all:pause=0.1,0.5",
+    "shifted-exp": "all:shifted-exp=0.005,50",
+    "heavy-tail": "all:spike=0.02,0.3",
+}
+RESULTS = "results.jsonl"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One point of the grid."""
+
+    nodes: int
+    size_bytes: int
+    straggler: str  # a key of STRAGGLERS
+
+    @property
+    def key(self) -> str:
+        return f"{self.nodes}/{self.size_bytes}/{self.straggler}"
+
+    def straggle_spec(self) -> str:
+        return STRAGGLERS[self.straggler].format(last=self.nodes - 1)
+
+
+def tree_shape(nodes: int, fanout: int = 3) -> tuple[int, int] | None:
+    """(fanout, levels) of a full tree of exactly ``nodes`` ranks, if there is one."""
+    for f in (fanout, 2, 3, 4, 5, 6):
+        levels, size = 0, 1
+        while size < nodes:
+            levels += 1
+            size = TreeTopology(f, levels).size
+        if size == nodes and levels > 0:
+            return f, levels
+    return None
+
+
+def grid(nodes: Iterable[int], sizes: Iterable[int], stragglers: Iterable[str]) -> list[Cell]:
+    bad = [s for s in stragglers if s not in STRAGGLERS]
+    if bad:
+        raise ValueError(f"unknown straggler model(s) {bad}; known: {sorted(STRAGGLERS)}")
+    return [Cell(n, b, s) for n in nodes for b in sizes for s in stragglers]
+
+
+def done_keys(out: Path) -> set[str]:
+    path = out / RESULTS
+    if not path.exists():
+        return set()
+    return {json.loads(line)["cell"] for line in path.read_text().splitlines() if line.strip()}
+
+
+def run_cell(cell: Cell, schemes: list[str], *, iters: int, compute: float, netns: bool,
+             link_mbit: float | None, vs_gloo: bool) -> list[dict[str, Any]]:
+    """One launch with every scheme that fits ``cell.nodes`` (and Gloo); rows to append."""
+    shape = tree_shape(cell.nodes)
+    names = [s for s in schemes if s != "coded-tree" or shape is not None]
+    fanout, levels = shape if shape is not None else (3, 2)
+    cfg = Config(schemes=names, nodes=cell.nodes, size_bytes=cell.size_bytes, iters=iters,
+                 fanout=fanout, levels=levels, compute=compute,
+                 straggle=cell.straggle_spec(), vs_gloo=vs_gloo, netns=netns,
+                 link_mbit=link_mbit, dtype="float64" if cell.size_bytes < 1 << 20 else
+                 "float32")
+    rows = run_allreduce(cfg)
+    return [{**row, "cell": cell.key, "straggler": cell.straggler, "compute_s": compute,
+             "link_mbit": link_mbit, "netns": netns} for row in rows]
+
+
+def sweep(cells: list[Cell], schemes: list[str], out: Path, **kw: Any) -> int:
+    """Run the cells not yet in ``out``; return how many ran."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    out.mkdir(parents=True, exist_ok=True)
+    todo = [c for c in cells if c.key not in done_keys(out)]
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
+               "{task.total} cells"), TimeElapsedColumn())
+    with Progress(*columns) as progress:
+        task = progress.add_task("sweep", total=len(cells), completed=len(cells) - len(todo))
+        for cell in todo:
+            progress.update(task, description=f"{cell.nodes} ranks, {cell.size_bytes} B, "
+                                              f"{cell.straggler}")
+            rows = run_cell(cell, schemes, **kw)
+            with (out / RESULTS).open("a") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
+            progress.advance(task)
+    return len(todo)
+
+
+def load(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / RESULTS).read_text().splitlines()
+            if line.strip()]
+
+
+def plot(out: Path) -> list[Path]:
+    """Draw the sweep's PNGs from ``results.jsonl``; return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = load(out)
+    models = [m for m in STRAGGLERS if any(r["straggler"] == m for r in rows)]
+    sizes = sorted({r["size_bytes"] for r in rows})
+    schemes = sorted({r["scheme"] for r in rows})
+    colours = {s: f"C{i}" for i, s in enumerate(schemes)}
+    written = []
+
+    def panels(title: str) -> tuple[Any, Any]:
+        fig, axes = plt.subplots(len(models), len(sizes), squeeze=False,
+                                 figsize=(4.2 * len(sizes), 3.0 * len(models)))
+        fig.suptitle(title, fontsize=10)
+        return fig, axes
+
+    def label(ax: Any, model: str, size: int) -> None:
+        ax.set_title(f"{model}, {_size(size)}", fontsize=9)
+
+    fig, axes = panels("step time against ranks: median (solid), p99 (dashed)")
+    for i, model in enumerate(models):
+        for j, size in enumerate(sizes):
+            ax = axes[i][j]
+            for s in schemes:
+                pts = sorted((r["nodes"], r["median_s"], r["p99_s"]) for r in rows
+                             if r["scheme"] == s and r["straggler"] == model
+                             and r["size_bytes"] == size)
+                if pts:
+                    n, med, p99 = zip(*pts, strict=True)
+                    ax.plot(n, np.array(med) * 1e3, "o-", color=colours[s], label=s)
+                    ax.plot(n, np.array(p99) * 1e3, "o--", color=colours[s])
+            label(ax, model, size)
+            ax.set_xlabel("ranks")
+            ax.set_ylabel("ms")
+    axes[0][0].legend(fontsize=8)
+    written.append(_save(fig, out / "median_p99.png"))
+
+    fig, axes = panels("speedup over ring (ring's median / the scheme's), per ranks")
+    for i, model in enumerate(models):
+        for j, size in enumerate(sizes):
+            ax = axes[i][j]
+            cell_rows = [r for r in rows if r["straggler"] == model and r["size_bytes"] == size]
+            nodes = sorted({r["nodes"] for r in cell_rows})
+            width = 0.8 / max(1, len(schemes))
+            for k, s in enumerate(schemes):
+                ys = []
+                for n in nodes:
+                    ring = [r["median_s"] for r in cell_rows if r["nodes"] == n
+                            and r["scheme"] == "ring"]
+                    mine = [r["median_s"] for r in cell_rows if r["nodes"] == n
+                            and r["scheme"] == s]
+                    ys.append(ring[0] / mine[0] if ring and mine else math.nan)
+                ax.bar(np.arange(len(nodes)) + k * width, ys, width, color=colours[s],
+                       label=s)
+            ax.axhline(1.0, color="grey", lw=0.8)
+            ax.set_xticks(np.arange(len(nodes)) + 0.4 - width / 2, [str(n) for n in nodes])
+            label(ax, model, size)
+            ax.set_xlabel("ranks")
+    axes[0][0].legend(fontsize=8)
+    written.append(_save(fig, out / "speedup_vs_ring.png"))
+
+    for n in sorted({r["nodes"] for r in rows}):
+        fig, axes = panels(f"step-time CDF, {n} ranks")
+        for i, model in enumerate(models):
+            for j, size in enumerate(sizes):
+                ax = axes[i][j]
+                for r in rows:
+                    if (r["nodes"], r["straggler"], r["size_bytes"]) == (n, model, size):
+                        xs = np.sort(np.array(r["steps_s"])) * 1e3
+                        ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post",
+                                color=colours[r["scheme"]], label=r["scheme"])
+                label(ax, model, size)
+                ax.set_xlabel("ms")
+        axes[0][0].legend(fontsize=8)
+        written.append(_save(fig, out / f"cdf_{n}.png"))
+    return written
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n} B"
+
+
+def gloo_available() -> bool:
+    return importlib.util.find_spec("torch") is not None

@@ -10,7 +10,8 @@ key); a sweep started again skips the cells already there, so an interrupted swe
 * ``median_p99.png``: median (solid) and p99 (dashed) step time against ranks, one panel per
   (straggler model, vector size);
 * ``speedup_vs_ring.png``: ring's median over each scheme's, per cell;
-* ``cdf_<ranks>.png``: the step-time CDF of every scheme, one panel per (model, size).
+* ``cdf_<ranks>.png``: the step-time CDF of every scheme, one panel per (model, size);
+* ``table.md``: every cell's median and p99 per scheme, and the fastest scheme.
 
 Straggler models (``--stragglers``, by name): ``none``; ``slow3`` (the last rank, a leaf of
 the tree, computes 3x slower); ``pause`` (each step one random rank pauses 100-500 ms, as a GC
@@ -165,7 +166,6 @@ def plot(out: Path) -> list[Path]:
             label(ax, model, size)
             ax.set_xlabel("ranks")
             ax.set_ylabel("ms")
-    axes[0][0].legend(fontsize=8)
     written.append(_save(fig, out / "median_p99.png"))
 
     fig, axes = panels("speedup over ring (ring's median / the scheme's), per ranks")
@@ -189,7 +189,6 @@ def plot(out: Path) -> list[Path]:
             ax.set_xticks(np.arange(len(nodes)) + 0.4 - width / 2, [str(n) for n in nodes])
             label(ax, model, size)
             ax.set_xlabel("ranks")
-    axes[0][0].legend(fontsize=8)
     written.append(_save(fig, out / "speedup_vs_ring.png"))
 
     for n in sorted({r["nodes"] for r in rows}):
@@ -204,13 +203,40 @@ def plot(out: Path) -> list[Path]:
                                 color=colours[r["scheme"]], label=r["scheme"])
                 label(ax, model, size)
                 ax.set_xlabel("ms")
-        axes[0][0].legend(fontsize=8)
         written.append(_save(fig, out / f"cdf_{n}.png"))
+    written.append(table(out))
     return written
 
 
+def table(out: Path) -> Path:
+    """``table.md``: every cell's median (and p99) per scheme, in ms, and the fastest."""
+    rows = load(out)
+    schemes = sorted({r["scheme"] for r in rows})
+    cells: dict[tuple[int, int, str], dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        cells.setdefault((r["nodes"], r["size_bytes"], r["straggler"]), {})[r["scheme"]] = r
+    order = list(STRAGGLERS)
+    lines = ["| ranks | size | stragglers | " + " | ".join(schemes) + " | fastest |",
+             "|---" * (len(schemes) + 4) + "|"]
+    for (n, size, model), by in sorted(cells.items(),
+                                       key=lambda kv: (kv[0][0], kv[0][1],
+                                                       order.index(kv[0][2]))):
+        cols = [f"{by[s]['median_s'] * 1e3:.0f} ({by[s]['p99_s'] * 1e3:.0f})" if s in by
+                else "-" for s in schemes]
+        best = min(by, key=lambda s: by[s]["median_s"])
+        lines.append(f"| {n} | {_size(size)} | {model} | " + " | ".join(cols) + f" | {best} |")
+    path = out / "table.md"
+    path.write_text("Median (p99) step time in ms per cell.\n\n" + "\n".join(lines) + "\n")
+    return path
+
+
 def _save(fig: Any, path: Path) -> Path:
-    fig.tight_layout()
+    """One legend for the figure, below the panels (inside one it hides bars)."""
+    labelled = {lab: h for ax in fig.axes for h, lab in zip(*ax.get_legend_handles_labels(),
+                                                               strict=True)}
+    fig.legend(list(labelled.values()), list(labelled), loc="lower center",
+               ncol=len(labelled), fontsize=8)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=90)
     import matplotlib.pyplot as plt
 

@@ -3,11 +3,10 @@
 The vector is cut into N segments; in N-1 reduce-scatter steps every rank ends with one fully
 reduced segment, and in N-1 all-gather steps every segment reaches every rank. Every rank sends
 2(N-1)/N of the vector: the bandwidth optimum. All-gather receives land directly in the
-result; reduce-scatter receives go to scratch (kept by the session) and are added to the
-rank's own segment straight into the result, so the rank's vector is never copied. The result
-comes from a :class:`~.pool.BufferPool`: the memory of a result nobody holds any more. A
-segment is only modified after the send that reads it has drained (``send`` returns then),
-which zero-copy sends require.
+result; reduce-scatter receives go to scratch and are added to the rank's own segment straight
+into the result, so the rank's vector is never copied. Result and scratch come from a
+:class:`~.pool.BufferPool`: memory nobody holds any more is reused. A segment is only modified
+after the send that reads it has drained (``send`` returns then), which zero-copy sends require.
 
 Not pipelined within a segment: cutting segments into 1 MiB frames forwarded as they arrive
 was measured 1.3-1.6x slower on 4 ranks of one 2-core host (per-frame cost and wake-ups
@@ -54,24 +53,7 @@ def _segments(length: int, n: int) -> list[tuple[int, int]]:
     return [(int(edges[i]), int(edges[i + 1])) for i in range(n)]
 
 
-class _Scratch:
-    """Two receive buffers for one direction of the ring, kept across steps.
-
-    A fresh 16 MiB buffer per step costs its page faults (and the kernel's zeroing) every
-    step, which on a 4-rank 64 MiB ring was as much CPU as the additions themselves.
-    """
-
-    def __init__(self) -> None:
-        self._bufs: tuple[np.ndarray, np.ndarray] | None = None
-
-    def get(self, width: int, dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:
-        bufs = self._bufs
-        if bufs is None or bufs[0].size < width or bufs[0].dtype != dtype:
-            bufs = self._bufs = (np.empty(width, dtype), np.empty(width, dtype))
-        return bufs
-
-
-async def _ring(comm: Comm, mine: np.ndarray, acc: np.ndarray, scratch: _Scratch, send_to: int,
+async def _ring(comm: Comm, mine: np.ndarray, acc: np.ndarray, pool: BufferPool, send_to: int,
                 recv_from: int, pos: int, step: int, tag: int) -> None:
     """One directional ring: ``acc`` (a view, uninitialised) becomes the sum over the ring of
     ``mine`` (a view of the same size, only read); this rank is at position ``pos``.
@@ -88,7 +70,9 @@ async def _ring(comm: Comm, mine: np.ndarray, acc: np.ndarray, scratch: _Scratch
     """
     n = comm.world_size
     seg = _segments(acc.size, n)
-    bufs = scratch.get(max(hi - lo for lo, hi in seg), acc.dtype)
+    width = max(hi - lo for lo, hi in seg)
+    # The session's pool: the previous step's scratch, unless something still holds it.
+    bufs = (pool.take(width, acc.dtype), pool.take(width, acc.dtype))
     posted: list[asyncio.Future[Header]] = []
 
     def post_reduce(i: int) -> asyncio.Future[Header]:
@@ -153,9 +137,10 @@ class RingSession:
         # Aborts of steps this rank has not begun (it is behind): a few, newest kept.
         self._ahead: dict[int, AioreduceError] = {}
         self._sends: set[asyncio.Task[None]] = set()
-        self._scratch = (_Scratch(), _Scratch())  # one per direction
-        # Results reused once nobody holds them (fresh memory costs page faults every step).
-        self.pool = BufferPool()
+        # Results and scratch reused once nobody holds them (fresh memory costs page faults
+        # every step, which on a 4-rank 64 MiB ring was as much CPU as the additions): a
+        # step's worth spare (a result and two scratch buffers per direction).
+        self.pool = BufferPool(spare=5)
         self._removers: list[Callable[[], None]] = [
             comm.on_early(peer, ABORT_TAG, functools.partial(self._abort_heard, peer))
             for peer in range(comm.world_size) if peer != comm.rank]
@@ -245,13 +230,12 @@ class RingSession:
         if self.bidirectional and acc.size >= 2 * n:
             half = acc.size // 2
             # Position on the reversed ring (0 -> N-1 -> ... -> 1 -> 0) is -rank mod n.
-            fwd, back = self._scratch
             await asyncio.gather(
-                _ring(comm, mine[:half], acc[:half], fwd, nxt, prev, rank, step, 0),
-                _ring(comm, mine[half:], acc[half:], back, prev, nxt, (-rank) % n, step,
+                _ring(comm, mine[:half], acc[:half], self.pool, nxt, prev, rank, step, 0),
+                _ring(comm, mine[half:], acc[half:], self.pool, prev, nxt, (-rank) % n, step,
                       1 << 20))
         else:
-            await _ring(comm, mine, acc, self._scratch[0], nxt, prev, rank, step, 0)
+            await _ring(comm, mine, acc, self.pool, nxt, prev, rank, step, 0)
 
 
 def _mismatch(step: int, exc: VectorMismatch, me: int, mine: np.ndarray) -> VectorMismatch:

@@ -156,10 +156,7 @@ class FrameDecoder:
             return memoryview(self._stage)[:0]
         if self._lo == self._hi:
             self._lo = self._hi = 0
-            if self._exact:
-                return memoryview(self._stage)[:PREFIX_SIZE if st is _State.PREFIX
-                                               else self._header_len]
-        elif self._exact:
+        if self._exact:  # just the rest of this prefix or header
             need = (PREFIX_SIZE if st is _State.PREFIX else self._header_len) - (
                 self._hi - self._lo)
             if need > 0 and self._hi + need <= len(self._stage):

@@ -32,7 +32,8 @@ def _sizes(text: str) -> list[int]:
     return [parse_size(s) for s in text.split(",") if s]
 
 
-def _fmt_size(n: int) -> str:
+def fmt_size(n: int) -> str:
+    """``16M``, ``40K``: the form :func:`parse_size` reads (exact multiples only)."""
     for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if n >= scale and n % scale == 0:
             return f"{n // scale}{unit}"
@@ -176,7 +177,7 @@ def _print_allreduce(rows: list[dict[str, Any]]) -> None:
     rows = [r for r in rows if r["scheme"] != "gloo"] + [r for r in rows
                                                           if r["scheme"] == "gloo"]
     first = rows[0]
-    print(f"{first['nodes']} ranks, {_fmt_size(first['size_bytes'])}B vector, "
+    print(f"{first['nodes']} ranks, {fmt_size(first['size_bytes'])}B vector, "
           f"{first['iters']} iterations (median and p99 of the per-step makespan; of each "
           "rank's own completion time: rank p50, rank p99)")
     print(f"{'scheme':>11} {'median ms':>10} {'p99 ms':>9} {'model ms':>9} {'vs gloo':>8} "
@@ -196,7 +197,7 @@ def _print_p2p(results: list[dict[str, Any]]) -> None:
     print(f"{'size':>6} {'aioreduce GB/s':>15} {'raw GB/s':>10} {'ratio':>7}")
     for r in results:
         if r["kind"] == "throughput":
-            print(f"{_fmt_size(r['size_bytes']):>6} {r['aioreduce_gbps']:>15.2f} "
+            print(f"{fmt_size(r['size_bytes']):>6} {r['aioreduce_gbps']:>15.2f} "
                   f"{r['raw_gbps']:>10.2f} {r['ratio']:>7.2f}")
         else:
             print(f"round trip of {r['message_bytes']} B: aioreduce {r['aioreduce_rtt_us']:.0f} "

@@ -33,6 +33,7 @@ from typing import Any
 
 from ..codes import TreeTopology
 from .allreduce import Config, run_allreduce
+from .cli import fmt_size
 
 STRAGGLERS = {
     "none": "",
@@ -62,7 +63,7 @@ class Cell:
 
 def tree_shape(nodes: int, fanout: int = 3) -> tuple[int, int] | None:
     """(fanout, levels) of a full tree of exactly ``nodes`` ranks, if there is one."""
-    for f in (fanout, 2, 3, 4, 5, 6):
+    for f in dict.fromkeys((fanout, 2, 3, 4, 5, 6)):  # the preferred fan-out first, once
         levels, size = 0, 1
         while size < nodes:
             levels += 1
@@ -113,7 +114,7 @@ def sweep(cells: list[Cell], schemes: list[str], out: Path, **kw: Any) -> int:
     with Progress(*columns) as progress:
         task = progress.add_task("sweep", total=len(cells), completed=len(cells) - len(todo))
         for cell in todo:
-            progress.update(task, description=f"{cell.nodes} ranks, {cell.size_bytes} B, "
+            progress.update(task, description=f"{cell.nodes} ranks, {fmt_size(cell.size_bytes)}, "
                                               f"{cell.straggler}")
             rows = run_cell(cell, schemes, **kw)
             with (out / RESULTS).open("a") as f:
@@ -149,7 +150,7 @@ def plot(out: Path) -> list[Path]:
         return fig, axes
 
     def label(ax: Any, model: str, size: int) -> None:
-        ax.set_title(f"{model}, {_size(size)}", fontsize=9)
+        ax.set_title(f"{model}, {fmt_size(size)}", fontsize=9)
 
     fig, axes = panels("step time against ranks: median (solid), p99 (dashed)")
     for i, model in enumerate(models):
@@ -204,13 +205,12 @@ def plot(out: Path) -> list[Path]:
                 label(ax, model, size)
                 ax.set_xlabel("ms")
         written.append(_save(fig, out / f"cdf_{n}.png"))
-    written.append(table(out))
+    written.append(table(out, rows))
     return written
 
 
-def table(out: Path) -> Path:
+def table(out: Path, rows: list[dict[str, Any]]) -> Path:
     """``table.md``: every cell's median (and p99) per scheme, in ms, and the fastest."""
-    rows = load(out)
     schemes = sorted({r["scheme"] for r in rows})
     cells: dict[tuple[int, int, str], dict[str, dict[str, Any]]] = {}
     for r in rows:
@@ -224,7 +224,7 @@ def table(out: Path) -> Path:
         cols = [f"{by[s]['median_s'] * 1e3:.0f} ({by[s]['p99_s'] * 1e3:.0f})" if s in by
                 else "-" for s in schemes]
         best = min(by, key=lambda s: by[s]["median_s"])
-        lines.append(f"| {n} | {_size(size)} | {model} | " + " | ".join(cols) + f" | {best} |")
+        lines.append(f"| {n} | {fmt_size(size)} | {model} | " + " | ".join(cols) + f" | {best} |")
     path = out / "table.md"
     path.write_text("Median (p99) step time in ms per cell.\n\n" + "\n".join(lines) + "\n")
     return path
@@ -242,13 +242,6 @@ def _save(fig: Any, path: Path) -> Path:
 
     plt.close(fig)
     return path
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:g} {unit}"
-    return f"{n} B"
 
 
 def gloo_available() -> bool:

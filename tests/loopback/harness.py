@@ -16,11 +16,35 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from aioreduce.jobplan import HostSlots, JobConfig, RankSpec, free_port, plan_ranks
 
 HERE = Path(__file__).parent
 RANKPROG = str(HERE / "rankprog.py")
 SCHEMEPROG = str(HERE / "schemeprog.py")
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie has ended; a pid gone mid-check has too)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def gone(pids: list[int], within: float = 5.0) -> bool:
+    """Whether every one of ``pids`` has ended within ``within`` seconds.
+
+    These are not our children (the launcher or agent started them), so there is no wait() to
+    block on; polling /proc is the only event there is.
+    """
+    deadline = time.monotonic() + within
+    while any(alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 @dataclass

@@ -6,12 +6,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgpack
-import psutil
 import pytest
+
+from .harness import gone
 
 pytestmark = pytest.mark.loopback
 
@@ -40,7 +40,11 @@ def _start(agent: subprocess.Popen[bytes], heartbeat: float = 2.0) -> list[int]:
     pids: list[int] = []
     text = {0: b"", 1: b""}  # output arrives in chunks, not lines
     while sum(t.count(b"\n") for t in text.values()) < 2:
-        unpacker.feed(os.read(agent.stdout.fileno(), 1 << 16))
+        data = os.read(agent.stdout.fileno(), 1 << 16)
+        if not data:  # the agent ended before both ranks spoke: show why, do not spin
+            assert agent.stderr is not None
+            pytest.fail(f"agent exited early: {agent.stderr.read().decode(errors='replace')}")
+        unpacker.feed(data)
         for msg in unpacker:
             if msg["t"] == "started":
                 pids.append(msg["pid"])
@@ -53,17 +57,6 @@ def _start(agent: subprocess.Popen[bytes], heartbeat: float = 2.0) -> list[int]:
     return pids
 
 
-def _gone(pids: list[int], within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        if not alive:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_closing_stdin_kills_every_rank_and_what_it_started() -> None:
     agent = _agent()
     try:
@@ -73,7 +66,7 @@ def test_closing_stdin_kills_every_rank_and_what_it_started() -> None:
             assert b"s3cr3t" not in Path(f"/proc/{pid}/cmdline").read_bytes()
         assert agent.stdin is not None
         agent.stdin.close()
-        assert _gone(pids, 5)
+        assert gone(pids, 5)
         assert agent.wait(10) == 0
     finally:
         if agent.poll() is None:
@@ -84,7 +77,7 @@ def test_missing_heartbeats_kill_the_ranks() -> None:
     agent = _agent()
     try:
         pids = _start(agent, heartbeat=0.3)  # the test never pings: a frozen launcher
-        assert _gone(pids, 0.3 * 3 + 4)
+        assert gone(pids, 0.3 * 3 + 4)
         assert agent.wait(10) == 0
     finally:
         if agent.poll() is None:

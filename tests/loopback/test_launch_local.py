@@ -9,8 +9,9 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
+
+from .harness import alive, gone
 
 pytestmark = pytest.mark.loopback
 
@@ -43,26 +44,10 @@ def _pids(out: str) -> list[int]:
     return pids
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _run(mode: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*LAUNCH, "-n", "4", "--kill-timeout", "2", *kw.pop("extra", []),
                            "--", sys.executable, "-c", PROG, mode],
                           capture_output=True, text=True, timeout=timeout, **kw)
-
-
-def _gone(pids: list[int], within: float = 5.0) -> bool:
-    deadline = time.monotonic() + within
-    while any(_alive(p) for p in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_lines_are_tagged_and_success_is_zero() -> None:
@@ -72,7 +57,7 @@ def test_lines_are_tagged_and_success_is_zero() -> None:
         assert any(line.startswith(f"[{r}] rank {r} pid ") and line.endswith("world 4")
                    for line in res.stdout.splitlines())
         assert f"[{r}] err line from {r}" in res.stderr
-    assert _gone(_pids(res.stdout))
+    assert gone(_pids(res.stdout))
 
 
 def test_first_failure_code_propagates_and_nothing_is_left(tmp_path) -> None:
@@ -82,7 +67,7 @@ def test_first_failure_code_propagates_and_nothing_is_left(tmp_path) -> None:
     assert "[2] rank 2 gives up" in res.stderr
     pids = _pids(res.stdout)
     assert len(pids) == 8
-    assert _gone(pids), [p for p in pids if _alive(p)]
+    assert gone(pids), [p for p in pids if alive(p)]
     assert "rank 2 gives up" in (tmp_path / "rank.2.stderr").read_text()
 
 
@@ -102,7 +87,7 @@ def test_sigint_stops_every_rank() -> None:
         out, err = proc.communicate(timeout=30)
         assert proc.returncode == 130, err
         assert time.monotonic() - t0 < 2 + 5  # within the kill timeout plus a margin
-        assert _gone(_pids("".join(lines) + out), within=3)
+        assert gone(_pids("".join(lines) + out), within=3)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -46,6 +46,8 @@ class MeshOptions:
     handshake_timeout: float = 10.0
     # Connections that have not proved the secret yet, held at once; past these the oldest is
     # dropped, so a flood costs bounded memory and descriptors and a correct peer still gets in.
+    # A job's own ranks may all dial at once (every peer, from one host when they share it), so
+    # a mesh raises both to what its job can legitimately open (see ``Mesh.caps``).
     max_unauthenticated: int = 64
     max_unauthenticated_per_host: int = 16
     connect_timeout: float = 30.0
@@ -85,6 +87,9 @@ class Mesh:
         self.wrong_jobs: dict[int, str] = {}
         self.misconfigured = asyncio.Event()  # a duplicate or wrong job id was seen
         self._refusals = RateLimitedLog(log)
+        # (all, per host): every other rank dials us at most once at a time
+        self.caps = (max(self.options.max_unauthenticated, 2 * (world_size - 1)),
+                     max(self.options.max_unauthenticated_per_host, world_size - 1))
 
     # -- listening ----------------------------------------------------------------------------
     async def listen(self, host: str, port: int = 0) -> tuple[str, int]:
@@ -109,9 +114,10 @@ class Mesh:
 
     def _incoming(self) -> FrameProtocol:
         conn = self._new_protocol()
-        task = asyncio.get_running_loop().create_task(self._accept(conn))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        # uvloop makes the connection (and learns the peer's address) after this factory
+        # returns; a handshake started here would count every burst of peers against an
+        # unknown host "?", so the per-host cap evicted correct ranks of jobs over 16 ranks.
+        conn.on_made = lambda c: self._spawn(self._accept(c))
         return conn
 
     def _admit(self, conn: FrameProtocol) -> None:
@@ -120,13 +126,12 @@ class Mesh:
         self._unauthenticated[conn] = host
         self._settled.clear()
         same = [c for c, h in self._unauthenticated.items() if h == host]
-        if len(same) > self.options.max_unauthenticated_per_host:
-            self._evict(same[0], f"more than {self.options.max_unauthenticated_per_host} "
-                                 f"unauthenticated connections from {host}")
-        if len(self._unauthenticated) > self.options.max_unauthenticated:
+        cap_all, cap_host = self.caps
+        if len(same) > cap_host:
+            self._evict(same[0], f"more than {cap_host} unauthenticated connections from {host}")
+        if len(self._unauthenticated) > cap_all:
             self._evict(next(iter(self._unauthenticated)),
-                        f"more than {self.options.max_unauthenticated} unauthenticated "
-                        "connections")
+                        f"more than {cap_all} unauthenticated connections")
 
     def _evict(self, conn: FrameProtocol, reason: str) -> None:
         self._forget_unauthenticated(conn)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, cast
 
 from ..errors import PeerLost
@@ -56,6 +56,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.peer: int | None = None  # rank, once authenticated
         self.router: Router | None = None
         self.peername = "?"
+        # Called once the connection is made (its peer address known): a listener starts
+        # the handshake then, so it counts the connection against the right host.
+        self.on_made: Callable[[FrameProtocol], None] | None = None
         self.handshake: asyncio.Queue[Header] = asyncio.Queue()
         self.closed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._drained = asyncio.Event()
@@ -76,6 +79,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
             tune(sock, self._user_timeout)
         peer = transport.get_extra_info("peername")
         self.peername = f"{peer[0]}:{peer[1]}" if peer else "?"
+        if self.on_made is not None:
+            self.on_made(self)
 
     def authenticated(self, rank: int, router: Router) -> None:
         """Handshake done: accept payloads and route frames to ``router``."""

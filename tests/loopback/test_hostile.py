@@ -115,6 +115,49 @@ def test_dropped_idle_connections_are_the_oldest() -> None:
         proc.wait(5)
 
 
+def _closed(sock: socket.socket, wait: float) -> bool:
+    sock.settimeout(wait)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_the_per_host_cap_counts_each_connection_against_its_own_host() -> None:
+    # One connection from 127.0.0.2, then more than the per-host cap from 127.0.0.1: only
+    # 127.0.0.1's oldest are dropped. (The cap once counted connections before their address
+    # was known, all against one host "?", and evicted correct ranks of 40-rank jobs.)
+    script = (
+        "import asyncio, aioreduce as ar\n"
+        "from aioreduce.transport import Mesh, MeshOptions\n"
+        "async def main():\n"
+        "    m = Mesh(0, 2, b's', 'j', MeshOptions(max_unauthenticated_per_host=4))\n"
+        "    host, port = await m.listen('0.0.0.0', 0)\n"
+        "    print(port, flush=True)\n"
+        "    await asyncio.sleep(30)\n"
+        "ar.run(main())\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    socks: list[socket.socket] = []
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        socks.append(socket.create_connection(("127.0.0.1", port), timeout=5,
+                                              source_address=("127.0.0.2", 0)))
+        for _ in range(6):
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        closed = [_closed(s, 0.5) for s in socks]
+        assert closed == [False] + [True] * 2 + [False] * 4, closed
+    finally:
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.close()
+        proc.kill()
+        proc.wait(5)
+
+
 BUDGET_MIB = PeerBudget().staged_bytes / 2**20
 
 

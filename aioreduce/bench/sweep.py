@@ -87,20 +87,32 @@ def done_keys(out: Path) -> set[str]:
     return {json.loads(line)["cell"] for line in path.read_text().splitlines() if line.strip()}
 
 
-def run_cell(cell: Cell, schemes: list[str], *, iters: int, compute: float, netns: bool,
-             link_mbit: float | None, vs_gloo: bool) -> list[dict[str, Any]]:
-    """One launch with every scheme that fits ``cell.nodes`` (and Gloo); rows to append."""
+def cell_config(cell: Cell, schemes: list[str], *, iters: int, compute: float, netns: bool,
+                link_mbit: float | None, vs_gloo: bool) -> Config:
+    """The allreduce run of ``cell``: every scheme that fits ``cell.nodes`` (and Gloo)."""
     shape = tree_shape(cell.nodes)
     names = [s for s in schemes if s != "coded-tree" or shape is not None]
     fanout, levels = shape if shape is not None else (3, 2)
-    cfg = Config(schemes=names, nodes=cell.nodes, size_bytes=cell.size_bytes, iters=iters,
-                 fanout=fanout, levels=levels, compute=compute,
-                 straggle=cell.straggle_spec(), vs_gloo=vs_gloo, netns=netns,
-                 link_mbit=link_mbit, dtype="float64" if cell.size_bytes < 1 << 20 else
-                 "float32")
+    return Config(schemes=names, nodes=cell.nodes, size_bytes=cell.size_bytes, iters=iters,
+                  fanout=fanout, levels=levels, compute=compute,
+                  straggle=cell.straggle_spec(), vs_gloo=vs_gloo, netns=netns,
+                  link_mbit=link_mbit, dtype="float64" if cell.size_bytes < 1 << 20 else
+                  "float32")
+
+
+def row_config(row: dict[str, Any]) -> Config:
+    """The configuration a row of ``results.jsonl`` was measured with."""
+    return cell_config(Cell(row["nodes"], row["size_bytes"], row["straggler"]), [row["scheme"]],
+                       iters=row["iters"], compute=row["compute_s"], netns=row["netns"],
+                       link_mbit=row["link_mbit"], vs_gloo=False)
+
+
+def run_cell(cell: Cell, schemes: list[str], **kw: Any) -> list[dict[str, Any]]:
+    """One launch with every scheme that fits ``cell.nodes`` (and Gloo); rows to append."""
+    cfg = cell_config(cell, schemes, **kw)
     rows = run_allreduce(cfg)
-    return [{**row, "cell": cell.key, "straggler": cell.straggler, "compute_s": compute,
-             "link_mbit": link_mbit, "netns": netns} for row in rows]
+    return [{**row, "cell": cell.key, "straggler": cell.straggler, "compute_s": cfg.compute,
+             "link_mbit": cfg.link_mbit, "netns": cfg.netns} for row in rows]
 
 
 def sweep(cells: list[Cell], schemes: list[str], out: Path, **kw: Any) -> int:

@@ -1,0 +1,93 @@
+"""A discrete-event simulator of every scheme, for clusters we cannot run.
+
+It runs the step graph of a scheme (:mod:`.steps`: the runtime's topologies, first-sufficient
+decode rules, chunk pipelining) on an engine with serialised links and CPUs (:mod:`.engine`),
+with the same emulated compute and the same straggler draws as ``aioreduce-bench allreduce``
+(a :class:`~aioreduce.bench.allreduce.Config` describes a run for both), and reports the same
+makespan: until the last rank that is not an injected straggler at that step has the result.
+Per-message and per-byte costs come from :mod:`.calibrate`, fitted to measured runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import numpy as np
+
+from ..bench.allreduce import Config, build_scheme, load_fraction, warmup_iterations
+from ..schemes import CodedTree, GradientCoding, Scheme
+from ..straggle import parse_straggle
+from .engine import run
+from .steps import Costs, ring, tree
+
+__all__ = ["SIMULATED", "Costs", "Platform", "simulate"]
+
+SIMULATED = ("ring", "tree", "coded-tree", "gc", "gloo")
+
+
+@dataclass(frozen=True)
+class Platform:
+    """The costs of our runtime and of Gloo on one kind of cluster."""
+
+    ours: Costs
+    gloo: Costs
+
+    def on_links(self, mbit: float | None, cores: int | None) -> Platform:
+        """The same software costs on other links (Mbit/s; None: as fitted) and cores."""
+        def move(c: Costs) -> Costs:
+            return replace(c, bandwidth=c.bandwidth if mbit is None else mbit * 1e6 / 8,
+                           cores=cores)
+        return Platform(move(self.ours), move(self.gloo))
+
+
+def simulate(name: str, cfg: Config, platform: Platform, steps: int | None = None
+             ) -> np.ndarray:
+    """Makespans (s) of ``steps`` (default ``cfg.iters``) steps of scheme ``name`` ("gloo":
+    Gloo's ring) on ``cfg``'s cluster, with ``cfg``'s compute and straggler draws."""
+    if name not in SIMULATED:
+        raise ValueError(f"no simulation of {name!r}; simulated: {', '.join(SIMULATED)}")
+    world = cfg.nodes
+    scheme, load = _scheme(name, world, cfg.fanout, cfg.levels, cfg.stragglers, cfg.code)
+    costs = platform.gloo if name == "gloo" else replace(platform.ours,
+                                                          chunk_bytes=cfg.chunk_bytes)
+    share = load * cfg.compute
+    model = parse_straggle(cfg.straggle)
+    first = warmup_iterations(cfg)
+    count = cfg.iters if steps is None else steps
+    if not cfg.straggle:
+        count = min(count, 1)  # every step is the same: simulate one
+    out = np.empty(count)
+    for i in range(count):
+        it = first + i
+        compute = [share + model.extra_delay(r, it, share, world) for r in range(world)]
+        if isinstance(scheme, CodedTree):
+            graph, done = tree(costs, compute, cfg.size_bytes, cfg.fanout, cfg.levels,
+                               cfg.stragglers, root_computes=False)
+        elif isinstance(scheme, GradientCoding):
+            graph, done = tree(costs, compute, cfg.size_bytes, world - 1, 1, scheme.code.s,
+                               root_computes=False, m=scheme.code.m)
+        elif name == "tree":
+            graph, done = tree(costs, compute, cfg.size_bytes, cfg.fanout, cfg.levels)
+        else:
+            graph, done = ring(costs, compute, cfg.size_bytes)
+        run(graph, world, costs.cores)
+        slow = model.stragglers(it, world)
+        fast = [r for r in range(world) if r not in slow] or list(range(world))
+        ends = [done[r].done for r in fast]
+        out[i] = max(math.inf if e is None else e for e in ends)
+    return out
+
+
+
+@lru_cache(maxsize=64)
+def _scheme(name: str, nodes: int, fanout: int, levels: int, stragglers: int, code: str
+            ) -> tuple[Scheme | None, float]:
+    """The scheme the bench would build, and a rank's load (planning codes is slow)."""
+    if name == "gloo":
+        return None, 1.0 / nodes
+    cfg = Config(schemes=[name], nodes=nodes, size_bytes=0, fanout=fanout, levels=levels,
+                 stragglers=stragglers, code=code)
+    scheme = build_scheme(name, cfg)
+    return scheme, load_fraction(scheme, nodes)

@@ -1,0 +1,134 @@
+"""Fit the simulator's costs to measured runs, and compare it with them.
+
+The costs the simulator needs are not datasheet numbers: what a message costs our runtime
+(framing, syscalls, an event loop's wake-up on a host whose cores every rank shares) and what
+a byte costs (the add, the copy) are properties of this code on this machine. They are fitted
+to measured medians, the rows of a sweep (:mod:`aioreduce.bench.sweep`): by default to the
+cells without injected stragglers only, so that every cell with stragglers checks the model
+on conditions it was not fitted to. The fit is a coordinate search in log space on the
+squared log error of the medians; small, deterministic, no solver needed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import numpy as np
+
+from ..bench.allreduce import Config
+from . import SIMULATED, Platform, simulate
+from .steps import Costs
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One scheme's measured median in one configuration."""
+
+    scheme: str
+    cfg: Config
+    median: float
+    straggler: str = "none"
+
+    @property
+    def label(self) -> str:
+        return f"{self.cfg.nodes}/{self.cfg.size_bytes}/{self.straggler}/{self.scheme}"
+
+
+@dataclass(frozen=True)
+class Check:
+    """The simulator's median next to a measured one."""
+
+    measured: Measured
+    predicted: float
+
+    @property
+    def error(self) -> float:
+        """Relative error of the prediction: predicted / measured - 1."""
+        return self.predicted / self.measured.median - 1.0
+
+
+def from_sweep(rows: Iterable[dict[str, Any]]) -> list[Measured]:
+    """The simulated schemes' rows of a sweep's ``results.jsonl``."""
+    from ..bench.sweep import row_config
+
+    return [Measured(r["scheme"], row_config(r), r["median_s"], r["straggler"]) for r in rows
+            if r["scheme"] in SIMULATED]
+
+
+def emulation_start(link_mbit: float = 1000.0, cores: int = 2) -> Platform:
+    """Where the fit starts: a plausible Python runtime and a C++ one on shaped links."""
+    bandwidth = link_mbit * 1e6 / 8
+    return Platform(Costs(50e-6, bandwidth, msg_cpu=100e-6, byte_cpu=1e-9, decode_cpu=50e-6,
+                          cores=cores),
+                    Costs(50e-6, bandwidth, msg_cpu=30e-6, byte_cpu=0.5e-9, cores=cores))
+
+
+# (which side, field) the fit moves; bandwidth stays the shaped rate, cores the machine's
+FREE = (("ours", "msg_cpu"), ("ours", "byte_cpu"), ("gloo", "msg_cpu"), ("gloo", "byte_cpu"),
+        ("ours", "decode_cpu"), ("both", "alpha"))
+
+
+def _get(p: Platform, side: str, name: str) -> float:
+    value: float = getattr(p.ours if side in ("ours", "both") else p.gloo, name)
+    return value
+
+
+def _set(p: Platform, side: str, name: str, value: float) -> Platform:
+    changes: dict[str, Any] = {name: value}
+    ours = replace(p.ours, **changes) if side in ("ours", "both") else p.ours
+    gloo = replace(p.gloo, **changes) if side in ("gloo", "both") else p.gloo
+    return Platform(ours, gloo)
+
+
+def compare(measured: Iterable[Measured], platform: Platform, steps: int | None = None
+            ) -> list[Check]:
+    """The simulator's median for every measurement."""
+    return [Check(m, float(np.median(simulate(m.scheme, m.cfg, platform, steps))))
+            for m in measured]
+
+
+def loss(checks: Iterable[Check]) -> float:
+    """Mean squared log error of the medians."""
+    errs = [math.log(c.predicted / c.measured.median) ** 2 for c in checks]
+    return float(np.mean(errs)) if errs else 0.0
+
+
+def fit(measured: list[Measured], start: Platform, rounds: int = 6,
+        progress: Callable[[int, float], None] | None = None) -> Platform:
+    """Costs that make the simulator's medians match ``measured`` (see the module doc)."""
+    best = start
+    best_loss = loss(compare(measured, best))
+    factor = 4.0
+    for r in range(rounds):
+        for side, name in FREE:
+            if not any(m.scheme == "gloo" for m in measured) and side == "gloo":
+                continue
+            for f in (factor, 1 / factor):
+                while True:
+                    cand = _set(best, side, name, _get(best, side, name) * f)
+                    cand_loss = loss(compare(measured, cand))
+                    if cand_loss >= best_loss:
+                        break
+                    best, best_loss = cand, cand_loss
+        factor = math.sqrt(factor)
+        if progress is not None:
+            progress(r, best_loss)
+    return best
+
+
+def costs_table(platform: Platform) -> list[tuple[str, str, str]]:
+    """(field, ours, Gloo) rows to print the fitted costs."""
+    units = {"alpha": 1e6, "msg_cpu": 1e6, "byte_cpu": 1e9, "decode_cpu": 1e6,
+             "bandwidth": 8e-6}
+    names = {"alpha": "alpha (us)", "msg_cpu": "CPU per message (us)",
+             "byte_cpu": "CPU per byte (ns)", "decode_cpu": "decode, per child (us)",
+             "bandwidth": "link (Mbit/s)"}
+    out = []
+    for f in fields(Costs):
+        if f.name in units:
+            out.append((names[f.name], f"{getattr(platform.ours, f.name) * units[f.name]:.3g}",
+                        f"{getattr(platform.gloo, f.name) * units[f.name]:.3g}"))
+    return out

@@ -1,0 +1,124 @@
+"""The step graph of every scheme, as the runtime runs it, for :mod:`.engine`.
+
+Each builder takes the per-rank compute times of one step (emulated compute plus injected
+delay) and returns the graph and, per rank, the op after which that rank holds the result.
+A message is three ops: the sender's CPU (framing, the send call), the wire, the receiver's
+CPU (the receive, plus a per-byte cost for the add, decode or copy into the result). Vectors
+longer than ``chunk_bytes`` travel as several frames, each paying the per-message cost.
+
+* **ring** (ours and Gloo's): reduce-scatter then all-gather, 2(N-1) steps of V/N bytes; a
+  rank forwards step k once it has received step k-1 (and, at step 0, computed).
+* **tree / coded-tree**: up the tree chunk by chunk (a parent forwards chunk c once it has
+  chunk c of all its children, or of the first ``fanout - stragglers`` for the coded tree,
+  and has computed itself), then the result down, chunk by chunk, each parent sending to its
+  children one after the other. The coded tree's root does not compute.
+* **gc** (gradient coding on a star): the runtime runs it as a tree of one level (the same
+  session): workers 1..N-1 send V/m bytes per chunk to rank 0, which decodes each chunk from
+  the first N-1-s and sends it on to every worker while later chunks still come in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..codes import TreeTopology
+from .engine import Graph, Op
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What one message and one byte cost; fitted by :mod:`.calibrate`.
+
+    ``msg_cpu`` is the CPU time a frame costs at each end (syscalls, framing, the event
+    loop's wake-up), ``byte_cpu`` what each received byte costs (the add or copy),
+    ``decode_cpu`` what choosing and applying a decoder costs a coded parent, ``alpha``
+    the wire latency of a message, ``bandwidth`` a link's bytes per second in each direction,
+    ``cores`` the cores all ranks share (the emulation host) or ``None`` (a host per rank).
+    """
+
+    alpha: float = 50e-6
+    bandwidth: float = 1.25e8
+    msg_cpu: float = 100e-6
+    byte_cpu: float = 0.5e-9
+    decode_cpu: float = 0.0  # a coded parent's decode, per chunk and child (the solve)
+    cores: int | None = None
+    chunk_bytes: int = 1 << 20
+
+
+def _frames(nbytes: float, chunk: int) -> int:
+    return max(1, math.ceil(nbytes / chunk))
+
+
+class _Builder:
+    def __init__(self, costs: Costs) -> None:
+        self.c = costs
+        self.g = Graph()
+
+    def compute(self, rank: int, seconds: float) -> Op:
+        return self.g.add("delay", rank, seconds)
+
+    def message(self, src: int, dst: int, nbytes: float, after: list[Op],
+                need: int | None = None, frames: int | None = None) -> Op:
+        """Send ``nbytes`` from ``src`` to ``dst`` once ``need`` of ``after`` are done;
+        returns the op after which ``dst`` has used them."""
+        c = self.c
+        n = frames if frames is not None else _frames(nbytes, c.chunk_bytes)
+        send = self.g.add("cpu", src, n * c.msg_cpu, after=after, need=need)
+        wire = self.g.add("wire", src, nbytes / c.bandwidth, dst=dst, latency=c.alpha,
+                          after=[send])
+        return self.g.add("cpu", dst, n * c.msg_cpu + nbytes * c.byte_cpu, after=[wire])
+
+    def join(self, rank: int, after: list[Op], need: int | None = None) -> Op:
+        return self.g.add("delay", rank, 0.0, after=after, need=need)
+
+
+def ring(costs: Costs, compute: Sequence[float], vector_bytes: float) -> tuple[Graph, list[Op]]:
+    n = len(compute)
+    b = _Builder(costs)
+    seg = vector_bytes / n
+    have = [b.compute(r, compute[r]) for r in range(n)]  # what rank r can send next after
+    for _ in range(2 * (n - 1)):
+        have = [b.message((r - 1) % n, r, seg, [have[(r - 1) % n]]) for r in range(n)]
+    return b.g, have
+
+
+def tree(costs: Costs, compute: Sequence[float], vector_bytes: float, fanout: int,
+         levels: int, stragglers: int = 0, root_computes: bool = True, m: int = 1
+         ) -> tuple[Graph, list[Op]]:
+    """The uncoded tree (``stragglers == 0``), CodedReduce, or (one level, fan-out N-1)
+    gradient coding's star; children send ``1/m`` of a chunk up (communication-efficient
+    codes)."""
+    topo = TreeTopology(fanout, levels)
+    n = topo.size
+    b = _Builder(costs)
+    chunks = _frames(vector_bytes, costs.chunk_bytes)
+    piece = vector_bytes / chunks
+    own = [b.compute(r, compute[r] if (r or root_computes) else 0.0) for r in range(n)]
+    # up[r][c]: rank r has its partial sum of chunk c (its own and its children's)
+    up: list[list[Op]] = [[] for _ in range(n)]
+    for lv in range(levels, -1, -1):
+        for r in topo.ranks_at(lv):
+            kids = topo.children(r)
+            for c in range(chunks):
+                if not kids:
+                    up[r].append(own[r])
+                    continue
+                got = [b.message(k, r, piece / m, [up[k][c]], frames=1) for k in kids]
+                need = len(kids) - stragglers
+                first = b.join(r, got, need=need)
+                if stragglers:
+                    first = b.g.add("cpu", r, costs.decode_cpu * len(kids), after=[first])
+                up[r].append(b.join(r, [first, own[r]]))
+    # down: the result, chunk after chunk, to each child in turn
+    down: list[list[Op]] = [[] for _ in range(n)]
+    down[0] = up[0]
+    for lv in range(levels):
+        for r in topo.ranks_at(lv):
+            for c in range(chunks):
+                for k in topo.children(r):
+                    down[k].append(b.message(r, k, piece, [down[r][c]], frames=1))
+    return b.g, [b.join(r, down[r]) for r in range(n)]
+
+

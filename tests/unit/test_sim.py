@@ -1,0 +1,135 @@
+"""The simulator: its engine's rules (k-of-n joins, shared ports, CPUs), the step graphs'
+closed forms where there is one, and the straggler draws shared with the benchmark."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from aioreduce.bench.allreduce import Config
+from aioreduce.sim import Costs, Platform, simulate
+from aioreduce.sim.calibrate import Measured, compare, emulation_start, fit
+from aioreduce.sim.engine import Graph, run
+from aioreduce.sim.steps import ring, tree
+
+FREE = Costs(alpha=0.0, bandwidth=1e6, msg_cpu=0.0, byte_cpu=0.0, cores=None)
+
+
+def test_a_k_of_n_join_fires_when_the_kth_predecessor_finishes() -> None:
+    g = Graph()
+    slow = g.add("delay", 0, 5.0)  # started first, finishes last
+    fast = [g.add("delay", i, float(i)) for i in (1, 2, 3)]
+    join = g.add("delay", 0, 0.0, after=[slow, *fast], need=2)
+    run(g, 4, None)
+    assert join.done == 2.0
+
+
+def test_streams_into_one_port_share_it_and_one_stream_is_in_order() -> None:
+    g = Graph()
+    a = g.add("wire", 1, 1.0, dst=0)
+    b = g.add("wire", 2, 1.0, dst=0)
+    run(g, 3, None)
+    assert a.done == pytest.approx(2.0) and b.done == pytest.approx(2.0)  # half rate each
+    g = Graph()
+    first = g.add("wire", 1, 1.0, dst=0, latency=0.5)
+    second = g.add("wire", 1, 1.0, dst=0, latency=0.5)
+    run(g, 2, None)
+    assert (first.done, second.done) == (pytest.approx(1.5), pytest.approx(2.5))
+
+
+def test_a_stream_speeds_up_when_the_one_it_shared_with_ends() -> None:
+    g = Graph()
+    short = g.add("wire", 1, 1.0, dst=0)
+    long = g.add("wire", 2, 3.0, dst=0)
+    run(g, 3, None)
+    # both at half rate until t=2 (short done), then long alone: 1 s of its 3 left at t=2
+    assert short.done == pytest.approx(2.0) and long.done == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("cores, end", [(None, 1.0), (1, 2.0), (2, 1.0)])
+def test_cpu_work_of_two_ranks_overlaps_only_on_free_cores(cores: int | None,
+                                                           end: float) -> None:
+    g = Graph()
+    ops = [g.add("cpu", r, 1.0) for r in (0, 1)]
+    run(g, 2, cores)
+    assert max(o.done or 0.0 for o in ops) == end
+
+
+def test_one_rank_does_its_cpu_work_one_piece_at_a_time() -> None:
+    g = Graph()
+    ops = [g.add("cpu", 0, 1.0) for _ in range(3)]
+    run(g, 1, None)
+    assert sorted(o.done or 0.0 for o in ops) == [1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("n", [2, 4, 13])
+def test_ring_moves_2_n_minus_1_over_n_of_the_vector(n: int) -> None:
+    v = 1e6
+    g, done = ring(FREE, [0.5] * n, v)
+    run(g, n, None)
+    expected = 0.5 + 2 * (n - 1) * (v / n) / FREE.bandwidth
+    assert [d.done for d in done] == [pytest.approx(expected)] * n
+
+
+def test_coded_tree_does_not_wait_for_one_slow_child_per_family() -> None:
+    compute = [0.0] + [0.1] * 12
+    base, done = tree(FREE, compute, 1000.0, 3, 2, stragglers=1, root_computes=False)
+    run(base, 13, None)
+    t0 = max(d.done or 0.0 for d in done)
+    slowed = list(compute)
+    slowed[4] = slowed[10] = 100.0  # one leaf in two families
+    g, done = tree(FREE, slowed, 1000.0, 3, 2, stragglers=1, root_computes=False)
+    run(g, 13, None)
+    assert max(d.done or 0.0 for r, d in enumerate(done) if r not in (4, 10)) <= t0
+    g, done = tree(FREE, slowed, 1000.0, 3, 2, stragglers=0)
+    run(g, 13, None)  # the uncoded tree waits
+    assert min(d.done or 0.0 for d in done) > 100.0
+
+
+def test_tree_chunks_overlap_the_levels() -> None:
+    costs = Costs(alpha=0.0, bandwidth=1e6, msg_cpu=0.0, byte_cpu=0.0, cores=None,
+                  chunk_bytes=1000)
+    whole = Costs(**{**costs.__dict__, "chunk_bytes": 10**9})
+    times = []
+    for c in (costs, whole):
+        g, done = tree(c, [0.0] * 7, 1e5, 2, 2)
+        run(g, 7, None)
+        times.append(max(d.done or 0.0 for d in done))
+    assert times[0] < 0.6 * times[1]
+
+
+def _cfg(**kw: object) -> Config:
+    base: dict[str, object] = dict(schemes=[], nodes=13, size_bytes=40_000, iters=20, fanout=3,
+                                   levels=2, compute=0.05)
+    return Config(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_a_pause_costs_ring_the_pause_and_coded_tree_nothing() -> None:
+    plat = emulation_start()
+    pause = "all:pause=0.1,0.5"
+    for name, grows in (("ring", True), ("gloo", True), ("coded-tree", False)):
+        calm = np.median(simulate(name, _cfg(), plat))
+        paused = simulate(name, _cfg(straggle=pause), plat)
+        assert len(paused) == 20
+        if grows:
+            assert np.median(paused) > calm + 0.1
+        else:
+            assert np.median(paused) == pytest.approx(calm, rel=0.05)
+
+
+def test_fit_recovers_the_costs_it_was_made_with() -> None:
+    truth = Platform(Costs(alpha=1e-3, bandwidth=1.25e8, msg_cpu=200e-6, byte_cpu=2e-9,
+                           decode_cpu=300e-6, cores=2),
+                     Costs(alpha=1e-3, bandwidth=1.25e8, msg_cpu=50e-6, byte_cpu=0.1e-9,
+                           cores=2))
+    cells = [_cfg(nodes=7, fanout=2, size_bytes=s) for s in (40_000, 4_000_000)]
+    measured = [Measured(name, cfg, float(np.median(simulate(name, cfg, truth))))
+                for cfg in cells for name in ("ring", "tree", "coded-tree", "gc", "gloo")]
+    fitted = fit(measured, emulation_start(), rounds=5)
+    worst = max(abs(c.error) for c in compare(measured, fitted))
+    assert worst < 0.1
+
+
+def test_unknown_scheme_is_named() -> None:
+    with pytest.raises(ValueError, match="transpose"):
+        simulate("transpose", _cfg(), emulation_start())

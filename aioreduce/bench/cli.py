@@ -126,7 +126,107 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ranks on 127.0.0.1 instead of emulated hosts (no shaping)")
     sw.add_argument("--no-gloo", action="store_true", help="leave Gloo out")
     sw.add_argument("--plot", action="store_true", help="only draw the PNGs from --out")
+    sim = sub.add_parser("sim", help="the simulator: fit it to a sweep (--sweep), or predict "
+                                     "schemes on a cluster we cannot run (--costs)")
+    sim.add_argument("--sweep", metavar="DIR", help="fit costs to DIR/results.jsonl; write "
+                     "DIR/costs.json and DIR/sim.md (every cell, measured and simulated)")
+    _cluster_args(sim)
+    sim.add_argument("--scheme", default="ring,tree,coded-tree,gc,gloo")
+    adv = sub.add_parser("advise", help="rank every scheme and setting for a cluster by "
+                                        "simulated step time on measured costs")
+    _cluster_args(adv)
+    adv.add_argument("--measure", action="store_true", help="first measure this machine's "
+                     "costs: a short run of every scheme on --nodes emulated hosts (or "
+                     "127.0.0.1 with --no-netns), fitted; saved to --costs")
+    adv.add_argument("--no-netns", action="store_true")
+    adv.add_argument("--top", type=int, default=10, help="how many options to print")
     return p
+
+
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--costs", default="costs.json", help="fitted costs (from sim --sweep or "
+                   "advise --measure); the entry for the nearest cluster size is used")
+    p.add_argument("--nodes", type=int, default=13)
+    p.add_argument("--fanout", type=int, default=3)
+    p.add_argument("--levels", type=int, default=2)
+    p.add_argument("--stragglers", type=int, default=1, help="tolerance of the coded schemes")
+    p.add_argument("--size", type=parse_size, default=parse_size("40K"))
+    p.add_argument("--compute", type=float, default=0.05, metavar="SECONDS")
+    p.add_argument("--straggle", default="", help="straggler model (see aioreduce.straggle)")
+    p.add_argument("--iters", type=int, default=20, help="simulated steps")
+    p.add_argument("--link-mbit", type=float, default=None,
+                   help="links of this speed instead of the measured ones")
+    p.add_argument("--alpha", type=float, default=None, metavar="SECONDS",
+                   help="wire latency instead of the fitted one (a real network's)")
+    p.add_argument("--host-per-rank", action="store_true", help="every rank has its own "
+                   "host's CPU (a real cluster) instead of sharing the measured machine's")
+
+
+def _sim_config(opts: argparse.Namespace) -> tuple[Any, Any]:
+    """The Config and Platform a sim or advise command describes."""
+    from pathlib import Path
+
+    from ..sim.report import load_platforms
+    from .allreduce import Config
+
+    path = Path(opts.costs)
+    if not path.exists():
+        raise SystemExit(f"no costs at {path}: fit some with 'aioreduce-bench sim --sweep "
+                         "DIR' or 'aioreduce-bench advise --measure'")
+    platforms = load_platforms(path)
+    near = min(platforms, key=lambda n: abs(n - opts.nodes))
+    platform = platforms[near]
+    if opts.link_mbit is not None or opts.host_per_rank or opts.alpha is not None:
+        platform = platform.on_cluster(opts.link_mbit, opts.alpha,
+                                       None if opts.host_per_rank else platform.ours.cores)
+    cfg = Config(schemes=[], nodes=opts.nodes, size_bytes=opts.size, iters=opts.iters,
+                 fanout=opts.fanout, levels=opts.levels, stragglers=opts.stragglers,
+                 compute=opts.compute, straggle=opts.straggle)
+    return cfg, platform
+
+
+def _sim(opts: argparse.Namespace) -> int:
+    import numpy as np
+
+    from ..sim import simulate
+
+    if opts.sweep:
+        from pathlib import Path
+
+        from ..sim import report
+        from . import sweep
+
+        path, _ = report.write(Path(opts.sweep), sweep.load(Path(opts.sweep)))
+        print(path)
+        return 0
+    cfg, platform = _sim_config(opts)
+    print(f"{'scheme':>12} {'median ms':>10} {'p99 ms':>9}")
+    for name in (s.strip() for s in opts.scheme.split(",") if s.strip()):
+        times = simulate(name, cfg, platform)
+        print(f"{name:>12} {np.median(times) * 1e3:>10.1f} "
+              f"{np.quantile(times, 0.99) * 1e3:>9.1f}")
+    return 0
+
+
+def _advise(opts: argparse.Namespace) -> int:
+    from ..sim.advise import advise
+
+    if opts.measure:
+        from pathlib import Path
+
+        from ..sim.report import save_platforms
+        from .measure import measure_costs
+
+        save_platforms({opts.nodes: measure_costs(opts.nodes, netns=not opts.no_netns,
+                                                  link_mbit=opts.link_mbit)},
+                       Path(opts.costs))
+    cfg, platform = _sim_config(opts)
+    ranked = advise(cfg, platform)
+    print(f"{'option':<44} {'median ms':>10} {'p99 ms':>9}")
+    for o in ranked[:opts.top]:
+        print(f"{o.label:<44} {o.median * 1e3:>10.1f} {o.p99 * 1e3:>9.1f}")
+    print(f"advice: {ranked[0].label}")
+    return 0
 
 
 def _ddp(opts: argparse.Namespace) -> list[dict[str, Any]]:
@@ -256,6 +356,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if opts.command == "sweep":
         return _sweep(opts)
+    if opts.command == "sim":
+        return _sim(opts)
+    if opts.command == "advise":
+        return _advise(opts)
     if opts.command == "p2p":
         from .p2p import run_p2p
 

@@ -17,6 +17,7 @@ from functools import lru_cache
 import numpy as np
 
 from ..bench.allreduce import Config, build_scheme, load_fraction, warmup_iterations
+from ..codes import TreeTopology
 from ..schemes import CodedTree, GradientCoding, Scheme
 from ..straggle import parse_straggle
 from .engine import run
@@ -34,11 +35,13 @@ class Platform:
     ours: Costs
     gloo: Costs
 
-    def on_links(self, mbit: float | None, cores: int | None) -> Platform:
-        """The same software costs on other links (Mbit/s; None: as fitted) and cores."""
+    def on_cluster(self, mbit: float | None = None, alpha: float | None = None,
+                   cores: int | None = None) -> Platform:
+        """The same software costs on other links (Mbit/s), wire latency (s) and cores
+        (``None``: a host per rank); ``None`` for links or latency keeps the fitted ones."""
         def move(c: Costs) -> Costs:
             return replace(c, bandwidth=c.bandwidth if mbit is None else mbit * 1e6 / 8,
-                           cores=cores)
+                           alpha=c.alpha if alpha is None else alpha, cores=cores)
         return Platform(move(self.ours), move(self.gloo))
 
 
@@ -49,6 +52,10 @@ def simulate(name: str, cfg: Config, platform: Platform, steps: int | None = Non
     if name not in SIMULATED:
         raise ValueError(f"no simulation of {name!r}; simulated: {', '.join(SIMULATED)}")
     world = cfg.nodes
+    if name in ("tree", "coded-tree") and TreeTopology(cfg.fanout, cfg.levels).size != world:
+        raise ValueError(f"the simulator runs {name} on full trees only; fan-out "
+                         f"{cfg.fanout} with {cfg.levels} levels has "
+                         f"{TreeTopology(cfg.fanout, cfg.levels).size} ranks, not {world}")
     scheme, load = _scheme(name, world, cfg.fanout, cfg.levels, cfg.stragglers, cfg.code)
     costs = platform.gloo if name == "gloo" else replace(platform.ours,
                                                           chunk_bytes=cfg.chunk_bytes)
@@ -56,8 +63,8 @@ def simulate(name: str, cfg: Config, platform: Platform, steps: int | None = Non
     model = parse_straggle(cfg.straggle)
     first = warmup_iterations(cfg)
     count = cfg.iters if steps is None else steps
-    if not cfg.straggle:
-        count = min(count, 1)  # every step is the same: simulate one
+    if not any(r.rate or r.spike_prob or r.pause for r in model.rules):
+        count = min(count, 1)  # nothing random: every step is the same, simulate one
     out = np.empty(count)
     for i in range(count):
         it = first + i

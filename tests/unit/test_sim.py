@@ -133,3 +133,70 @@ def test_fit_recovers_the_costs_it_was_made_with() -> None:
 def test_unknown_scheme_is_named() -> None:
     with pytest.raises(ValueError, match="transpose"):
         simulate("transpose", _cfg(), emulation_start())
+
+
+def test_tree_shapes_and_candidates_cover_every_full_tree() -> None:
+    from aioreduce.sim.advise import candidates, tree_shapes
+
+    assert tree_shapes(13) == [(3, 2)]
+    assert tree_shapes(157) == [(12, 2)]
+    assert tree_shapes(15) == [(2, 3)]  # not (14, 1): that is the star, which gc covers
+    names = [o.label for o in candidates(7)]
+    assert names[:2] == ["ring", "gloo"]
+    assert "coded-tree (fanout=2, levels=2, stragglers=1)" in names
+    assert "gc (stragglers=3)" in names
+
+
+def test_advice_follows_the_stragglers() -> None:
+    from aioreduce.sim.advise import advise
+
+    plat = emulation_start()
+    calm = advise(_cfg(size_bytes=4 << 20), plat)
+    paused = advise(_cfg(iters=5, straggle="all:pause=0.1,0.5"), plat)
+    assert calm[0].median <= calm[-1].median
+    assert paused[0].scheme in ("coded-tree", "gc")  # only codes skip a paused rank
+
+
+def test_sim_report_on_a_sweep_the_simulator_made(tmp_path) -> None:
+    from aioreduce.sim.report import COSTS, REPORT, load_platforms, write
+
+    truth = emulation_start()
+    rows = []
+    for straggler, spec in (("none", ""), ("slow3", "rank=6:slow=3")):
+        for name in ("ring", "tree", "coded-tree", "gc"):
+            cfg = _cfg(nodes=7, fanout=2, straggle=spec)
+            rows.append({"scheme": name, "nodes": 7, "size_bytes": cfg.size_bytes,
+                         "iters": cfg.iters, "median_s": float(np.median(
+                             simulate(name, cfg, truth))),
+                         "straggler": straggler, "compute_s": cfg.compute,
+                         "link_mbit": 1000.0, "netns": True})
+    path, _ = write(tmp_path, rows)
+    text = path.read_text()
+    assert path.name == REPORT and "right in **2 of 2** cells" in text
+    assert "8 of 8 within 25 %" in text
+    assert set(load_platforms(tmp_path / COSTS)) == {7}
+
+
+def test_cli_predicts_and_advises_from_saved_costs(tmp_path, capsys) -> None:
+    from aioreduce.bench.cli import main
+    from aioreduce.sim.report import save_platforms
+
+    costs = tmp_path / "costs.json"
+    save_platforms({13: emulation_start()}, costs)
+    assert main(["sim", "--costs", str(costs), "--nodes", "157", "--fanout", "12",
+                 "--scheme", "ring,coded-tree", "--host-per-rank", "--alpha", "50e-6",
+                 "--link-mbit", "10000"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out] == ["scheme", "ring", "coded-tree"]
+    assert main(["advise", "--costs", str(costs), "--nodes", "13", "--iters", "3",
+                 "--straggle", "all:pause=0.1,0.5", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1].startswith("advice: coded-tree") or \
+        out.splitlines()[-1].startswith("advice: gc"), out
+
+
+def test_cli_says_where_costs_come_from(tmp_path) -> None:
+    from aioreduce.bench.cli import main
+
+    with pytest.raises(SystemExit, match="sim --sweep"):
+        main(["sim", "--costs", str(tmp_path / "missing.json")])

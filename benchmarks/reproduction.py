@@ -1,0 +1,157 @@
+"""Write ``docs/reproduction.md``: each headline claim of the three papers next to our emulated
+measurement at the largest cluster we ran and the simulator at the paper's size.
+
+    python benchmarks/reproduction.py --sweep docs/sweep --out docs/reproduction.md
+
+Reads the sweep's ``results.jsonl`` and the costs fitted to it (``costs.json``, from
+``aioreduce-bench sim --sweep``). The simulator runs the paper's clusters with the software
+costs fitted at our largest size, a host per rank (a real cluster's CPUs, not our two shared
+cores) and the wire latency of a real hop (50 us at 1 Gbit/s, 25 us at 10 Gbit/s: the
+reference's figures for a cloud data centre), since our emulation's fitted latency is mostly
+the scheduling of many ranks on two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from aioreduce.bench.allreduce import Config
+from aioreduce.sim import Platform, simulate
+from aioreduce.sim.report import COSTS, load_platforms
+
+PAPER_D = 5000 * 8  # d = 5000 float64: CodedReduce's logistic regression (40 KB)
+LINKS = ((1000.0, 50e-6), (10000.0, 25e-6))  # (Mbit/s, one-way latency)
+
+
+@dataclass
+class Sim:
+    platform: Platform
+    compute: float
+    steps: int = 20
+
+    def median(self, scheme: str, nodes: int, size: int, straggle: str, mbit: float,
+               alpha: float, **kw: Any) -> float:
+        cfg = Config(schemes=[], nodes=nodes, size_bytes=size, iters=self.steps,
+                     compute=self.compute, straggle=straggle, **kw)
+        plat = self.platform.on_cluster(mbit, alpha, None)
+        return float(np.median(simulate(scheme, cfg, plat)))
+
+
+def measured(rows: list[dict[str, Any]], nodes: int, size: int, straggler: str
+             ) -> dict[str, float]:
+    return {r["scheme"]: r["median_s"] for r in rows
+            if (r["nodes"], r["size_bytes"], r["straggler"]) == (nodes, size, straggler)}
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.1f}x" if a and b else "not measured"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--sweep", default="docs/sweep")
+    ap.add_argument("--out", default="docs/reproduction.md")
+    opts = ap.parse_args()
+    sweep = Path(opts.sweep)
+    rows = [json.loads(x) for x in (sweep / "results.jsonl").read_text().splitlines() if x]
+    platforms = load_platforms(sweep / COSTS)
+    big = max(platforms)
+    compute = rows[0]["compute_s"]
+    sim = Sim(platforms[big], compute)
+    small = min(r["size_bytes"] for r in rows)
+    large = max(r["size_bytes"] for r in rows)
+    at = {m: measured(rows, big, small, m) for m in ("none", "slow3", "pause", "shifted-exp")}
+    # CodedReduce's paper trees: (12, 2) = 157 ranks (156 workers), (9, 2) = 91
+    cr: dict[tuple[int, int, float, str], dict[str, float]] = {}
+    for fanout, n in ((12, 157), (9, 91)):
+        for mbit, alpha in LINKS:
+            for model, spec in (("none", ""), ("slow3", f"rank={n - 1}:slow=3")):
+                cr[(fanout, n, mbit, model)] = {
+                    s: sim.median(s, n, PAPER_D, spec, mbit, alpha, fanout=fanout, levels=2,
+                                  stragglers=1) for s in ("ring", "coded-tree", "gc")}
+    # Kadhe et al.: a communication-efficient code (m = 2) against the prior GC (m = 1)
+    kadhe = {(size, mbit): (sim.median("gc", 13, size, "all:shifted-exp=0.005,50", mbit, alpha,
+                                       code="gaussian"),
+                            sim.median("gc", 13, size, "all:shifted-exp=0.005,50", mbit, alpha))
+             for size in (PAPER_D, 4 << 20) for mbit, alpha in LINKS}
+    lines = [
+        "# The papers' claims, reproduced where we can",
+        "",
+        f"Made by `python benchmarks/reproduction.py --sweep {opts.sweep}` from the sweep in "
+        f"`{opts.sweep}` (emulated hosts, 1 Gbit/s links, 2 shared cores, emulated compute "
+        f"{compute * 1e3:.0f} ms for the whole data set) and the simulator with the costs fitted "
+        f"to it at {big} ranks, run at the papers' sizes with a host per rank and a real hop's "
+        "latency (50 us at 1 Gbit/s, 25 us at 10 Gbit/s). Ratios are median step times "
+        "(baseline / scheme; above 1 the scheme is faster). `slow3`: one rank computes 3x "
+        "slower, the papers' straggler (a flagged rank sleeps 3x its compute time).",
+        "",
+        "| claim | paper | emulated, " + f"{big} ranks" + " | simulated, paper's size | verdict |",
+        "|---|---|---|---|---|",
+    ]
+
+    def cr_cell(base: str, model: str) -> str:
+        parts = []
+        for fanout, n in ((12, 157), (9, 91)):
+            for mbit, _a in LINKS:
+                d = cr[(fanout, n, mbit, model)]
+                parts.append(f"({fanout},2) N={n}, {mbit / 1000:g} Gbit/s: "
+                             f"{ratio(d[base], d['coded-tree'])}")
+        return "; ".join(parts)
+
+    e = at["slow3"]
+    e_large = measured(rows, big, large, "slow3")
+    lines.append(
+        "| CodedReduce vs Ring-AllReduce | up to 7.0x (EC2, N up to 156, 40 KB) | "
+        f"{ratio(e.get('ring'), e.get('coded-tree'))} (40K, slow3); "
+        f"{ratio(at['none'].get('ring'), at['none'].get('coded-tree'))} (no straggler); "
+        f"{ratio(at['pause'].get('ring'), at['pause'].get('coded-tree'))} (GC pause) | "
+        f"{cr_cell('ring', 'slow3')} | holds for small vectors: the ring makes 2(N-1) "
+        "latency-bound steps and waits for the slow rank; the tree makes 2L. It fails for "
+        f"large vectors: at {large >> 20} MiB the ring is bandwidth-optimal "
+        f"(measured {ratio(e_large.get('ring'), e_large.get('coded-tree'))}). |")
+    lines.append(
+        "| CodedReduce vs gradient coding | up to 27.2x (EC2) | "
+        f"{ratio(e.get('gc'), e.get('coded-tree'))} (40K, slow3) | {cr_cell('gc', 'slow3')} | "
+        "holds in direction, not in size: the star's master ingests N-1-s messages and sends "
+        "N-1, so the gap grows with N and vector size; we get far less than 27x at 40 KB because "
+        "per-message costs, not bytes, dominate there, and the paper's GC also computed "
+        "(S+1)x more per worker with S unknown. |")
+    k_rows = "; ".join(f"{size // 1024}K at {mbit / 1000:g} Gbit/s: "
+                       f"{(a / b - 1) * 100:+.0f} %" for (size, mbit), (a, b) in kadhe.items())
+    lines.append(
+        "| Communication-efficient codes (Kadhe et al.) | -16 % iteration time vs prior GC "
+        "(EC2) | not measured in the sweep | 13 ranks, shifted-exp stragglers, m=2 Gaussian "
+        f"MDS vs m=1: {k_rows} | holds only where the master's link is the bottleneck (large "
+        "vectors, slow links): halving messages saves bytes, but each worker computes "
+        "(s+m)/n instead of (s+1)/n, which costs more than it saves on small vectors. |")
+    lines.append(
+        "| OptiReduce: flat tail (P99/P50), 70 % faster time-to-accuracy than Gloo | "
+        "P99/P50 1.5-3 environments, 8 nodes, DPDK | see `docs/transpose.md` (issue 10): our "
+        "transpose meets the tail target only for one of P99/P50 and lost fraction at a time | "
+        "not simulated (the simulator has no bounded-time scheme) | not reproduced |")
+    lines += ["", "## The numbers behind the table", "",
+              f"Emulated medians at {big} ranks, {small >> 10}K (ms):", "",
+              "| stragglers | " + " | ".join(sorted(at["none"])) + " |",
+              "|---" * (len(at["none"]) + 1) + "|"]
+    for model, d in at.items():
+        lines.append(f"| {model} | " + " | ".join(f"{d[s] * 1e3:.0f}" if s in d else "-"
+                                                 for s in sorted(at["none"])) + " |")
+    lines += ["", "Simulated medians at the paper's sizes, 40 KB (ms):", "",
+              "| tree | ranks | link | stragglers | ring | coded-tree | gc |",
+              "|---|---|---|---|---|---|---|"]
+    for (fanout, n, mbit, model), d in cr.items():
+        lines.append(f"| ({fanout},2) | {n} | {mbit / 1000:g} Gbit/s | {model} | "
+                     f"{d['ring'] * 1e3:.1f} | {d['coded-tree'] * 1e3:.1f} | "
+                     f"{d['gc'] * 1e3:.1f} |")
+    Path(opts.out).write_text("\n".join(lines) + "\n")
+    print(opts.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -64,7 +64,7 @@ def mean_divisor(res: Result, world_size: int) -> float:
 class Node:
     """One rank of an aioreduce job."""
 
-    def __init__(self, env: NodeEnv, *, scheme: Scheme | None = None,
+    def __init__(self, env: NodeEnv, *, scheme: Scheme | Literal["auto"] | None = None,
                  straggle: StraggleModel | str | None = None,
                  options: MeshOptions | None = None, close_timeout: float = 10.0,
                  trace: str | None = None,
@@ -73,9 +73,14 @@ class Node:
         # Rank 0: called with the rendezvous (address, port) once it listens, before waiting
         # for the others (the torch backend publishes it in torch's store).
         self.on_listen = on_listen
-        self.scheme = scheme
-        if scheme is not None:
-            scheme.validate(env.world_size)
+        # "auto": the first allreduce picks the scheme (aioreduce.sim.auto)
+        self._auto = scheme == "auto"
+        self.scheme: Scheme | None = None if isinstance(scheme, str) else scheme
+        if isinstance(scheme, str) and not self._auto:
+            raise ValueError(f"rank {env.rank}: scheme must be a Scheme or 'auto', not "
+                             f"{scheme!r} (by name: aioreduce.schemes.by_name)")
+        if self.scheme is not None:
+            self.scheme.validate(env.world_size)
         if isinstance(straggle, str):
             straggle = parse_straggle(straggle)
         self.straggle = straggle or StraggleModel()
@@ -96,7 +101,8 @@ class Node:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, *,
-                 scheme: Scheme | None = None, options: MeshOptions | None = None,
+                 scheme: Scheme | Literal["auto"] | None = None,
+                 options: MeshOptions | None = None,
                  **kwargs: Any) -> Node:
         """A node configured from ``AIOREDUCE_*``/torchrun/SLURM/Open MPI variables.
 
@@ -303,6 +309,8 @@ class Node:
         ``any_shape=True`` lets every step have a shape of its own (as a collective library
         does: the ranks agree per call, and a disagreement raises ``VectorMismatch`` on every
         rank) instead of refusing a change of shape as a caller mistake."""
+        if self._auto and self.scheme is None:
+            array = await self._choose_scheme(array)
         self._require(coded=False)
         res = await self._reduce(array, op, any_shape=any_shape)
         if op == "mean":
@@ -339,6 +347,32 @@ class Node:
                 return to_numpy(out, self.rank)
             return out  # type: ignore[return-value]  # checked by the session
         return run
+
+    async def _choose_scheme(self, array: Reducible) -> Reducible:
+        """``scheme="auto"``: rank 0 ranks the uncoded schemes by simulated step time for
+        this vector and every rank uses its pick (one broadcast step). A compute function is
+        called here, once, to learn the vector's size; its result is what this step sums."""
+        from .sim import auto
+
+        value: Any = array() if callable(array) and not _is_tensor(array) else array
+        nbytes = (int(value.element_size() * value.nelement()) if _is_tensor(value)
+                  else np.asarray(value).nbytes)
+        opts = auto.options(self.world_size)
+        choice = np.zeros(1, np.int64)
+        ranked: list[Any] = []
+        if self.rank == 0:
+            ranked = auto.choose(self.world_size, nbytes, auto.platform_for(self.world_size))
+            best = ranked[0]
+            choice[0] = next(i for i, o in enumerate(opts)
+                             if (o.scheme, o.settings) == (best.scheme, best.settings))
+        picked = (await self.broadcast(choice, root=0)).value
+        option = opts[int(picked[0])]
+        if self.rank == 0:
+            log.info("rank 0: scheme='auto' chose %s for %d bytes on %d ranks (predicted "
+                     "%s)", option.label, nbytes, self.world_size,
+                     ", ".join(f"{o.label} {o.median * 1e3:.1f} ms" for o in ranked[:3]))
+        await self.use(auto.build(option))
+        return value
 
     async def allgather(self, array: np.ndarray) -> Result:
         """Every rank's ``array``, stacked (row ``r`` is rank ``r``'s), exactly, on every rank.

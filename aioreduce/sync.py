@@ -18,7 +18,7 @@ import concurrent.futures
 import threading
 from collections.abc import Callable, Coroutine, Mapping
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 
@@ -134,7 +134,8 @@ class SyncNode:
 DEFAULT_TIMEOUT = 600.0  # seconds one blocking call may take before TimeoutError
 
 
-def connect(scheme: Scheme | None = None, environ: Mapping[str, str] | None = None,
+def connect(scheme: Scheme | Literal["auto"] | None = None,
+            environ: Mapping[str, str] | None = None,
             timeout: float | None = DEFAULT_TIMEOUT, **kwargs: Any) -> SyncNode:
     """Join the job described by the environment (see :func:`aioreduce.discover`) with a
     blocking interface; ``kwargs`` go to :class:`~aioreduce.Node`. Every call gives up with

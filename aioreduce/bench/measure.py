@@ -13,7 +13,7 @@ import os
 from ..sim import Platform
 from ..sim.calibrate import Measured, emulation_start, fit
 from .allreduce import run_allreduce
-from .sweep import Cell, cell_config, gloo_available, tree_shape
+from .sweep import Cell, cell_config, gloo_available
 
 SIZES = (40 << 10, 4 << 20)
 
@@ -29,8 +29,6 @@ def measure_costs(nodes: int, *, netns: bool = True, link_mbit: float | None = N
                           compute=compute, netns=netns, link_mbit=link,
                           vs_gloo=gloo_available())
         for row in run_allreduce(cfg):
-            if row["scheme"] == "tree" and tree_shape(nodes) is None:
-                continue  # a tree that is not full: the simulator cannot fit on it
             single = cell_config(cell, [row["scheme"]], iters=iters, compute=compute,
                                  netns=netns, link_mbit=link, vs_gloo=False)
             measured.append(Measured(row["scheme"], single, row["median_s"]))

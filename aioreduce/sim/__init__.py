@@ -20,6 +20,7 @@ from ..bench.allreduce import Config, build_scheme, load_fraction, warmup_iterat
 from ..codes import TreeTopology
 from ..schemes import CodedTree, GradientCoding, Scheme
 from ..straggle import parse_straggle
+from ..topology import heap_children
 from .engine import run
 from .steps import Costs, ring, tree
 
@@ -52,9 +53,8 @@ def simulate(name: str, cfg: Config, platform: Platform, steps: int | None = Non
     if name not in SIMULATED:
         raise ValueError(f"no simulation of {name!r}; simulated: {', '.join(SIMULATED)}")
     world = cfg.nodes
-    if name in ("tree", "coded-tree") and TreeTopology(cfg.fanout, cfg.levels).size != world:
-        raise ValueError(f"the simulator runs {name} on full trees only; fan-out "
-                         f"{cfg.fanout} with {cfg.levels} levels has "
+    if name == "coded-tree" and TreeTopology(cfg.fanout, cfg.levels).size != world:
+        raise ValueError(f"CodedReduce with fan-out {cfg.fanout} and {cfg.levels} levels has "
                          f"{TreeTopology(cfg.fanout, cfg.levels).size} ranks, not {world}")
     scheme, load = _scheme(name, world, cfg.fanout, cfg.levels, cfg.stragglers, cfg.code)
     costs = platform.gloo if name == "gloo" else replace(platform.ours,
@@ -70,13 +70,17 @@ def simulate(name: str, cfg: Config, platform: Platform, steps: int | None = Non
         it = first + i
         compute = [share + model.extra_delay(r, it, share, world) for r in range(world)]
         if isinstance(scheme, CodedTree):
-            graph, done = tree(costs, compute, cfg.size_bytes, cfg.fanout, cfg.levels,
-                               cfg.stragglers, root_computes=False)
+            topo = TreeTopology(cfg.fanout, cfg.levels)
+            graph, done = tree(costs, compute, cfg.size_bytes,
+                               [topo.children(r) for r in range(world)], cfg.stragglers,
+                               root_computes=False)
         elif isinstance(scheme, GradientCoding):
-            graph, done = tree(costs, compute, cfg.size_bytes, world - 1, 1, scheme.code.s,
+            star = [list(range(1, world))] + [[] for _ in range(1, world)]
+            graph, done = tree(costs, compute, cfg.size_bytes, star, scheme.code.s,
                                root_computes=False, m=scheme.code.m)
-        elif name == "tree":
-            graph, done = tree(costs, compute, cfg.size_bytes, cfg.fanout, cfg.levels)
+        elif name == "tree":  # the runtime's uncoded tree: heap order, any number of ranks
+            graph, done = tree(costs, compute, cfg.size_bytes,
+                               [heap_children(r, cfg.fanout, world) for r in range(world)])
         else:
             graph, done = ring(costs, compute, cfg.size_bytes)
         run(graph, world, costs.cores)

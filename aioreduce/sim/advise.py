@@ -2,8 +2,9 @@
 
 ``advise`` takes a cluster (ranks, vector size, compute, a straggler model: measured or
 assumed) and the costs fitted on it (:mod:`.calibrate`), simulates every scheme and shape
-that fits the ranks (ring, Gloo's ring, the uncoded tree and CodedReduce on each full tree,
-gradient coding with each tolerance) and returns them fastest first, with the predicted
+that fits the ranks (ring, Gloo's ring, the uncoded tree, CodedReduce on each full tree,
+gradient coding with each tolerance; the uncoded tree runs on any number of ranks, each
+fan-out up to 8) and returns them fastest first, with the predicted
 median and p99 step time of each, so the user sees what the alternatives cost too.
 """
 
@@ -51,8 +52,8 @@ def tree_shapes(nodes: int, max_fanout: int = 16) -> list[tuple[int, int]]:
 def candidates(nodes: int, gloo: bool = True, max_tolerance: int = 3) -> list[Option]:
     """Every scheme and setting the simulator can rank on ``nodes`` ranks."""
     out = [Option("ring")] + ([Option("gloo")] if gloo else [])
+    out += [Option("tree", {"fanout": f}) for f in range(2, min(8, nodes - 1) + 1)]
     for f, levels in tree_shapes(nodes):
-        out.append(Option("tree", {"fanout": f, "levels": levels}))
         for s in range(1, min(max_tolerance, f - 1) + 1):
             out.append(Option("coded-tree", {"fanout": f, "levels": levels, "stragglers": s}))
     for s in range(1, min(max_tolerance, nodes - 2) + 1):

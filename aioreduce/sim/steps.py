@@ -23,7 +23,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..codes import TreeTopology
 from .engine import Graph, Op
 
 
@@ -84,41 +83,39 @@ def ring(costs: Costs, compute: Sequence[float], vector_bytes: float) -> tuple[G
     return b.g, have
 
 
-def tree(costs: Costs, compute: Sequence[float], vector_bytes: float, fanout: int,
-         levels: int, stragglers: int = 0, root_computes: bool = True, m: int = 1
-         ) -> tuple[Graph, list[Op]]:
-    """The uncoded tree (``stragglers == 0``), CodedReduce, or (one level, fan-out N-1)
-    gradient coding's star; children send ``1/m`` of a chunk up (communication-efficient
-    codes)."""
-    topo = TreeTopology(fanout, levels)
-    n = topo.size
+def tree(costs: Costs, compute: Sequence[float], vector_bytes: float,
+         children: Sequence[Sequence[int]], stragglers: int = 0, root_computes: bool = True,
+         m: int = 1) -> tuple[Graph, list[Op]]:
+    """A tree rooted at rank 0 (``children[r]``: rank r's children, all numbered above r, as
+    in the runtime's heap and level-order trees): uncoded (``stragglers == 0``), CodedReduce,
+    or gradient coding's star (one level); children send ``1/m`` of a chunk up
+    (communication-efficient codes)."""
+    n = len(children)
     b = _Builder(costs)
     chunks = _frames(vector_bytes, costs.chunk_bytes)
     piece = vector_bytes / chunks
     own = [b.compute(r, compute[r] if (r or root_computes) else 0.0) for r in range(n)]
-    # up[r][c]: rank r has its partial sum of chunk c (its own and its children's)
+    # up[r][c]: rank r has its partial sum of chunk c (its own and its children's); children
+    # are numbered above their parent, so going down the ranks builds them first
     up: list[list[Op]] = [[] for _ in range(n)]
-    for lv in range(levels, -1, -1):
-        for r in topo.ranks_at(lv):
-            kids = topo.children(r)
-            for c in range(chunks):
-                if not kids:
-                    up[r].append(own[r])
-                    continue
-                got = [b.message(k, r, piece / m, [up[k][c]], frames=1) for k in kids]
-                need = len(kids) - stragglers
-                first = b.join(r, got, need=need)
-                if stragglers:
-                    first = b.g.add("cpu", r, costs.decode_cpu * len(kids), after=[first])
-                up[r].append(b.join(r, [first, own[r]]))
+    for r in range(n - 1, -1, -1):
+        kids = children[r]
+        for c in range(chunks):
+            if not kids:
+                up[r].append(own[r])
+                continue
+            got = [b.message(k, r, piece / m, [up[k][c]], frames=1) for k in kids]
+            first = b.join(r, got, need=len(kids) - stragglers)
+            if stragglers:
+                first = b.g.add("cpu", r, costs.decode_cpu * len(kids), after=[first])
+            up[r].append(b.join(r, [first, own[r]]))
     # down: the result, chunk after chunk, to each child in turn
     down: list[list[Op]] = [[] for _ in range(n)]
     down[0] = up[0]
-    for lv in range(levels):
-        for r in topo.ranks_at(lv):
-            for c in range(chunks):
-                for k in topo.children(r):
-                    down[k].append(b.message(r, k, piece, [down[r][c]], frames=1))
+    for r in range(n):
+        for c in range(chunks):
+            for k in children[r]:
+                down[k].append(b.message(r, k, piece, [down[r][c]], frames=1))
     return b.g, [b.join(r, down[r]) for r in range(n)]
 
 

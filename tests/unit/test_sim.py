@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 
 from aioreduce.bench.allreduce import Config
+from aioreduce.codes import TreeTopology
 from aioreduce.sim import Costs, Platform, simulate
 from aioreduce.sim.calibrate import Measured, compare, emulation_start, fit
 from aioreduce.sim.engine import Graph, run
 from aioreduce.sim.steps import ring, tree
+from aioreduce.topology import heap_children
 
 FREE = Costs(alpha=0.0, bandwidth=1e6, msg_cpu=0.0, byte_cpu=0.0, cores=None)
 
@@ -73,15 +75,16 @@ def test_ring_moves_2_n_minus_1_over_n_of_the_vector(n: int) -> None:
 
 def test_coded_tree_does_not_wait_for_one_slow_child_per_family() -> None:
     compute = [0.0] + [0.1] * 12
-    base, done = tree(FREE, compute, 1000.0, 3, 2, stragglers=1, root_computes=False)
+    kids = [TreeTopology(3, 2).children(r) for r in range(13)]
+    base, done = tree(FREE, compute, 1000.0, kids, stragglers=1, root_computes=False)
     run(base, 13, None)
     t0 = max(d.done or 0.0 for d in done)
     slowed = list(compute)
     slowed[4] = slowed[10] = 100.0  # one leaf in two families
-    g, done = tree(FREE, slowed, 1000.0, 3, 2, stragglers=1, root_computes=False)
+    g, done = tree(FREE, slowed, 1000.0, kids, stragglers=1, root_computes=False)
     run(g, 13, None)
     assert max(d.done or 0.0 for r, d in enumerate(done) if r not in (4, 10)) <= t0
-    g, done = tree(FREE, slowed, 1000.0, 3, 2, stragglers=0)
+    g, done = tree(FREE, slowed, 1000.0, kids, stragglers=0)
     run(g, 13, None)  # the uncoded tree waits
     assert min(d.done or 0.0 for d in done) > 100.0
 
@@ -92,7 +95,7 @@ def test_tree_chunks_overlap_the_levels() -> None:
     whole = Costs(**{**costs.__dict__, "chunk_bytes": 10**9})
     times = []
     for c in (costs, whole):
-        g, done = tree(c, [0.0] * 7, 1e5, 2, 2)
+        g, done = tree(c, [0.0] * 7, 1e5, [heap_children(r, 2, 7) for r in range(7)])
         run(g, 7, None)
         times.append(max(d.done or 0.0 for d in done))
     assert times[0] < 0.6 * times[1]
@@ -200,3 +203,25 @@ def test_cli_says_where_costs_come_from(tmp_path) -> None:
 
     with pytest.raises(SystemExit, match="sim --sweep"):
         main(["sim", "--costs", str(tmp_path / "missing.json")])
+
+
+def test_auto_reads_the_costs_of_the_nearest_cluster_size(tmp_path) -> None:
+    from aioreduce.sim import auto
+    from aioreduce.sim.report import save_platforms
+
+    a, b = emulation_start(), emulation_start(link_mbit=10.0)
+    save_platforms({13: a, 40: b}, tmp_path / "c.json")
+    env = {"AIOREDUCE_COSTS": str(tmp_path / "c.json")}
+    assert auto.platform_for(30, env) == b and auto.platform_for(16, env) == a
+    assert auto.platform_for(30, {}) == auto.GENERIC
+    assert [o.label for o in auto.options(3)] == ["ring", "tree (fanout=2)"]
+
+
+def test_node_refuses_a_scheme_name_other_than_auto() -> None:
+    from aioreduce.env import NodeEnv
+    from aioreduce.node import Node
+
+    env = NodeEnv(rank=3, world_size=4, master_addr="127.0.0.1", master_port=1, secret=b"s",
+                  job="j")
+    with pytest.raises(ValueError, match="rank 3: scheme must be a Scheme or 'auto'"):
+        Node(env, scheme="ring")  # type: ignore[arg-type]

@@ -177,6 +177,7 @@ def plot(out: Path) -> list[Path]:
                     ax.plot(n, np.array(med) * 1e3, "o-", color=colours[s], label=s)
                     ax.plot(n, np.array(p99) * 1e3, "o--", color=colours[s])
             label(ax, model, size)
+            ax.set_xticks(sorted({r["nodes"] for r in rows if r["size_bytes"] == size}))
             ax.set_xlabel("ranks")
             ax.set_ylabel("ms")
     written.append(_save(fig, out / "median_p99.png"))

@@ -116,6 +116,8 @@ def tree(costs: Costs, compute: Sequence[float], vector_bytes: float,
         for c in range(chunks):
             for k in children[r]:
                 down[k].append(b.message(r, k, piece, [down[r][c]], frames=1))
-    return b.g, [b.join(r, down[r]) for r in range(n)]
+    # a rank's step returns once it has the result *and* its own compute has ended (a rank
+    # that was skipped still finishes computing before its call returns)
+    return b.g, [b.join(r, [*down[r], own[r]]) for r in range(n)]
 
 

@@ -125,3 +125,26 @@ def test_sweep_runs_resumes_and_plots(tmp_path: Path) -> None:
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == len(rows)
     for png in ("median_p99.png", "speedup_vs_ring.png", "cdf_7.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sim_fits_the_sweep_and_advise_measures_the_cluster(tmp_path: Path) -> None:
+    # The simulator fitted to a short sweep writes its report; advise --measure runs every
+    # scheme on emulated hosts, fits, saves the costs and ranks the options.
+    sweep = [sys.executable, "-m", "aioreduce.bench.cli", "sweep", "--out", str(tmp_path),
+             "--nodes", "4", "--sizes", "40K", "--stragglers", "none,slow3", "--iters", "3",
+             "--no-gloo"]
+    res = subprocess.run(sweep, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    sim = subprocess.run([sys.executable, "-m", "aioreduce.bench.cli", "sim", "--sweep",
+                          str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    report = (tmp_path / "sim.md").read_text()
+    assert "right in **" in report and "| 4 | 40K | slow3 | coded-tree |" in report
+    costs = tmp_path / "measured.json"
+    adv = subprocess.run([sys.executable, "-m", "aioreduce.bench.cli", "advise", "--measure",
+                          "--costs", str(costs), "--nodes", "4", "--size", "40K",
+                          "--straggle", "rank=3:slow=3", "--iters", "3"],
+                         capture_output=True, text=True, timeout=600)
+    assert adv.returncode == 0, adv.stderr[-3000:]
+    assert adv.stdout.splitlines()[-1].startswith("advice: ")
+    assert set(json.loads(costs.read_text())) == {"4"}

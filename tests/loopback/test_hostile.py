@@ -76,24 +76,29 @@ def test_idle_connections_and_1024_fds_a_correct_peer_still_joins() -> None:
     assert "Too many open files" not in outs[0][1]
 
 
-def test_dropped_idle_connections_are_the_oldest() -> None:
-    # Unit-level check of the cap through a real listener: hold more than the per-host cap and
-    # see the oldest ones closed by the node while the newest stay open.
+def _listener(bind: str) -> tuple[subprocess.Popen[str], int]:
+    """A node's listener alone (a per-host cap of 4) in a process of its own; its port."""
     script = (
-        "import asyncio, aioreduce as ar\n"
+        "import asyncio, sys, aioreduce as ar\n"
         "from aioreduce.transport import Mesh, MeshOptions\n"
         "async def main():\n"
         "    m = Mesh(0, 2, b's', 'j', MeshOptions(max_unauthenticated_per_host=4))\n"
-        "    host, port = await m.listen('127.0.0.1', 0)\n"
+        "    host, port = await m.listen(sys.argv[1], 0)\n"
         "    print(port, flush=True)\n"
         "    await asyncio.sleep(30)\n"
         "ar.run(main())\n")
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", script, bind], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
+
+
+def test_dropped_idle_connections_are_the_oldest() -> None:
+    # Unit-level check of the cap through a real listener: hold more than the per-host cap and
+    # see the oldest ones closed by the node while the newest stay open.
+    proc, port = _listener("127.0.0.1")
     socks: list[socket.socket] = []
     try:
-        assert proc.stdout is not None
-        port = int(proc.stdout.readline())
         for _ in range(10):
             socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
             time.sleep(0.05)  # a distinct arrival order for each connection
@@ -129,21 +134,9 @@ def test_the_per_host_cap_counts_each_connection_against_its_own_host() -> None:
     # One connection from 127.0.0.2, then more than the per-host cap from 127.0.0.1: only
     # 127.0.0.1's oldest are dropped. (The cap once counted connections before their address
     # was known, all against one host "?", and evicted correct ranks of 40-rank jobs.)
-    script = (
-        "import asyncio, aioreduce as ar\n"
-        "from aioreduce.transport import Mesh, MeshOptions\n"
-        "async def main():\n"
-        "    m = Mesh(0, 2, b's', 'j', MeshOptions(max_unauthenticated_per_host=4))\n"
-        "    host, port = await m.listen('0.0.0.0', 0)\n"
-        "    print(port, flush=True)\n"
-        "    await asyncio.sleep(30)\n"
-        "ar.run(main())\n")
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc, port = _listener("0.0.0.0")
     socks: list[socket.socket] = []
     try:
-        assert proc.stdout is not None
-        port = int(proc.stdout.readline())
         socks.append(socket.create_connection(("127.0.0.1", port), timeout=5,
                                               source_address=("127.0.0.2", 0)))
         for _ in range(6):

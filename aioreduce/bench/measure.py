@@ -9,6 +9,7 @@ costs are then fitted to the medians (:func:`aioreduce.sim.calibrate.fit`).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from ..sim import Platform
 from ..sim.calibrate import Measured, emulation_start, fit
@@ -28,10 +29,9 @@ def measure_costs(nodes: int, *, netns: bool = True, link_mbit: float | None = N
         cfg = cell_config(cell, ["ring", "tree", "coded-tree", "gc"], iters=iters,
                           compute=compute, netns=netns, link_mbit=link,
                           vs_gloo=gloo_available())
-        for row in run_allreduce(cfg):
-            single = cell_config(cell, [row["scheme"]], iters=iters, compute=compute,
-                                 netns=netns, link_mbit=link, vs_gloo=False)
-            measured.append(Measured(row["scheme"], single, row["median_s"]))
+        measured += [Measured(row["scheme"], replace(cfg, schemes=[row["scheme"]],
+                                                     vs_gloo=False), row["median_s"])
+                     for row in run_allreduce(cfg)]
     # every rank of this machine shares its cores, emulated hosts or not
     start = emulation_start(link if link is not None else 1e5, cores=os.cpu_count() or 1)
     return fit(measured, start)

@@ -65,31 +65,33 @@ def simulate(name: str, cfg: Config, platform: Platform, steps: int | None = Non
     count = cfg.iters if steps is None else steps
     if not any(r.rate or r.spike_prob or r.pause for r in model.rules):
         count = min(count, 1)  # nothing random: every step is the same, simulate one
+    # the tree each tree-shaped scheme runs on, and what a coded parent can do without
+    children: list[list[int]] | None = None
+    tolerance, root_computes, m = 0, True, 1
+    if isinstance(scheme, CodedTree):
+        topo = TreeTopology(cfg.fanout, cfg.levels)
+        children = [topo.children(r) for r in range(world)]
+        tolerance, root_computes = cfg.stragglers, False
+    elif isinstance(scheme, GradientCoding):  # the runtime runs it as a one-level tree
+        children = [list(range(1, world))] + [[] for _ in range(1, world)]
+        tolerance, root_computes, m = scheme.code.s, False, scheme.code.m
+    elif name == "tree":  # the runtime's uncoded tree: heap order, any number of ranks
+        children = [heap_children(r, cfg.fanout, world) for r in range(world)]
     out = np.empty(count)
     for i in range(count):
         it = first + i
         compute = [share + model.extra_delay(r, it, share, world) for r in range(world)]
-        if isinstance(scheme, CodedTree):
-            topo = TreeTopology(cfg.fanout, cfg.levels)
-            graph, done = tree(costs, compute, cfg.size_bytes,
-                               [topo.children(r) for r in range(world)], cfg.stragglers,
-                               root_computes=False)
-        elif isinstance(scheme, GradientCoding):
-            star = [list(range(1, world))] + [[] for _ in range(1, world)]
-            graph, done = tree(costs, compute, cfg.size_bytes, star, scheme.code.s,
-                               root_computes=False, m=scheme.code.m)
-        elif name == "tree":  # the runtime's uncoded tree: heap order, any number of ranks
-            graph, done = tree(costs, compute, cfg.size_bytes,
-                               [heap_children(r, cfg.fanout, world) for r in range(world)])
-        else:
+        if children is None:
             graph, done = ring(costs, compute, cfg.size_bytes)
+        else:
+            graph, done = tree(costs, compute, cfg.size_bytes, children, tolerance,
+                               root_computes, m)
         run(graph, world, costs.cores)
         slow = model.stragglers(it, world)
         fast = [r for r in range(world) if r not in slow] or list(range(world))
         ends = [done[r].done for r in fast]
         out[i] = max(math.inf if e is None else e for e in ends)
     return out
-
 
 
 @lru_cache(maxsize=64)

@@ -33,8 +33,13 @@ class Measured:
     straggler: str = "none"
 
     @property
+    def cell(self) -> str:
+        """The sweep cell: ranks/size/straggler model."""
+        return f"{self.cfg.nodes}/{self.cfg.size_bytes}/{self.straggler}"
+
+    @property
     def label(self) -> str:
-        return f"{self.cfg.nodes}/{self.cfg.size_bytes}/{self.straggler}/{self.scheme}"
+        return f"{self.cell}/{self.scheme}"
 
 
 @dataclass(frozen=True)
@@ -102,10 +107,10 @@ def fit(measured: list[Measured], start: Platform, rounds: int = 6,
     best = start
     best_loss = loss(compare(measured, best))
     factor = 4.0
+    free = [(side, name) for side, name in FREE
+            if side != "gloo" or any(m.scheme == "gloo" for m in measured)]
     for r in range(rounds):
-        for side, name in FREE:
-            if not any(m.scheme == "gloo" for m in measured) and side == "gloo":
-                continue
+        for side, name in free:
             for f in (factor, 1 / factor):
                 while True:
                     cand = _set(best, side, name, _get(best, side, name) * f)

@@ -35,7 +35,7 @@ class Op:
     seconds: float = 0.0  # delay and cpu: how long; wire: serialisation time
     dst: int = -1  # wire: the receiving rank
     latency: float = 0.0  # wire: added after serialisation
-    need: int = 0  # predecessors that must finish first (set by :meth:`Graph.after`)
+    need: int = 0  # predecessors that must finish first (set by :meth:`Graph.add`)
     succ: list[Op] = field(default_factory=list)
     done: float | None = None
     _waiting: int = field(default=0, repr=False)
@@ -60,6 +60,16 @@ class Graph:
         return op
 
 
+@dataclass(eq=False)
+class _Flow:
+    """A message being sent: what is left of it and at what share of the link."""
+
+    left: float  # seconds at the full link rate still to send
+    since: float  # when ``left`` was last brought up to date
+    rate: float = 1.0  # share of the link
+    version: int = 0  # of its finish plan; an older plan is stale
+
+
 class _Links:
     """Flows on full-duplex links: each connection (sender, receiver) sends its messages in
     order, one at a time (one TCP stream); the streams through one port share it equally (a
@@ -68,27 +78,23 @@ class _Links:
     outdated plan is recognised by its version and skipped."""
 
     def __init__(self, ranks: int) -> None:
-        self.out: list[set[Op]] = [set() for _ in range(ranks)]
-        self.into: list[set[Op]] = [set() for _ in range(ranks)]
+        # dicts as ordered sets: re-planning in insertion order keeps runs reproducible (a
+        # set of Ops iterates by id, which changed tie-breaks from one run to the next)
+        self.out: list[dict[Op, None]] = [{} for _ in range(ranks)]
+        self.into: list[dict[Op, None]] = [{} for _ in range(ranks)]
         self.queued: dict[tuple[int, int], list[Op]] = {}
-        self.left: dict[Op, float] = {}  # seconds at the full link rate still to send
-        self.rate: dict[Op, float] = {}
-        self.since: dict[Op, float] = {}
-        self.version: dict[Op, int] = {}
+        self.flows: dict[Op, _Flow] = {}  # the messages being sent
 
     def offer(self, op: Op, t: float) -> list[tuple[float, Op, int]]:
         """``op`` is ready to send at ``t``: start it, or queue it behind its stream."""
-        key = (op.rank, op.dst)
-        queue = self.queued.setdefault(key, [])
+        queue = self.queued.setdefault((op.rank, op.dst), [])
         queue.append(op)
         return self._start(op, t) if len(queue) == 1 else []
 
     def finish(self, op: Op, t: float) -> list[tuple[float, Op, int]]:
         """``op`` has sent its last byte at ``t``: re-plan the others, start the next."""
-        self.out[op.rank].discard(op)
-        self.into[op.dst].discard(op)
-        for d in (self.left, self.rate, self.since, self.version):
-            d.pop(op, None)
+        del self.out[op.rank][op], self.into[op.dst][op]
+        del self.flows[op]
         plans = self._replan(self.out[op.rank] | self.into[op.dst], t)
         queue = self.queued[(op.rank, op.dst)]
         queue.pop(0)
@@ -97,22 +103,23 @@ class _Links:
         return plans
 
     def current(self, op: Op, version: int) -> bool:
-        return self.version.get(op) == version
+        flow = self.flows.get(op)
+        return flow is not None and flow.version == version
 
     def _start(self, op: Op, t: float) -> list[tuple[float, Op, int]]:
-        self.out[op.rank].add(op)
-        self.into[op.dst].add(op)
-        self.left[op], self.rate[op], self.since[op], self.version[op] = op.seconds, 1.0, t, 0
+        self.out[op.rank][op] = self.into[op.dst][op] = None
+        self.flows[op] = _Flow(op.seconds, t)
         return self._replan(self.out[op.rank] | self.into[op.dst], t)
 
-    def _replan(self, flows: set[Op], t: float) -> list[tuple[float, Op, int]]:
+    def _replan(self, ops: dict[Op, None], t: float) -> list[tuple[float, Op, int]]:
         plans = []
-        for f in flows:
-            self.left[f] -= (t - self.since[f]) * self.rate[f]
-            self.since[f] = t
-            self.rate[f] = 1.0 / max(len(self.out[f.rank]), len(self.into[f.dst]))
-            self.version[f] += 1
-            plans.append((t + max(0.0, self.left[f]) / self.rate[f], f, self.version[f]))
+        for op in ops:
+            f = self.flows[op]
+            f.left -= (t - f.since) * f.rate
+            f.since = t
+            f.rate = 1.0 / max(len(self.out[op.rank]), len(self.into[op.dst]))
+            f.version += 1
+            plans.append((t + max(0.0, f.left) / f.rate, op, f.version))
         return plans
 
 
@@ -159,14 +166,10 @@ def run(graph: Graph, ranks: int, cores: int | None) -> None:
             continue
         if op.kind == "delay":
             end = t + op.seconds
-        else:
-            start = max(t, thread_free[op.rank])
+        else:  # the rank's thread, and the earliest free core of a shared pool
+            end = max(t, thread_free[op.rank], core_free[0] if core_free else 0.0) + op.seconds
             if core_free:
-                start = max(start, core_free[0])
-                end = start + op.seconds
                 heapq.heapreplace(core_free, end)
-            else:
-                end = start + op.seconds
             thread_free[op.rank] = end
         op.done = end
         push(end, "finished", op)

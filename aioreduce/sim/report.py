@@ -11,8 +11,7 @@ from typing import Any
 
 from ..bench.cli import fmt_size
 from . import Platform
-from .advise import Option, advise
-from .calibrate import Check, Measured, compare, costs_table, emulation_start, fit, from_sweep
+from .calibrate import Check, compare, costs_table, emulation_start, fit, from_sweep
 from .steps import Costs
 
 COSTS = "costs.json"
@@ -31,20 +30,19 @@ def load_platforms(path: Path) -> dict[int, Platform]:
     return {int(n): Platform(Costs(**p["ours"]), Costs(**p["gloo"])) for n, p in raw.items()}
 
 
-def advisor_hits(measured: list[Measured], platform: Platform
-                 ) -> list[tuple[str, str, str, bool]]:
+def advisor_hits(checks: list[Check]) -> list[tuple[str, str, str, bool]]:
     """Per cell: (cell, advised, fastest measured, advised within 10 % of it). The advisor
-    ranks the schemes measured in the cell, with the settings they were measured with."""
-    cells: dict[str, list[Measured]] = {}
-    for m in measured:
-        cells.setdefault(m.label.rsplit("/", 1)[0], []).append(m)
+    (:func:`~.advise.advise`) ranks by simulated median; here it ranks the schemes measured
+    in the cell, with the settings they were measured with, whose simulated medians the
+    checks hold already."""
+    cells: dict[str, list[Check]] = {}
+    for c in checks:
+        cells.setdefault(c.measured.cell, []).append(c)
     out = []
-    for key, ms in cells.items():
-        by = {m.scheme: m for m in ms}
-        ranked = advise(ms[0].cfg, platform, [Option(s) for s in by])
-        pick = ranked[0].scheme
-        best = min(by.values(), key=lambda m: m.median)
-        out.append((key, pick, best.scheme, by[pick].median <= (1 + WITHIN) * best.median))
+    for key, cs in cells.items():
+        pick = min(cs, key=lambda c: c.predicted).measured
+        best = min((c.measured for c in cs), key=lambda m: m.median)
+        out.append((key, pick.scheme, best.scheme, pick.median <= (1 + WITHIN) * best.median))
     return out
 
 
@@ -61,13 +59,12 @@ def write(out: Path, rows: list[dict[str, Any]],
     link = next((r["link_mbit"] for r in rows if r.get("link_mbit")), 1000.0)
     platforms: dict[int, Platform] = {}
     checks: list[Check] = []
-    hits: list[tuple[str, str, str, bool]] = []
     for n in sorted({m.cfg.nodes for m in measured}):
         mine = [m for m in measured if m.cfg.nodes == n]
         calm = [m for m in mine if m.straggler == "none"]
         platforms[n] = fit(calm, emulation_start(link), progress=progress)
         checks += compare(mine, platforms[n])
-        hits += advisor_hits(mine, platforms[n])
+    hits = advisor_hits(checks)
     save_platforms(platforms, out / COSTS)
     lines = ["# Simulator against the sweep", "",
              "Made by `aioreduce-bench sim --sweep " + str(out) + "`. Costs fitted, per "

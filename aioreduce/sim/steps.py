@@ -59,12 +59,12 @@ class _Builder:
         return self.g.add("delay", rank, seconds)
 
     def message(self, src: int, dst: int, nbytes: float, after: list[Op],
-                need: int | None = None, frames: int | None = None) -> Op:
-        """Send ``nbytes`` from ``src`` to ``dst`` once ``need`` of ``after`` are done;
-        returns the op after which ``dst`` has used them."""
+                frames: int | None = None) -> Op:
+        """Send ``nbytes`` from ``src`` to ``dst`` once ``after`` are done; returns the op
+        after which ``dst`` has used them."""
         c = self.c
         n = frames if frames is not None else _frames(nbytes, c.chunk_bytes)
-        send = self.g.add("cpu", src, n * c.msg_cpu, after=after, need=need)
+        send = self.g.add("cpu", src, n * c.msg_cpu, after=after)
         wire = self.g.add("wire", src, nbytes / c.bandwidth, dst=dst, latency=c.alpha,
                           after=[send])
         return self.g.add("cpu", dst, n * c.msg_cpu + nbytes * c.byte_cpu, after=[wire])

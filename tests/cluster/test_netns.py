@@ -108,20 +108,25 @@ def test_a_failed_rank_ends_the_cluster_run_and_is_named() -> None:
     assert not {n for n in _namespaces() if n.startswith(f"arx{os.getpid()}")}
 
 
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    """``aioreduce-bench ARGS``, which must succeed."""
+    res = subprocess.run([sys.executable, "-m", "aioreduce.bench.cli", *args],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
 def test_sweep_runs_resumes_and_plots(tmp_path: Path) -> None:
     # The short version of `aioreduce-bench sweep` (the full grid is a script-length run).
-    cmd = [sys.executable, "-m", "aioreduce.bench.cli", "sweep", "--out", str(tmp_path),
-           "--nodes", "7", "--sizes", "40K", "--stragglers", "none,pause", "--iters", "3",
-           "--no-gloo"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    args = ("sweep", "--out", str(tmp_path), "--nodes", "7", "--sizes", "40K", "--stragglers",
+            "none,pause", "--iters", "3", "--no-gloo")
+    _bench(*args)
     rows = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     cells = {(r["cell"], r["scheme"]) for r in rows}
     assert cells == {(f"7/40960/{m}", s) for m in ("none", "pause")
                      for s in ("ring", "coded-tree", "gc", "tree")}
     assert all(len(r["steps_s"]) == 3 and r["netns"] for r in rows)
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0 and "0 cells run, 2 already" in again.stdout  # resumed
+    assert "0 cells run, 2 already" in _bench(*args).stdout  # resumed
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == len(rows)
     for png in ("median_p99.png", "speedup_vs_ring.png", "cdf_7.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -130,21 +135,13 @@ def test_sweep_runs_resumes_and_plots(tmp_path: Path) -> None:
 def test_sim_fits_the_sweep_and_advise_measures_the_cluster(tmp_path: Path) -> None:
     # The simulator fitted to a short sweep writes its report; advise --measure runs every
     # scheme on emulated hosts, fits, saves the costs and ranks the options.
-    sweep = [sys.executable, "-m", "aioreduce.bench.cli", "sweep", "--out", str(tmp_path),
-             "--nodes", "4", "--sizes", "40K", "--stragglers", "none,slow3", "--iters", "3",
-             "--no-gloo"]
-    res = subprocess.run(sweep, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    sim = subprocess.run([sys.executable, "-m", "aioreduce.bench.cli", "sim", "--sweep",
-                          str(tmp_path)], capture_output=True, text=True, timeout=600)
-    assert sim.returncode == 0, sim.stderr[-3000:]
+    _bench("sweep", "--out", str(tmp_path), "--nodes", "4", "--sizes", "40K", "--stragglers",
+           "none,slow3", "--iters", "3", "--no-gloo")
+    _bench("sim", "--sweep", str(tmp_path))
     report = (tmp_path / "sim.md").read_text()
     assert "right in **" in report and "| 4 | 40K | slow3 | coded-tree |" in report
     costs = tmp_path / "measured.json"
-    adv = subprocess.run([sys.executable, "-m", "aioreduce.bench.cli", "advise", "--measure",
-                          "--costs", str(costs), "--nodes", "4", "--size", "40K",
-                          "--straggle", "rank=3:slow=3", "--iters", "3"],
-                         capture_output=True, text=True, timeout=600)
-    assert adv.returncode == 0, adv.stderr[-3000:]
+    adv = _bench("advise", "--measure", "--costs", str(costs), "--nodes", "4", "--size", "40K",
+                 "--straggle", "rank=3:slow=3", "--iters", "3")
     assert adv.stdout.splitlines()[-1].startswith("advice: ")
     assert set(json.loads(costs.read_text())) == {"4"}

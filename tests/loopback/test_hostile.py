@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -76,8 +77,21 @@ def test_idle_connections_and_1024_fds_a_correct_peer_still_joins() -> None:
     assert "Too many open files" not in outs[0][1]
 
 
-def _listener(bind: str) -> tuple[subprocess.Popen[str], int]:
-    """A node's listener alone (a per-host cap of 4) in a process of its own; its port."""
+def _closed(sock: socket.socket, wait: float) -> bool:
+    """Whether the node closed ``sock`` (seen within ``wait`` seconds)."""
+    sock.settimeout(wait)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+@contextlib.contextmanager
+def _listener(bind: str) -> Iterator[tuple[int, list[socket.socket]]]:
+    """A node's listener alone (a per-host cap of 4) in a process of its own: its port, and a
+    list for the test's sockets; both the sockets and the process go when the test ends."""
     script = (
         "import asyncio, sys, aioreduce as ar\n"
         "from aioreduce.transport import Mesh, MeshOptions\n"
@@ -89,29 +103,10 @@ def _listener(bind: str) -> tuple[subprocess.Popen[str], int]:
         "ar.run(main())\n")
     proc = subprocess.Popen([sys.executable, "-c", script, bind], stdout=subprocess.PIPE,
                             text=True, start_new_session=True)
-    assert proc.stdout is not None
-    return proc, int(proc.stdout.readline())
-
-
-def test_dropped_idle_connections_are_the_oldest() -> None:
-    # Unit-level check of the cap through a real listener: hold more than the per-host cap and
-    # see the oldest ones closed by the node while the newest stay open.
-    proc, port = _listener("127.0.0.1")
     socks: list[socket.socket] = []
     try:
-        for _ in range(10):
-            socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
-            time.sleep(0.05)  # a distinct arrival order for each connection
-        closed = []
-        for s in socks:
-            s.settimeout(2 if not closed else 0.2)
-            try:
-                closed.append(s.recv(1) == b"")
-            except TimeoutError:
-                closed.append(False)
-            except ConnectionResetError:
-                closed.append(True)
-        assert closed == [True] * 6 + [False] * 4, closed
+        assert proc.stdout is not None
+        yield int(proc.stdout.readline()), socks
     finally:
         for s in socks:
             with contextlib.suppress(OSError):
@@ -120,35 +115,28 @@ def test_dropped_idle_connections_are_the_oldest() -> None:
         proc.wait(5)
 
 
-def _closed(sock: socket.socket, wait: float) -> bool:
-    sock.settimeout(wait)
-    try:
-        return sock.recv(1) == b""
-    except TimeoutError:
-        return False
-    except ConnectionResetError:
-        return True
+def test_dropped_idle_connections_are_the_oldest() -> None:
+    # Unit-level check of the cap through a real listener: hold more than the per-host cap and
+    # see the oldest ones closed by the node while the newest stay open.
+    with _listener("127.0.0.1") as (port, socks):
+        for _ in range(10):
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            time.sleep(0.05)  # a distinct arrival order for each connection
+        closed = [_closed(s, 2 if i == 0 else 0.2) for i, s in enumerate(socks)]
+        assert closed == [True] * 6 + [False] * 4, closed
 
 
 def test_the_per_host_cap_counts_each_connection_against_its_own_host() -> None:
     # One connection from 127.0.0.2, then more than the per-host cap from 127.0.0.1: only
     # 127.0.0.1's oldest are dropped. (The cap once counted connections before their address
     # was known, all against one host "?", and evicted correct ranks of 40-rank jobs.)
-    proc, port = _listener("0.0.0.0")
-    socks: list[socket.socket] = []
-    try:
+    with _listener("0.0.0.0") as (port, socks):
         socks.append(socket.create_connection(("127.0.0.1", port), timeout=5,
                                               source_address=("127.0.0.2", 0)))
         for _ in range(6):
             socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
         closed = [_closed(s, 0.5) for s in socks]
         assert closed == [False] + [True] * 2 + [False] * 4, closed
-    finally:
-        for s in socks:
-            with contextlib.suppress(OSError):
-                s.close()
-        proc.kill()
-        proc.wait(5)
 
 
 BUDGET_MIB = PeerBudget().staged_bytes / 2**20

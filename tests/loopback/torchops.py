@@ -108,6 +108,18 @@ def optim() -> None:
         (w * c).sum().backward()
         refuse.step()
         say("refused", [refuse.committed, float(w[0]), len(refuse.results)])
+        # Sums through the process group keep their reports, not their values: the ring's
+        # result memory is handed out again step after step instead of faulted in afresh.
+        pg = art.ProcessGroupAioreduce(node)
+        pool = node.node._session.pool  # type: ignore[union-attr]
+        before = pool.reused
+        grad = torch.full((4096,), float(node.rank))
+        for _ in range(6):
+            pg.future_sum(grad, average=True).wait()
+        kept = pg.take_results()
+        say("pooled", [pool.reused - before, len(kept), max(r.value.size for r in kept),
+                       float(grad[0])])
+        pg.shutdown()
 
 
 def resync() -> None:

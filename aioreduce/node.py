@@ -29,7 +29,7 @@ import numpy as np
 from .env import NodeEnv, discover
 from .errors import VectorMismatch
 from .schemes import CodedScheme, FellBehind, Result, Scheme, Session
-from .schemes.base import Comm, DecodeTimed
+from .schemes.base import Comm, DecodeTimed, SumsInPlace
 from .schemes.broadcast import broadcast
 from .schemes.gather import allgather
 from .straggle import StraggleModel, parse_straggle
@@ -51,6 +51,15 @@ def _is_tensor(obj: object) -> bool:
         return False
     from .torch.tensors import is_tensor
     return is_tensor(obj)
+
+
+def _describe(obj: object) -> str:
+    """What a caller passed, for an error message."""
+    if isinstance(obj, np.ndarray):
+        flags = [] if obj.flags.writeable else ["read-only"]
+        flags += [] if obj.flags.c_contiguous else ["non-contiguous"]
+        return " ".join([*flags, f"{obj.dtype} array"])
+    return type(obj).__name__
 
 
 def mean_divisor(res: Result, world_size: int) -> float:
@@ -259,6 +268,13 @@ class Node:
         return self.mesh if self.tracer is None else TracingComm(self.mesh, self.tracer)
 
     @property
+    def sums_in_place(self) -> bool:
+        """Does the current scheme sum straight into the caller's array with
+        ``allreduce(in_place=True)`` (every rank in every sum, so ``op="mean"`` divides by the
+        world size), rather than copying its result in?"""
+        return isinstance(self._session, SumsInPlace)
+
+    @property
     def step(self) -> int:
         """The number of the next step (aggregation or broadcast)."""
         return self._step
@@ -301,23 +317,55 @@ class Node:
         return self._holders[1]
 
     async def allreduce(self, array: Reducible, *, op: ReduceOp = "sum",
-                        any_shape: bool = False) -> Result:
+                        any_shape: bool = False, in_place: bool = False) -> Result:
         """One step of an uncoded scheme (Ring, Tree, Star, Transpose): the sum of every
         rank's array, or with ``op="mean"`` the sum divided by the number of contributions
         it holds. A CPU torch tensor works too (the result's ``value`` is then a tensor).
 
         ``any_shape=True`` lets every step have a shape of its own (as a collective library
         does: the ranks agree per call, and a disagreement raises ``VectorMismatch`` on every
-        rank) instead of refusing a change of shape as a caller mistake."""
+        rank) instead of refusing a change of shape as a caller mistake.
+
+        ``in_place=True`` writes the result into ``array`` itself (a writable C-contiguous
+        floating-point array or CPU tensor), which is then the result's ``value``, as
+        ``torch.distributed.all_reduce`` does. The ring sums straight into it (no result
+        buffer, no copy; a mean costs a pass over 1/N of it); other schemes copy their result
+        in. If the step fails, ``array`` holds partial sums."""
         if self._auto and self.scheme is None:
             array = await self._choose_scheme(array)
         self._require(coded=False)
+        if in_place:
+            return await self._reduce_in_place(array, op, any_shape=any_shape)
         res = await self._reduce(array, op, any_shape=any_shape)
         if op == "mean":
             res = dataclasses.replace(res, value=res.value / mean_divisor(res, self.world_size))
         return res
 
-    async def _reduce(self, vector: Reducible, op: str, *, any_shape: bool) -> Result:
+    async def _reduce_in_place(self, array: Reducible, op: str, *, any_shape: bool
+                               ) -> Result:
+        """:meth:`allreduce` with ``in_place=True``."""
+        target = array
+        if _is_tensor(array):
+            from .torch.tensors import to_numpy
+            array = to_numpy(array, self.rank)
+            if not target.is_contiguous():  # type: ignore[union-attr]
+                raise ValueError(f"rank {self.rank}: in_place=True needs a contiguous tensor "
+                                 "(call .contiguous() and reduce that)")
+        if not isinstance(array, np.ndarray) or array.dtype.kind not in "fc" or not (
+                array.flags.c_contiguous and array.flags.writeable):
+            raise TypeError(f"rank {self.rank}: in_place=True needs a writable C-contiguous "
+                            "floating-point array or CPU tensor, not "
+                            f"{_describe(array)}")
+        res = await self._reduce(array, op, any_shape=any_shape, into=array)
+        if op == "mean" and not self.sums_in_place:
+            np.divide(array, mean_divisor(res, self.world_size), out=array)
+        if target is not array:  # a tensor: the result is a TensorResult, its value that tensor
+            from .torch.tensors import tensor_result
+            return tensor_result(res, value=target)  # type: ignore[arg-type]  # a tensor
+        return dataclasses.replace(res, value=array)
+
+    async def _reduce(self, vector: Reducible, op: str, *, any_shape: bool,
+                      into: np.ndarray | None = None) -> Result:
         """Tensors to arrays and back around :meth:`_run`."""
         if op not in ("sum", "mean"):
             raise ValueError(f"rank {self.rank}: op must be 'sum' or 'mean', not {op!r} (min, "
@@ -330,7 +378,9 @@ class Node:
             vector = to_numpy(vector, self.rank)
         elif callable(vector):
             vector = self._numpy_compute(vector)
-        res = await self._run(vector)
+        res = await self._run(vector, into, op == "mean")
+        if into is not None:
+            return res
         if tensors or (callable(vector) and self._tensor_out):
             from .torch.tensors import tensor_result
             return tensor_result(res)
@@ -423,7 +473,10 @@ class Node:
                              f"{like.dtype} {list(like.shape)}; every step of a scheme needs "
                              "the same shape and dtype on every rank (Node.use() starts anew)")
 
-    async def _run(self, vector: np.ndarray | Callable[[], np.ndarray]) -> Result:
+    async def _run(self, vector: np.ndarray | Callable[[], np.ndarray],
+                   into: np.ndarray | None = None, mean: bool = False) -> Result:
+        """One step of the session; with ``into``, the result lands there (divided by the
+        world size if ``mean`` and the session sums in place, which then sums every rank)."""
         session = self._session
         assert session is not None  # aggregate()/allreduce() checked it
         self._check_input(vector)
@@ -458,10 +511,12 @@ class Node:
             vec = np.ascontiguousarray(vector)
             like = self._like = np.empty_like(vec)
             own = asyncio.ensure_future(self._straggle(step, vec, since_return))
-        return await self._step_session(session, step, like, own)
+        return await self._step_session(session, step, like, own, into,
+                                        self.world_size if mean else 1)
 
     async def _step_session(self, session: Session, step: int, like: np.ndarray,
-                            own: asyncio.Future[np.ndarray]) -> Result:
+                            own: asyncio.Future[np.ndarray], into: np.ndarray | None = None,
+                            divisor: float = 1) -> Result:
         tracer = self.tracer
         if tracer is not None:
             tracer.begin(step, type(self.scheme).__name__)
@@ -469,7 +524,14 @@ class Node:
         result: Result | None = None
         error: BaseException | None = None
         try:
-            result = await session.step(step, like, own)
+            if into is None:
+                result = await session.step(step, like, own)
+            elif isinstance(session, SumsInPlace):
+                result = await session.step_into(step, like, own, into, divisor)
+            else:
+                result = await session.step(step, like, own)
+                np.copyto(into.reshape(result.value.shape), result.value)
+                result = dataclasses.replace(result, value=into)
             return result
         except BaseException as exc:
             error = exc

@@ -76,11 +76,12 @@ class SyncNode:
         return self.node.world_size
 
     def allreduce(self, array: Reducible, *, op: ReduceOp = "sum",
-                  any_shape: bool = False) -> Result:
+                  any_shape: bool = False, in_place: bool = False) -> Result:
         """The sum (or mean) of every rank's array (uncoded schemes) as a :class:`Result`,
         the same type the async API returns; blocks until it is here (see
-        :meth:`Node.allreduce`)."""
-        return self._call(self.node.allreduce(array, op=op, any_shape=any_shape))
+        :meth:`Node.allreduce`, also for ``in_place``)."""
+        return self._call(self.node.allreduce(array, op=op, any_shape=any_shape,
+                                              in_place=in_place))
 
     def broadcast(self, array: np.ndarray, root: int = 0) -> Result:
         """``root``'s array on every rank (see :meth:`Node.broadcast`)."""

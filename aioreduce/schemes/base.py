@@ -113,6 +113,20 @@ class Session(Protocol):
 
 
 @runtime_checkable
+class SumsInPlace(Protocol):
+    """A session that can write a step's sum into an array of the caller's (its own vector
+    included), as ``torch.distributed`` collectives do: no result buffer, no copy back.
+    Only sessions whose result always sums every rank's vector implement it."""
+
+    async def step_into(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray],
+                        into: np.ndarray, divisor: float) -> Result:
+        """:meth:`Session.step`, with the sum divided by ``divisor`` (1: the sum) written into
+        ``into`` (C-contiguous, ``like``'s shape and dtype; it may be the vector ``own``
+        yields), which is the result's ``value``. If the step fails, ``into`` holds partial
+        sums."""
+
+
+@runtime_checkable
 class DecodeTimed(Protocol):
     """A session that can tell how long this rank spent decoding a step (for telemetry)."""
 

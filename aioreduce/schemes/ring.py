@@ -48,19 +48,27 @@ MAX_AHEAD = 4
 EMPTY = np.empty(0, np.uint8)
 
 
-def _segments(length: int, n: int) -> list[tuple[int, int]]:
+@functools.lru_cache(maxsize=32)
+def _segments(length: int, n: int) -> tuple[tuple[int, int], ...]:
+    """The ``n`` segments' (start, end) of a vector of ``length`` (a step's vector usually has
+    the length of the last one: computed once)."""
     edges = np.linspace(0, length, n + 1).astype(int)
-    return [(int(edges[i]), int(edges[i + 1])) for i in range(n)]
+    return tuple((int(edges[i]), int(edges[i + 1])) for i in range(n))
 
 
 async def _ring(comm: Comm, mine: np.ndarray, acc: np.ndarray, pool: BufferPool, send_to: int,
-                recv_from: int, pos: int, step: int, tag: int) -> None:
+                recv_from: int, pos: int, step: int, tag: int, divisor: float = 1) -> None:
     """One directional ring: ``acc`` (a view, uninitialised) becomes the sum over the ring of
-    ``mine`` (a view of the same size, only read); this rank is at position ``pos``.
+    ``mine`` (a view of the same size), divided by ``divisor``; this rank is at position
+    ``pos``. ``acc`` may be ``mine`` itself (an in-place sum); otherwise ``mine`` is only read.
+    The division costs a pass over 1/N of the vector: each rank divides the segment it
+    reduced, before the all-gather spreads it.
 
     ``acc`` needs no copy of ``mine`` first: the first send reads ``mine``, each reduced
     segment is written as ``mine + received`` straight into ``acc``, and the all-gather
-    overwrites the rest. Receives are posted ahead of the sends they follow, so a neighbour
+    overwrites the rest. In place, segment ``r`` of ``mine`` is read once, by the add that
+    overwrites it; the own segment is sent first and only overwritten by the all-gather.
+    Receives are posted ahead of the sends they follow, so a neighbour
     that is a sub-step ahead streams straight into its destination: the next reduce-scatter
     segment lands in the second scratch buffer while this one is added, and every all-gather
     segment has its receive posted into ``acc`` before the all-gather starts (a segment is
@@ -90,9 +98,15 @@ async def _ring(comm: Comm, mine: np.ndarray, acc: np.ndarray, pool: BufferPool,
             if i + 1 < n - 1:
                 ahead = post_reduce(i + 1)  # into the other scratch, added at step i + 1
             src = mine if i == 0 else acc  # segment pos - i was reduced at step i - 1
-            await asyncio.gather(comm.send(send_to, src[s_lo:s_hi], step=step, tag=tag + i),
-                                 fut)
+            # Send, then wait for the receive: it fills meanwhile (posted, so the neighbour's
+            # bytes land as they come). Not gather(): a task per send cost more than the rest
+            # of a small segment's handling.
+            await comm.send(send_to, src[s_lo:s_hi], step=step, tag=tag + i)
+            await fut
             np.add(mine[r_lo:r_hi], bufs[i % 2][: r_hi - r_lo], out=acc[r_lo:r_hi])
+        if divisor != 1:  # this rank's reduced segment, the first the all-gather sends
+            lo, hi = seg[(pos + 1) % n]
+            np.divide(acc[lo:hi], divisor, out=acc[lo:hi])
         gathered = []
         for i in range(n - 1):  # all-gather: every receive posted now, into its segment
             r_lo, r_hi = seg[(pos - i) % n]
@@ -101,8 +115,8 @@ async def _ring(comm: Comm, mine: np.ndarray, acc: np.ndarray, pool: BufferPool,
         posted += gathered
         for i in range(n - 1):
             s_lo, s_hi = seg[(pos + 1 - i) % n]
-            await asyncio.gather(comm.send(send_to, acc[s_lo:s_hi], step=step,
-                                           tag=tag + n + i), gathered[i])
+            await comm.send(send_to, acc[s_lo:s_hi], step=step, tag=tag + n + i)
+            await gathered[i]
     finally:
         for fut in posted:  # a failed step withdraws what it posted: nothing lands later
             if not fut.done():
@@ -186,6 +200,16 @@ class RingSession:
         return False  # a ring's result needs everyone's vector
 
     async def step(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray]) -> Result:
+        return await self._run_step(step, like, own, None, 1)
+
+    async def step_into(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray],
+                        into: np.ndarray, divisor: float) -> Result:
+        """The step's sum divided by ``divisor`` written into ``into`` (see
+        :class:`~.base.SumsInPlace`); ``into`` may be the vector itself."""
+        return await self._run_step(step, like, own, into, divisor)
+
+    async def _run_step(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray],
+                        into: np.ndarray | None, divisor: float) -> Result:
         comm = self.comm
         t0 = time.perf_counter()
         comm.discard_before(step)
@@ -197,8 +221,9 @@ class RingSession:
             self._aborted.set_result(early)
         mine = (await own).reshape(-1)
         if comm.world_size > 1:
-            acc = self.pool.take(mine.size, mine.dtype)
-            work = asyncio.ensure_future(self._exchange(mine, acc, step))
+            acc = (self.pool.take(mine.size, mine.dtype) if into is None
+                   else into.reshape(-1))
+            work = asyncio.ensure_future(self._exchange(mine, acc, step, divisor))
             waits: set[asyncio.Future[Any]] = {work, self._aborted}
             try:
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -215,15 +240,20 @@ class RingSession:
             if exc is not None:
                 self._tell_everyone(step, exc)
                 raise exc
+        elif into is not None:
+            acc = into.reshape(-1)
+            np.divide(mine, divisor, out=acc)
         else:
-            acc = mine.copy()
+            acc = mine / divisor if divisor != 1 else mine.copy()
         comm.discard_before(step + 1)
         value = acc.reshape(like.shape)
-        value.setflags(write=False)
+        if into is None:  # ours, and reused by the pool: the caller must not write to it
+            value.setflags(write=False)
         return Result(value, step, list(range(comm.world_size)), [], True, 0.0,
                       time.perf_counter() - t0)
 
-    async def _exchange(self, mine: np.ndarray, acc: np.ndarray, step: int) -> None:
+    async def _exchange(self, mine: np.ndarray, acc: np.ndarray, step: int, divisor: float
+                        ) -> None:
         comm = self.comm
         n, rank = comm.world_size, comm.rank
         prev, nxt = ring_neighbours(rank, n)
@@ -231,11 +261,12 @@ class RingSession:
             half = acc.size // 2
             # Position on the reversed ring (0 -> N-1 -> ... -> 1 -> 0) is -rank mod n.
             await asyncio.gather(
-                _ring(comm, mine[:half], acc[:half], self.pool, nxt, prev, rank, step, 0),
+                _ring(comm, mine[:half], acc[:half], self.pool, nxt, prev, rank, step, 0,
+                      divisor),
                 _ring(comm, mine[half:], acc[half:], self.pool, prev, nxt, (-rank) % n, step,
-                      1 << 20))
+                      1 << 20, divisor))
         else:
-            await _ring(comm, mine, acc, self.pool, nxt, prev, rank, step, 0)
+            await _ring(comm, mine, acc, self.pool, nxt, prev, rank, step, 0, divisor)
 
 
 def _mismatch(step: int, exc: VectorMismatch, me: int, mine: np.ndarray) -> VectorMismatch:

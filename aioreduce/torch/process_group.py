@@ -184,17 +184,25 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         :class:`~aioreduce.Result` first (on our completing thread)."""
         arr = to_numpy(tensor, self.node.rank)
         node = self.node.node
+        in_place = arr.dtype.kind == "f"  # sum into the tensor's own memory, as Gloo does
+        divided = False
 
         async def total() -> Result:
-            return await node.allreduce(arr, any_shape=True)
+            nonlocal divided
+            if not in_place:
+                return await node.allreduce(arr, any_shape=True)
+            # The ring divides as it goes (1/N of the vector), saving a pass at the end.
+            divided = average and node.sums_in_place
+            return await node.allreduce(arr, op="mean" if divided else "sum", any_shape=True,
+                                        in_place=True)
 
         def finish(res: Result) -> torch.Tensor:
             self._note(res)
             if on_result is not None:
                 on_result(res)
-            if average:
+            if average and not divided:
                 np.divide(res.value, self.node.world_size, out=arr, casting="unsafe")
-            else:
+            elif not in_place:
                 np.copyto(arr, res.value, casting="unsafe")
             _sync_back(tensor, arr)
             return tensor

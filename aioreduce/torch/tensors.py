@@ -47,8 +47,9 @@ def to_numpy(t: object, rank: int) -> np.ndarray:
     return t.detach().contiguous().numpy()
 
 
-def tensor_result(res: Result) -> TensorResult:
-    """``res`` with its value as a new tensor (a writable copy)."""
+def tensor_result(res: Result, value: torch.Tensor | None = None) -> TensorResult:
+    """``res`` with ``value``, by default its value as a new tensor (a writable copy)."""
     fields = {f.name: getattr(res, f.name) for f in dataclasses.fields(res)}
-    fields["value"] = torch.from_numpy(np.array(res.value, copy=True))
+    fields["value"] = (torch.from_numpy(np.array(res.value, copy=True)) if value is None
+                       else value)
     return TensorResult(**fields)

@@ -13,8 +13,8 @@ memoryview of the array, to be handed to ``transport.writelines`` as they are.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
+import functools
 import math
 import re
 import struct
@@ -76,18 +76,11 @@ class Header:
         """Bytes the payload must have for this dtype and shape (0 without a dtype)."""
         if not self.dtype:
             return 0
-        return np.dtype(self.dtype).itemsize * math.prod(self.shape)
+        return _itemsize(self.dtype) * math.prod(self.shape)
 
     def to_bytes(self) -> bytes:
-        body: dict[str, Any] = {"kind": int(self.kind), "step": self.step, "tag": self.tag,
-                                "src": self.src}
-        if self.dtype:
-            body["dtype"] = self.dtype
-            body["shape"] = list(self.shape)
-        if self.meta:
-            body["meta"] = self.meta
-        out: bytes = msgpack.packb(body, use_bin_type=True)
-        return out
+        return _pack(self.kind, self.step, self.tag, self.src, self.dtype, self.shape,
+                     self.meta)
 
     @classmethod
     def from_bytes(cls, raw: Buffer, *, restricted: bool = False) -> Header:
@@ -108,7 +101,7 @@ class Header:
             raise ProtocolError(f"fields {sorted(set(body) - _PRE_AUTH_KEYS)} before "
                                 "authentication")
         try:
-            kind = Kind(body["kind"])
+            kind = _KINDS[body["kind"]]
             step, tag, src = body["step"], body["tag"], body["src"]
             dtype = body.get("dtype", "")
             shape = tuple(body.get("shape", ()))
@@ -122,17 +115,44 @@ class Header:
         if not all(isinstance(d, int) and d >= 0 for d in shape):
             raise ProtocolError("header shape must be non-negative integers")
         if dtype:
-            if dtype.lstrip("<>|=")[:1] == "O":
-                raise ProtocolError("object dtypes cannot travel as raw bytes")
-            if len(dtype) > 16 or not _DTYPE.fullmatch(dtype):
-                raise ProtocolError(f"malformed dtype {dtype[:32]!r}")
-            try:
-                dt = np.dtype(dtype)
-            except Exception:  # numpy raises TypeError, ValueError, SyntaxError, ...
-                raise ProtocolError(f"unknown dtype {dtype!r}") from None
-            if dt.hasobject:
-                raise ProtocolError("object dtypes cannot travel as raw bytes")
+            _itemsize(dtype)  # validates it
         return cls(kind, step, tag, src, dtype, shape, meta)
+
+
+# A frame's kind by number (a dict lookup: Kind(n) costs a microsecond per frame); an unknown
+# number is a KeyError, an unhashable one a TypeError: both refused.
+_KINDS: dict[int, Kind] = {int(k): k for k in Kind}
+
+
+@functools.lru_cache(maxsize=64)
+def _itemsize(dtype: str) -> int:
+    """The item size of a payload dtype string, after checking it; a :class:`ProtocolError`
+    if it is not one our senders write. Cached: a job uses one or two dtypes, and parsing them
+    for every frame was a tenth of a small frame's receive cost (errors are not cached)."""
+    if dtype.lstrip("<>|=")[:1] == "O":
+        raise ProtocolError("object dtypes cannot travel as raw bytes")
+    if len(dtype) > 16 or not _DTYPE.fullmatch(dtype):
+        raise ProtocolError(f"malformed dtype {dtype[:32]!r}")
+    try:
+        dt = np.dtype(dtype)
+    except Exception:  # numpy raises TypeError, ValueError, SyntaxError, ...
+        raise ProtocolError(f"unknown dtype {dtype!r}") from None
+    if dt.hasobject:
+        raise ProtocolError("object dtypes cannot travel as raw bytes")
+    return dt.itemsize
+
+
+def _pack(kind: Kind, step: int, tag: int, src: int, dtype: str, shape: tuple[int, ...],
+          meta: dict[str, Any]) -> bytes:
+    """A header's msgpack bytes (dtype and shape only with a payload, meta only if any)."""
+    body: dict[str, Any] = {"kind": int(kind), "step": step, "tag": tag, "src": src}
+    if dtype:
+        body["dtype"] = dtype
+        body["shape"] = list(shape)
+    if meta:
+        body["meta"] = meta
+    out: bytes = msgpack.packb(body, use_bin_type=True)
+    return out
 
 
 _PRE_AUTH_LIMITS: dict[str, int] = {"max_str_len": 256, "max_bin_len": 256,
@@ -165,8 +185,10 @@ def encode_frame(header: Header, payload: np.ndarray | None = None) -> list[Buff
     """
     if payload is not None:
         payload = as_payload(payload)
-        header = dataclasses.replace(header, dtype=payload.dtype.str, shape=payload.shape)
-    head = header.to_bytes()
+        head = _pack(header.kind, header.step, header.tag, header.src, payload.dtype.str,
+                     payload.shape, header.meta)
+    else:
+        head = header.to_bytes()
     if len(head) > MAX_HEADER:
         raise ValueError(f"header of {len(head)} bytes exceeds {MAX_HEADER}")
     nbytes = 0 if payload is None else payload.nbytes

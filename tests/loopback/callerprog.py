@@ -3,7 +3,8 @@
 Rank 1 passes a list, then a wrong shape: both are refused before a step is taken, and its
 corrected retry joins the same step as everyone else. Then, under the ring and under a tree,
 rank 1 passes a vector one element longer than everyone else's: every rank gets the same
-VectorMismatch naming rank 1, and the retry with the right vector is exact everywhere.
+VectorMismatch naming rank 1, and the retry with the right vector is exact everywhere; an
+in-place mean lands in each rank's array (rank 1 first passes an integer array: refused).
 Rank 2 then fails in its own code inside ``with ar.connect()``: the node closes at once
 instead of waiting out the closing barrier.
 """
@@ -50,6 +51,19 @@ def main() -> None:
             res = node.allreduce(vec(me, step))
             assert np.allclose(res.value, sum(vec(r, step) for r in range(world))), (me, name)
             print(f"RETRY {name} OK", flush=True)
+            # In place: the ring sums into the array itself, the tree copies its result in;
+            # an array it cannot write into is refused before the step is taken.
+            step = node.node.step
+            if me == 1:
+                try:
+                    node.allreduce(np.arange(3), in_place=True)
+                except TypeError as exc:
+                    print(f"REJECTED IN PLACE {name}: {exc}", flush=True)
+            mine = vec(me, step)
+            res = node.allreduce(mine, op="mean", in_place=True)
+            mean = sum(vec(r, step) for r in range(world)) / world
+            assert res.value is mine and np.allclose(mine, mean), (me, name)
+            print(f"IN PLACE {name} OK", flush=True)
         if me == 2:
             print(f"RAISING {time.time()}", flush=True)
             raise RuntimeError("the trainer failed")

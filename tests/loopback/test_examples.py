@@ -70,7 +70,8 @@ def test_caller_mistakes_are_refused_without_taking_a_step(ranks) -> None:
     done = job.wait(120)
     for rank in range(3):
         assert "STEP 2 OK" in done[rank].out, (rank, done[rank].err[-2000:])
-    rejected = [x for x in done[1].out.splitlines() if x.startswith("REJECTED")]
+    rejected = [x for x in done[1].out.splitlines()
+                if x.startswith("REJECTED ") and "IN PLACE" not in x]
     assert len(rejected) == 2, done[1].out
     assert "TypeError: rank 1: pass a numpy array" in rejected[0]
     assert "ValueError: rank 1, step 1:" in rejected[1] and "[7]" in rejected[1]
@@ -83,7 +84,11 @@ def test_caller_mistakes_are_refused_without_taking_a_step(ranks) -> None:
             assert line and "rank 1" in line[0] and "every rank must pass the same shape" in (
                 line[0]), (rank, done[rank].out)
             assert f"RETRY {name} OK" in done[rank].out
+            assert f"IN PLACE {name} OK" in done[rank].out
             seen.append(line[0])
+        assert (f"REJECTED IN PLACE {name}: rank 1: in_place=True needs a writable "
+                "C-contiguous floating-point array or CPU tensor, not int64 array") in (
+                    done[1].out)
         if name == "Tree":  # decided at the root, so word for word the same everywhere
             assert len(set(seen)) == 1, seen
     # The failing trainer's own error surfaces, and its node did not wait out the barrier.

@@ -16,10 +16,11 @@ import pytest
 import aioreduce as ar
 from aioreduce.codes import cyclic_mds, frc, gaussian_mds
 from aioreduce.schemes import FellBehind, StragglerError
+from aioreduce.schemes.base import SumsInPlace
 from aioreduce.schemes.reduce import Link, ReduceSession
 from aioreduce.schemes.reduce.family import DOWN, REQUEST_TAG
 
-from .memjob import Job
+from .memjob import DIM, Job
 
 D = 0.25  # deadline (seconds): long enough that a busy machine does not make a rank late
 TREE = dict(fanout=3, levels=2, stragglers=1, deadline=D)
@@ -266,6 +267,32 @@ async def test_a_wrong_vector_in_the_ring_is_named_on_every_rank(how: str) -> No
         assert isinstance(res, ar.VectorMismatch), (rank, res)
         assert wrong in res.ranks and f"rank {wrong}'s" in str(res), (rank, res)
     job.assert_exact(2, await job.run(2))
+    await job.close()
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("world", [1, 2, 5])
+async def test_the_ring_sums_into_each_ranks_own_vector(world: int, bidirectional: bool) -> None:
+    """``step_into`` with the rank's own vector as destination (what in-place all-reduce and
+    the torch backend do): every rank ends with the same bits, the sum (or the mean: each
+    rank divides the segment it reduced), in its own array; the result is that array."""
+    job = Job(ar.Ring(bidirectional=bidirectional), world)
+
+    async def one(rank: int, step: int, vector: np.ndarray, divisor: float) -> ar.Result:
+        own: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+        own.set_result(vector)
+        session = job.sessions[rank]
+        assert isinstance(session, SumsInPlace)
+        return await session.step_into(step, np.zeros(DIM), own, vector, divisor)
+
+    for step, divisor in enumerate([1, world, 3]):
+        vectors = [job.vector(r, step) for r in range(world)]
+        results = await asyncio.gather(*(one(r, step, vectors[r], divisor)
+                                         for r in range(world)))
+        for rank, res in enumerate(results):
+            assert np.shares_memory(res.value, vectors[rank]) and res.value.flags.writeable
+            np.testing.assert_allclose(vectors[rank], job.truth(step) / divisor, rtol=1e-12)
+            assert vectors[rank].tobytes() == vectors[0].tobytes()
     await job.close()
 
 

@@ -108,8 +108,9 @@ def optim() -> None:
         (w * c).sum().backward()
         refuse.step()
         say("refused", [refuse.committed, float(w[0]), len(refuse.results)])
-        # Sums through the process group keep their reports, not their values: the ring's
-        # result memory is handed out again step after step instead of faulted in afresh.
+        # Sums through the process group land in the tensor itself (the ring sums in place:
+        # no result buffer is taken from its pool, only its two scratch halves, reused), and
+        # the group keeps their reports, not their values.
         pg = art.ProcessGroupAioreduce(node)
         pool = node.node._session.pool  # type: ignore[union-attr]
         before = pool.reused
@@ -117,8 +118,9 @@ def optim() -> None:
         for _ in range(6):
             pg.future_sum(grad, average=True).wait()
         kept = pg.take_results()
-        say("pooled", [pool.reused - before, len(kept), max(r.value.size for r in kept),
-                       float(grad[0])])
+        largest = max(a.size for a in pool._arrays)
+        say("pooled", [pool.reused - before, largest, len(kept),
+                       max(r.value.size for r in kept), float(grad[0])])
         pg.shutdown()
 
 

@@ -4,7 +4,8 @@ Each builder takes the per-rank compute times of one step (emulated compute plus
 delay) and returns the graph and, per rank, the op after which that rank holds the result.
 A message is three ops: the sender's CPU (framing, the send call), the wire, the receiver's
 CPU (the receive, plus a per-byte cost for the add, decode or copy into the result). Vectors
-longer than ``chunk_bytes`` travel as several frames, each paying the per-message cost.
+longer than ``chunk_bytes`` travel as several frames (at most ``MAX_CHUNKS``, as in the runtime),
+each paying the per-message cost.
 
 * **ring** (ours and Gloo's): reduce-scatter then all-gather, 2(N-1) steps of V/N bytes; a
   rank forwards step k once it has received step k-1 (and, at step 0, computed).
@@ -23,6 +24,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..schemes.base import chunk_size
 from .engine import Graph, Op
 
 
@@ -47,7 +49,8 @@ class Costs:
 
 
 def _frames(nbytes: float, chunk: int) -> int:
-    return max(1, math.ceil(nbytes / chunk))
+    """Frames of a message of ``nbytes``, chunked as the runtime does (``chunk_bounds``)."""
+    return max(1, math.ceil(nbytes / chunk_size(math.ceil(nbytes), chunk)))
 
 
 class _Builder:

@@ -3,15 +3,18 @@ closed forms where there is one, and the straggler draws shared with the benchma
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
 from aioreduce.bench.allreduce import Config
 from aioreduce.codes import TreeTopology
+from aioreduce.schemes.base import MAX_CHUNKS, chunk_bounds
 from aioreduce.sim import Costs, Platform, simulate
 from aioreduce.sim.calibrate import Measured, compare, emulation_start, fit
 from aioreduce.sim.engine import Graph, run
-from aioreduce.sim.steps import ring, tree
+from aioreduce.sim.steps import _frames, ring, tree
 from aioreduce.topology import heap_children
 
 FREE = Costs(alpha=0.0, bandwidth=1e6, msg_cpu=0.0, byte_cpu=0.0, cores=None)
@@ -87,6 +90,17 @@ def test_coded_tree_does_not_wait_for_one_slow_child_per_family() -> None:
     g, done = tree(FREE, slowed, 1000.0, kids, stragglers=0)
     run(g, 13, None)  # the uncoded tree waits
     assert min(d.done or 0.0 for d in done) > 100.0
+
+
+@pytest.mark.parametrize("nbytes, chunks", [(40_000, 1), (4 << 20, 4), (16 << 20, 16),
+                                            (64 << 20, 16), ((64 << 20) + 4, 16)])
+def test_messages_travel_in_at_most_max_chunks_in_the_runtime_and_the_simulator(
+        nbytes: int, chunks: int) -> None:
+    bounds = chunk_bounds(nbytes // 4, 4, 1 << 20)  # float32
+    assert len(bounds) == chunks <= MAX_CHUNKS
+    assert bounds[0][0] == 0 and bounds[-1][1] == nbytes // 4
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))  # contiguous, no gap
+    assert _frames(nbytes, 1 << 20) == len(bounds)
 
 
 def test_tree_chunks_overlap_the_levels() -> None:

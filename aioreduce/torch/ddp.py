@@ -37,10 +37,19 @@ from ..sync import SyncNode
 from .process_group import ProcessGroupAioreduce
 
 
+def _value(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+    return fut.value()
+
+
 def aioreduce_hook(state: ProcessGroupAioreduce,
                    bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # type: ignore[name-defined]
-    """DDP communication hook: the bucket's mean over the ranks, summed by the node."""
-    return state.future_sum(bucket.buffer(), average=True)
+    """DDP communication hook: the bucket's mean over the ranks, summed by the node.
+
+    A failed sum reaches ``backward()`` as a ``RuntimeError`` carrying our message: the future
+    our thread completes holds a Python exception that only Python's ``wait()`` raises (DDP's
+    C++ side would try to cast it to a tensor), so the hook returns a chained future, which
+    torch marks as failed when the chained ``value()`` raises."""
+    return state.future_sum(bucket.buffer(), average=True).then(_value)
 
 
 def _signature(module: torch.nn.Module) -> bytes:

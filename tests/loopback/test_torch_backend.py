@@ -95,3 +95,12 @@ def test_ddp_over_a_lossy_transpose_resyncs_replicas_from_rank_0() -> None:
         if i + 1 < 12:
             ref = got[0][steps[i + 1]]["params"]  # type: ignore[index]
             assert all(got[r][steps[i + 1]]["params"] == ref for r in range(3)), i  # type: ignore[index]
+
+
+def test_a_failed_sum_in_the_ddp_hook_reaches_backward_with_our_message() -> None:
+    got = _run("--hook-error", n=2)
+    for r in range(2):
+        assert got[r]["hook0"] == "ok"
+        failed = str(got[r]["hook1"])
+        assert failed.startswith("RuntimeError") and "max_loss" in failed, (r, failed)
+        assert "Unable to cast" not in failed

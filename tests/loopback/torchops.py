@@ -124,6 +124,23 @@ def optim() -> None:
         pg.shutdown()
 
 
+def hook_error() -> None:
+    """A sum that fails inside our DDP hook (Transpose losing more than max_loss, on purpose)
+    must reach backward() with our message, not torch's "Unable to cast"."""
+    scheme = ar.Transpose(inject_loss=0.5, max_loss=0.01, warmup=1, hadamard=False,
+                          slice_bytes=256)
+    with ar.connect(scheme=scheme) as node:
+        torch.manual_seed(0)
+        ddp = art.DistributedDataParallel(torch.nn.Linear(64, 64), node)
+        for step in range(2):  # the warm-up step waits for everything; the next one fails
+            try:
+                ddp(torch.randn(8, 64)).sum().backward()
+                say(f"hook{step}", "ok")
+            except RuntimeError as exc:
+                say(f"hook{step}", f"{type(exc).__name__}: {exc}"[:300])
+                break
+
+
 def resync() -> None:
     """aioreduce's DDP over a lossy Transpose: replicas drift, then every resync_every steps
     the parameters are re-synced from rank 0 before the next forward."""
@@ -151,6 +168,8 @@ def resync() -> None:
 if __name__ == "__main__":
     if "--resync" in sys.argv:
         resync()
+    elif "--hook-error" in sys.argv:
+        hook_error()
     elif "--mismatch" in sys.argv:
         mismatch()
     elif "--optim" in sys.argv:

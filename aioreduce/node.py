@@ -356,8 +356,12 @@ class Node:
             raise TypeError(f"rank {self.rank}: in_place=True needs a writable C-contiguous "
                             "floating-point array or CPU tensor, not "
                             f"{_describe(array)}")
-        res = await self._reduce(array, op, any_shape=any_shape, into=array)
-        if op == "mean" and not self.sums_in_place:
+        # A session that sums in place sums every rank: it divides by the world size as it
+        # goes. Any other copies its sum in, divided here by the contributions it holds.
+        folded = op == "mean" and self.sums_in_place
+        res = await self._reduce(array, op, any_shape=any_shape, into=array,
+                                 divisor=self.world_size if folded else 1)
+        if op == "mean" and not folded:
             np.divide(array, mean_divisor(res, self.world_size), out=array)
         if target is not array:  # a tensor: the result is a TensorResult, its value that tensor
             from .torch.tensors import tensor_result
@@ -365,7 +369,7 @@ class Node:
         return dataclasses.replace(res, value=array)
 
     async def _reduce(self, vector: Reducible, op: str, *, any_shape: bool,
-                      into: np.ndarray | None = None) -> Result:
+                      into: np.ndarray | None = None, divisor: float = 1) -> Result:
         """Tensors to arrays and back around :meth:`_run`."""
         if op not in ("sum", "mean"):
             raise ValueError(f"rank {self.rank}: op must be 'sum' or 'mean', not {op!r} (min, "
@@ -378,7 +382,7 @@ class Node:
             vector = to_numpy(vector, self.rank)
         elif callable(vector):
             vector = self._numpy_compute(vector)
-        res = await self._run(vector, into, op == "mean")
+        res = await self._run(vector, into, divisor)
         if into is not None:
             return res
         if tensors or (callable(vector) and self._tensor_out):
@@ -474,9 +478,9 @@ class Node:
                              "the same shape and dtype on every rank (Node.use() starts anew)")
 
     async def _run(self, vector: np.ndarray | Callable[[], np.ndarray],
-                   into: np.ndarray | None = None, mean: bool = False) -> Result:
-        """One step of the session; with ``into``, the result lands there (divided by the
-        world size if ``mean`` and the session sums in place, which then sums every rank)."""
+                   into: np.ndarray | None = None, divisor: float = 1) -> Result:
+        """One step of the session; with ``into``, the result lands there (divided by
+        ``divisor`` if the session sums in place; others ignore it)."""
         session = self._session
         assert session is not None  # aggregate()/allreduce() checked it
         self._check_input(vector)
@@ -511,8 +515,7 @@ class Node:
             vec = np.ascontiguousarray(vector)
             like = self._like = np.empty_like(vec)
             own = asyncio.ensure_future(self._straggle(step, vec, since_return))
-        return await self._step_session(session, step, like, own, into,
-                                        self.world_size if mean else 1)
+        return await self._step_session(session, step, like, own, into, divisor)
 
     async def _step_session(self, session: Session, step: int, like: np.ndarray,
                             own: asyncio.Future[np.ndarray], into: np.ndarray | None = None,

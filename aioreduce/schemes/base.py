@@ -216,13 +216,13 @@ on each side) and pipelining gains little beyond a few chunks per level: a 64 Mi
 ranks of a 2-core host took 1.21x the ring's time with 64 chunks of 1 MiB, 1.01x with 16."""
 
 
-def chunk_size(nbytes: int, chunk_bytes: int) -> int:
-    """Bytes per pipelining chunk of a message of ``nbytes``: ``chunk_bytes``, or more so that
-    there are at most :data:`MAX_CHUNKS` chunks (what :func:`chunk_bounds` does in elements)."""
-    return max(chunk_bytes, -(-nbytes // MAX_CHUNKS))
+def chunk_step(length: int, itemsize: int, chunk_bytes: int) -> int:
+    """Elements per pipelining chunk of a vector of ``length``: ``chunk_bytes`` worth, or more
+    so that there are at most :data:`MAX_CHUNKS` chunks."""
+    return max(1, chunk_bytes // max(1, itemsize), -(-length // MAX_CHUNKS))
 
 
 def chunk_bounds(length: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
     """Element ranges of the pipelining chunks of a vector (at least one, even if empty)."""
-    step = max(1, chunk_bytes // max(1, itemsize), -(-length // MAX_CHUNKS))
+    step = chunk_step(length, itemsize, chunk_bytes)
     return [(lo, min(lo + step, length)) for lo in range(0, length, step)] or [(0, 0)]

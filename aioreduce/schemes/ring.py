@@ -244,7 +244,7 @@ class RingSession:
             acc = into.reshape(-1)
             np.divide(mine, divisor, out=acc)
         else:
-            acc = mine / divisor if divisor != 1 else mine.copy()
+            acc = mine.copy()
         comm.discard_before(step + 1)
         value = acc.reshape(like.shape)
         if into is None:  # ours, and reused by the pool: the caller must not write to it

@@ -24,7 +24,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..schemes.base import chunk_size
+from ..schemes.base import chunk_step
 from .engine import Graph, Op
 
 
@@ -50,7 +50,8 @@ class Costs:
 
 def _frames(nbytes: float, chunk: int) -> int:
     """Frames of a message of ``nbytes``, chunked as the runtime does (``chunk_bounds``)."""
-    return max(1, math.ceil(nbytes / chunk_size(math.ceil(nbytes), chunk)))
+    whole = math.ceil(nbytes)
+    return max(1, math.ceil(whole / chunk_step(whole, 1, chunk)))
 
 
 class _Builder:

@@ -16,9 +16,15 @@ numpy butterfly (log2 n passes over the vector) takes 170–200 ms for 16 MiB of
 the two products take about 12 ms; a contiguous lost run is spread ``L/a`` apart and then
 over its neighbours. The products run on one BLAS thread: they are memory-bound (two threads
 gain little), and several ranks per host each spinning BLAS threads made them 4× slower
-here (4 ranks on 2 cores, 100k floats: 4.5–6.8 ms with threads, 1.2–1.4 ms without). The
-vector is padded with zeros to a multiple of ``a·b`` (at most
-``a·b - 1`` elements, never a doubling of the message).
+here (4 ranks on 2 cores, 100k floats: 4.5–6.8 ms with threads, 1.2–1.4 ms without).
+
+In parts. ``Rotation(L, seed, parts=N)`` cuts the vector into ``N`` equal parts and mixes each
+on its own: the transpose scheme's shards, so the owner of shard ``k`` rotates just its
+reduced shard back (:meth:`Rotation.inverse_part`, 1/N of the vector) before it sends it,
+instead of every rank inverting the whole vector after phase 2. What a slow sender loses in
+phase 1 is still spread over its shard. Each part is padded with zeros to a multiple of
+``a·b`` (at most ``a·b - 1`` elements per part: never a doubling of a message longer than
+``N·a·b``).
 """
 
 from __future__ import annotations
@@ -58,25 +64,31 @@ def _factors_for(length: int, factors: tuple[int, int]) -> tuple[int, int]:
 class Rotation:
     """``y = H·D·x`` for vectors of one length; every rank builds it from the same seed.
 
-    ``signs`` overrides the seeded ±1 diagonal (tests); ``factors`` are the two Hadamard
-    sizes (powers of two) whose Kronecker product is the mixing block.
+    ``parts`` cuts the padded vector into that many equal parts, each mixed on its own (the
+    transpose scheme's shards), so the owner of a part can rotate just that part back
+    (:meth:`inverse_part`). ``signs`` overrides the seeded ±1 diagonal (tests); ``factors``
+    are the two Hadamard sizes (powers of two) whose Kronecker product is the mixing block.
+    One rotation keeps one scratch buffer per dtype: use it from one thread.
     """
 
-    def __init__(self, length: int, seed: int = 0, *,
+    def __init__(self, length: int, seed: int = 0, *, parts: int = 1,
                  factors: tuple[int, int] = DEFAULT_FACTORS,
                  signs: np.ndarray | None = None) -> None:
-        if length < 0:
-            raise ValueError("length must be non-negative")
-        self.length = length
-        self.a, self.b = _factors_for(length, factors)
+        if length < 0 or parts < 1:
+            raise ValueError("length must be non-negative and parts positive")
+        self.length, self.parts = length, parts
+        per_part = -(-length // parts)
+        self.a, self.b = _factors_for(per_part, factors)
         block = self.a * self.b
-        self.padded = max(block, -(-length // block) * block)
+        self.part = max(block, -(-per_part // block) * block)  # elements in one part
+        self.padded = self.part * parts
         if signs is None:
             rng = np.random.default_rng([seed, 0x4AD])
             signs = rng.integers(0, 2, self.padded) * 2 - 1
         if signs.shape != (self.padded,):
             raise ValueError(f"signs must have {self.padded} entries")
         self._signs = {np.dtype(np.float64): signs.astype(np.float64)}
+        self._scratch: dict[np.dtype, np.ndarray] = {}
 
     def signs(self, dtype: np.dtype) -> np.ndarray:
         s = self._signs.get(dtype)
@@ -85,29 +97,48 @@ class Rotation:
         return s
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        """The rotated vector (``padded`` entries, x's dtype; x must be floating point)."""
+        """The rotated vector (``padded`` entries, x's dtype, a new array; x must be floating
+        point)."""
         x = x.reshape(-1)
         if x.size != self.length:
             raise ValueError(f"expected {self.length} entries, got {x.size}")
         if x.dtype.kind != "f":
             raise TypeError(f"the Hadamard rotation needs a floating-point vector, not "
                             f"{x.dtype} (pass hadamard=False for integer vectors)")
-        z = np.zeros(self.padded, x.dtype)
+        z = np.empty(self.padded, x.dtype)
         np.multiply(x, self.signs(x.dtype)[: self.length], out=z[: self.length])
-        return self._mix(z)
+        z[self.length:] = 0
+        self._mix(z, z)
+        return z
 
     def inverse(self, y: np.ndarray) -> np.ndarray:
-        """The vector whose rotation is ``y`` (``length`` entries)."""
-        z = self._mix(y.reshape(-1))
+        """The vector whose rotation is ``y`` (``length`` entries; y is left as it is)."""
+        z = np.empty(self.padded, y.dtype)
+        self._mix(y.reshape(-1), z)
         out = z[: self.length]
         out *= self.signs(y.dtype)[: self.length]
         return out
 
-    def _mix(self, z: np.ndarray) -> np.ndarray:
-        """``(H_a ⊗ H_b)·z``: self-inverse, as both factors are symmetric and orthonormal."""
+    def inverse_part(self, k: int, y: np.ndarray) -> None:
+        """Rotate part ``k`` (``part`` entries of a rotated vector) back, in place. Entries
+        past ``length`` (the padding) come back as about zero."""
+        if y.shape != (self.part,) or not 0 <= k < self.parts:
+            raise ValueError(f"part {k} of {self.parts} must have {self.part} entries")
+        self._mix(y, y)
+        y *= self.signs(y.dtype)[k * self.part:(k + 1) * self.part]
+
+    def _mix(self, z: np.ndarray, out: np.ndarray) -> None:
+        """``(H_a ⊗ H_b)·z`` on every part of ``z`` (whole parts), into ``out`` (may be z):
+        self-inverse, as both factors are symmetric and orthonormal. The intermediate goes to
+        a scratch buffer kept across calls: a fresh 16 MiB array costs page faults as large as
+        one of the products."""
         ha = _sylvester(self.a).astype(z.dtype, copy=False)
         hb = _sylvester(self.b).astype(z.dtype, copy=False)
+        scratch = self._scratch.get(z.dtype)
+        if scratch is None:
+            scratch = self._scratch[z.dtype] = np.empty(self.padded, z.dtype)
+        tmp = scratch[: z.size]
         with _BLAS.limit(limits=1, user_api="blas"):
-            strided = ha @ z.reshape(self.a, -1)
-            mixed: np.ndarray = (strided.reshape(-1, self.b) @ hb).reshape(-1)
-        return mixed
+            np.matmul(ha, z.reshape(-1, self.a, self.part // self.a),
+                      out=tmp.reshape(-1, self.a, self.part // self.a))
+            np.matmul(tmp.reshape(-1, self.b), hb, out=out.reshape(-1, self.b))

@@ -236,6 +236,27 @@ def test_rotation_round_trip_and_norm(length: int) -> None:
     assert Rotation(length, seed=5).forward(x).tolist() == y.tolist()  # same seed, same map
 
 
+@pytest.mark.parametrize(("length", "parts"), [(1, 3), (10, 4), (5001, 3), (1 << 17, 7)])
+def test_a_rotation_in_parts_is_undone_part_by_part(length: int, parts: int) -> None:
+    """Each part is mixed on its own, so its owner can rotate just that part back: the parts'
+    inverses, put together, are the whole inverse, and each part holds only its own entries."""
+    x = np.random.default_rng(length).standard_normal(length)
+    rot = Rotation(length, seed=3, parts=parts)
+    y = rot.forward(x)
+    assert rot.padded == rot.part * parts
+    assert np.linalg.norm(y) == pytest.approx(np.linalg.norm(x))
+    back = y.copy()
+    for k in range(parts):
+        rot.inverse_part(k, back[k * rot.part:(k + 1) * rot.part])
+    np.testing.assert_allclose(back[:length], x, atol=1e-12)
+    np.testing.assert_allclose(back[length:], 0, atol=1e-12)  # the padding stays empty
+    np.testing.assert_allclose(rot.inverse(y), x, atol=1e-12)
+    only_first = np.where(np.arange(length) < rot.part, x, 0)  # part 0's entries alone
+    np.testing.assert_allclose(rot.forward(only_first)[rot.part:], 0, atol=1e-12)
+    with pytest.raises(ValueError, match="part"):
+        rot.inverse_part(parts, back[: rot.part])
+
+
 def test_rotation_spreads_a_lost_tail() -> None:
     """The reference's numbers: the last 5 % of x is 30x larger; lose the last 1 % of the
     sent vector. Without rotation that wipes out real entries; with it the error is small

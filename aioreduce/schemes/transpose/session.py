@@ -9,11 +9,13 @@ A step, on rank ``r`` of ``N``:
    owners, in the background: a stopped owner only blocks its own queue);
 3. stage 1 (bounded by ``D1``): add what arrived to this rank's own copy of shard ``r``;
    raise the floor so late phase-1 slices are dropped on arrival;
-4. send the reduced shard to every rank, with its received fraction and the ranks missing
-   from it; stage 2 ends ``D1 + D2`` after stage 1 began (an owner that waited its whole
-   ``D1`` still has ``D2`` to deliver); a reduced slice that did not come gets the stand-in;
-5. rotate back, account for every slice, apply the safety valve, update the clocks (one
-   per stage, as their times differ: stage 1 absorbs the ranks' skew).
+4. rotate the reduced shard back (each shard is rotated on its own, so its owner inverts
+   just 1/N of the vector, not every rank all of it), send it to every rank, with its
+   received fraction and the ranks missing from it; stage 2 ends ``D1 + D2`` after stage 1
+   began (an owner that waited its whole ``D1`` still has ``D2`` to deliver);
+5. a reduced slice that did not come gets the stand-in; account for every slice, apply the
+   safety valve, update the clocks (one per stage, as their times differ: stage 1 absorbs
+   the ranks' skew).
 """
 
 from __future__ import annotations
@@ -71,8 +73,10 @@ class TransposeSession:
         await self.outbox.close(timeout)
 
     def _rotation_for(self, length: int) -> Rotation:
-        if self._rotation is None or self._rotation.length != length:
-            self._rotation = Rotation(length, self.opts.seed)
+        n = self.comm.world_size
+        if (self._rotation is None or self._rotation.length != length
+                or self._rotation.parts != n):
+            self._rotation = Rotation(length, self.opts.seed, parts=n)
         return self._rotation
 
     async def step(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray]) -> Result:
@@ -98,12 +102,16 @@ class TransposeSession:
                   for s in self._post(step, layout, k, [(k, out, 0)], PHASE2_TAG)]
         try:
             mine = np.asarray(await own).reshape(-1)
+            # Stage 1's time starts here, with the rotation in it: the ranks' vectors are
+            # ready at about the same time, their rotations (on a busy host) are not, and a
+            # clock started after our own rotation would charge its variance twice.
+            ready = time.perf_counter()
             y = rot.forward(mine) if rot is not None else mine.copy()
             self._send_phase1(step, layout, y)
             d1, d2 = (clock.deadline() for clock in self.clocks)
             self.last_deadline = d1 + d2 if d1 is not None and d2 is not None else 0.0
             stage1 = Stage(phase1, (n - 1) * (hi - lo))
-            await stage1.run(d1, self._idle(0), self._need(), opts.max_wait)
+            await stage1.run(d1, self._idle(0), self._need(), opts.max_wait, since=ready)
             if stage1.reason != "complete":
                 log.info("rank %d step %d: stage 1 ended (%s) after %.1f ms of %.1f ms with "
                          "%.1f%% of its data", me, step, stage1.reason, stage1.elapsed * 1e3,
@@ -111,6 +119,8 @@ class TransposeSession:
             comm.discard_before(step, PHASE2_TAG)
             self._drop_injected(step, 1, phase1)
             shard_fraction, missing = self._reduce(y, out, scratch, layout, phase1)
+            if rot is not None:  # the layout's shards are the rotation's parts
+                rot.inverse_part(me, out[lo:hi])
             self._send_phase2(step, layout, out, shard_fraction, missing)
             stage2 = Stage(phase2, length - (hi - lo))
             # Stage 2 ends both bounds after stage 1 began, not one bound after it ended
@@ -128,7 +138,7 @@ class TransposeSession:
                 slot.future.cancel()
         self.clocks[0].observe(stage1.elapsed, stage1.fraction)
         self.clocks[1].observe(stage2.elapsed, stage2.fraction)
-        return self._finish(step, like, rot, y, out, layout, phase1, phase2, shard_fraction,
+        return self._finish(step, like, mine, out, layout, phase1, phase2, shard_fraction,
                             missing, time.perf_counter() - t0)
 
     # -- the two phases -----------------------------------------------------------------------
@@ -209,8 +219,8 @@ class TransposeSession:
                 self.outbox.send(k, out[a:b], step=step, tag=PHASE2_TAG + i, meta=meta)
 
     # -- accounting -------------------------------------------------------------------------
-    def _finish(self, step: int, like: np.ndarray, rot: Rotation | None, y: np.ndarray,
-                out: np.ndarray, layout: Layout, phase1: list[Slot], phase2: list[Slot],
+    def _finish(self, step: int, like: np.ndarray, mine: np.ndarray, out: np.ndarray,
+                layout: Layout, phase1: list[Slot], phase2: list[Slot],
                 own_fraction: float, own_missing: list[int], seconds: float) -> Result:
         n, me, opts = self.comm.world_size, self.comm.rank, self.opts
         fractions = {me: own_fraction}
@@ -228,7 +238,7 @@ class TransposeSession:
                 if isinstance(ranks, list):
                     late.update(r for r in ranks if isinstance(r, int) and 0 <= r < n)
             else:  # the stand-in: our own contribution (x N when rescaling)
-                np.multiply(y[a:b], weight, out=out[a:b])
+                _stand_in(out, mine, a, b, weight)
                 got[slot.src] = got.get(slot.src, 0.0) + (b - a) / n
                 stand_in.add(slot.src)
         for k in range(n):
@@ -236,7 +246,7 @@ class TransposeSession:
                 lo, hi = layout.shards[k]
                 fractions[k] = got.get(k, 0.0) / (hi - lo) if hi > lo else 1.0
                 if hi > lo and k not in got:  # nothing posted: the owner's link is lost
-                    np.multiply(y[lo:hi], weight, out=out[lo:hi])
+                    _stand_in(out, mine, lo, hi, weight)
                     fractions[k] = 1 / n
                     stand_in.add(k)
         late.update(stand_in)
@@ -251,8 +261,7 @@ class TransposeSession:
             raise StragglerError(step, sorted(late), f"{lost:.1%} of the contributions missing "
                                  f"on rank {me}, more than max_loss {opts.max_loss:.1%}",
                                  received)
-        value = rot.inverse(out) if rot is not None else out
-        value = value.reshape(like.shape)
+        value = out[: like.size].reshape(like.shape)  # drop the rotation's padding
         value.setflags(write=False)
         resync = opts.resync_every > 0 and step % opts.resync_every == opts.resync_every - 1
         result = Result(value, step, [r for r in range(n) if r not in late], sorted(late),
@@ -281,3 +290,12 @@ class TransposeSession:
 
     def _need(self) -> float:
         return 1.0 - self.opts.max_loss if self.opts.on_excess_loss == "wait" else 0.0
+
+
+def _stand_in(out: np.ndarray, mine: np.ndarray, a: int, b: int, weight: int) -> None:
+    """``out[a:b]`` = this rank's own contribution times ``weight`` (zero past the end of
+    its vector: the rotation's padding)."""
+    end = min(b, mine.size)
+    if a < end:
+        np.multiply(mine[a:end], weight, out=out[a:end])
+    out[max(a, end):b] = 0

@@ -57,10 +57,13 @@ class Stage:
         return self.received / self.total if self.total else 1.0
 
     async def run(self, deadline: float | None, idle: float, need: float = 0.0,
-                  cap: float = 3600.0) -> None:
-        """Wait for this stage (``deadline`` None: wait for everything, up to ``cap``)."""
+                  cap: float = 3600.0, since: float | None = None) -> None:
+        """Wait for this stage (``deadline`` None: wait for everything, up to ``cap``).
+        ``since``: the ``time.perf_counter()`` at which the stage's time began, if before now
+        (it is then counted in ``elapsed`` and in the deadline)."""
         loop = asyncio.get_running_loop()
-        t0 = self._last = time.perf_counter()
+        now = self._last = time.perf_counter()
+        t0 = min(now, since) if since is not None else now
         self._ended = loop.create_future()
         self._open = len(self.slots)
         self._tails = sum(1 for s in self.slots if s.tail)
@@ -69,7 +72,7 @@ class Stage:
             slot.future.add_done_callback(functools.partial(self._done, slot))
         if not self._open:
             self._end("complete")
-        timer = Deadline(deadline if deadline is not None else cap)
+        timer = Deadline((deadline if deadline is not None else cap) - (now - t0))
         try:
             while True:
                 waits: set[asyncio.Future[object]] = {self._ended, timer.fired}  # type: ignore

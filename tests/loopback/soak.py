@@ -61,6 +61,10 @@ class Soak:
     pauses: list[Pause] = field(default_factory=list)
     killed: int | None = None
     killed_at: float = 0.0
+    # When the controller began killing a job that does not end by itself: a rank still
+    # running then sees its peers' connections close and raises. Lines that end after it are
+    # the teardown's, not the fault's, and are not judged.
+    torn_down: float | None = None
     _readers: list[threading.Thread] = field(default_factory=list)
 
     def start(self) -> None:
@@ -137,16 +141,28 @@ class Soak:
         return any(rank in p.ranks and s["t0"] <= p.cont and s["t1"] >= p.stop
                    for p in self.pauses)
 
+    def judged(self, rank: int) -> list[dict]:
+        """The lines of ``rank`` that ended before the teardown (all, for a job that ends)."""
+        end = self.torn_down if self.torn_down is not None else float("inf")
+        return [s for s in self.lines[rank] if s["t1"] < end]
+
     def report(self) -> dict:
         alive = [r for r in range(13) if r != self.killed]
-        wrong = sum(1 for r in alive for s in self.lines[r]
+        judged = {r: self.judged(r) for r in alive}
+        wrong = sum(1 for r in alive for s in judged[r]
                     if "error" not in s and (not s["exact"] or s["rel_err"] >= 1e-9))
-        errors = sum(1 for r in alive for s in self.lines[r] if "error" in s)
-        unpaused = [s["t1"] - s["t0"] for r in alive for s in self.lines[r]
+        raised = [(r, s) for r in alive for s in judged[r] if "error" in s]
+        errors = len(raised)
+        t_ref = self.pauses[0].stop if self.pauses else 0.0
+        # Enough to tell a failed CI run's cause from its assertion message alone.
+        first_errors = [f"rank {r} step {s['step']} at {s['t0'] - t_ref:+.2f}s: "
+                        f"{s['error']}: {str(s.get('message', ''))[:160]}" for r, s in raised[:8]]
+        unpaused = [s["t1"] - s["t0"] for r in alive for s in judged[r]
                     if not self.paused_during(r, s)]
         return {"steps": self.steps, "pauses": len(self.pauses),
                 "paused_seconds": round(sum(p.cont - p.stop for p in self.pauses), 2),
                 "killed": self.killed, "wrong": wrong, "errors": errors,
+                "first_errors": first_errors,
                 "max_unpaused_step": round(max(unpaused, default=0.0), 3),
                 "median_step": round(statistics.median(unpaused), 4) if unpaused else None,
                 "max_catch_up": max((p.caught_up or 0 for p in self.pauses), default=0.0),
@@ -201,6 +217,7 @@ def intermediate_soak(deadline: float = 1.0, pace: float = 0.02, after: int = 20
         end = soak.progress(0) + after
         soak.wait_for(lambda: min(soak.progress(r) for r in range(13)) >= end, 120)
     finally:
+        soak.torn_down = time.time()
         soak.job.kill()
         for t in soak._readers:
             t.join(5)
@@ -251,7 +268,7 @@ def main(argv: list[str]) -> int:
     else:
         soak = intermediate_soak(a.deadline, a.pace)
         rep = soak.report()
-        rep["links_at_end"] = {r: soak.lines[r][-1]["link"] for r in (10, 11, 12)}
+        rep["links_at_end"] = {r: soak.judged(r)[-1]["link"] for r in (10, 11, 12)}
         ok = rep["wrong"] == 0 and rep["errors"] == 0
     rep["pause_log"] = [(p.ranks, round(p.cont - p.stop, 2), p.caught_up and
                          round(p.caught_up, 2)) for p in soak.pauses]

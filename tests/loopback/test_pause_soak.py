@@ -20,7 +20,7 @@ def test_intermediate_rank_paused_two_deadlines_serves_its_children_again() -> N
     assert rep["complete"], rep
     kids = (10, 11, 12)
     # The path we mean: while rank 3 was out its children took results from rank 0 ...
-    assert all(any(s["link"] == "bypassed" for s in soak.lines[k]) for k in kids)
+    assert all(any(s["link"] == "bypassed" for s in soak.judged(k)) for k in kids)
     # ... and from rank 3 again once it has caught up, to the end. How many steps the child
     # needs to notice is timing (rank 3's answer takes one hop more than rank 0's and must land
     # before the child's next step starts), so the check is: back to healthy, never away again.
@@ -28,7 +28,7 @@ def test_intermediate_rank_paused_two_deadlines_serves_its_children_again() -> N
     assert pause.caught_up is not None, "rank 3 never caught up"
     level = pause.cont + pause.caught_up
     for k in kids:
-        after = [s["link"] for s in soak.lines[k] if s["t0"] >= level]
+        after = [s["link"] for s in soak.judged(k) if s["t0"] >= level]
         assert "healthy" in after, (k, after)
         back = after.index("healthy")
         assert set(after[back:]) == {"healthy"} and len(after) - back >= 10, (k, after)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from .session import ReduceSession
 
 EMPTY = np.zeros(0, np.uint8)
+log = logging.getLogger("aioreduce.schemes")
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,13 @@ class Source:
         return any(f.done() and not f.cancelled() and f.exception() is not None
                    for f in (*self.chunks, self.verdict_f))
 
+    def failure(self) -> BaseException | None:
+        """What broke this source (see :meth:`broken`)."""
+        for f in (*self.chunks, self.verdict_f):
+            if f.done() and not f.cancelled() and f.exception() is not None:
+                return f.exception()
+        return None
+
     def pending(self) -> list[asyncio.Future[Header]]:
         return [f for f in (*self.chunks, self.verdict_f) if not f.done()]
 
@@ -223,6 +232,8 @@ class DownPath:
                         s.conclude(Outcome(step, verdict=verdict), forward=True)
                         raise verdict.error(step)
                     elif src.broken():
+                        log.warning("rank %d step %d: the result from rank %d failed: %s",
+                                    s.comm.rank, step, src.rank, src.failure())
                         self._drop(src)
                         if src.rank == self.parent:
                             self._act(fo.parent_lost(step))

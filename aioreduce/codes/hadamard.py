@@ -96,16 +96,19 @@ class Rotation:
             s = self._signs[dtype] = self._signs[np.dtype(np.float64)].astype(dtype)
         return s
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
-        """The rotated vector (``padded`` entries, x's dtype, a new array; x must be floating
-        point)."""
+    def forward(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The rotated vector (``padded`` entries, x's dtype; x must be floating point),
+        written into ``out`` if given (``padded`` entries of x's dtype, not overlapping x),
+        else into a new array."""
         x = x.reshape(-1)
         if x.size != self.length:
             raise ValueError(f"expected {self.length} entries, got {x.size}")
         if x.dtype.kind != "f":
             raise TypeError(f"the Hadamard rotation needs a floating-point vector, not "
                             f"{x.dtype} (pass hadamard=False for integer vectors)")
-        z = np.empty(self.padded, x.dtype)
+        if out is not None and (out.shape != (self.padded,) or out.dtype != x.dtype):
+            raise ValueError(f"out must be {self.padded} entries of {x.dtype}")
+        z = np.empty(self.padded, x.dtype) if out is None else out
         np.multiply(x, self.signs(x.dtype)[: self.length], out=z[: self.length])
         z[self.length:] = 0
         self._mix(z, z)

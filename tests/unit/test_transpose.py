@@ -234,6 +234,10 @@ def test_rotation_round_trip_and_norm(length: int) -> None:
     assert np.linalg.norm(y) == pytest.approx(np.linalg.norm(x))
     np.testing.assert_allclose(rot.inverse(y), x, atol=1e-12)
     assert Rotation(length, seed=5).forward(x).tolist() == y.tolist()  # same seed, same map
+    into = np.full(rot.padded, np.nan)  # a reused buffer: every entry written, padding too
+    assert rot.forward(x, out=into) is into and into.tolist() == y.tolist()
+    with pytest.raises(ValueError, match="out must be"):
+        rot.forward(x, out=np.empty(rot.padded, np.float32))
 
 
 @pytest.mark.parametrize(("length", "parts"), [(1, 3), (10, 4), (5001, 3), (1 << 17, 7)])

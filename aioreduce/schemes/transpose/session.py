@@ -31,6 +31,7 @@ from ...codes.hadamard import Rotation
 from ...wire import Header
 from ..base import Comm, FellBehind, Result, StragglerError
 from ..outbox import Outbox
+from ..pool import BufferPool
 from .clock import StageClock
 from .layout import PHASE2_TAG, Layout
 from .stage import Slot, Stage
@@ -53,6 +54,10 @@ class TransposeSession:
                                        min_deadline=opts.min_deadline, fixed=fixed)
                             for _stage in range(2))
         self.outbox = Outbox(comm, opts.backlog_steps)
+        # A step's rotated vector, phase-1 scratch and result: reused once nothing holds them
+        # (a send still queued for a slow peer, a result the caller kept), as fresh 16 MiB
+        # arrays cost page faults every step.
+        self.pool = BufferPool(spare=4)
         self.newest = -1  # the newest step any peer's frame was for
         self.drifted: set[int] = set()  # ranks known to have used stand-ins since a re-sync
         self.last_deadline = 0.0
@@ -94,8 +99,9 @@ class TransposeSession:
         length = rot.padded if rot is not None else like.size
         layout = Layout(length, n, max(1, opts.slice_bytes // like.dtype.itemsize))
         lo, hi = layout.shards[me]
-        scratch = np.empty((n, hi - lo), like.dtype)  # row j: sender j's copy of our shard
-        out = np.empty(length, like.dtype)
+        # Row j: sender j's copy of our shard.
+        scratch = self.pool.take(n * (hi - lo), like.dtype).reshape(n, hi - lo)
+        out = self.pool.take(length, like.dtype)
         phase1 = self._post(step, layout, me, [(j, scratch[j], lo) for j in range(n) if j != me],
                             0)
         phase2 = [s for k in range(n) if k != me
@@ -106,7 +112,11 @@ class TransposeSession:
             # ready at about the same time, their rotations (on a busy host) are not, and a
             # clock started after our own rotation would charge its variance twice.
             ready = time.perf_counter()
-            y = rot.forward(mine) if rot is not None else mine.copy()
+            y = self.pool.take(length, like.dtype)
+            if rot is not None:
+                rot.forward(mine, out=y)
+            else:
+                np.copyto(y, mine)
             self._send_phase1(step, layout, y)
             d1, d2 = (clock.deadline() for clock in self.clocks)
             self.last_deadline = d1 + d2 if d1 is not None and d2 is not None else 0.0

@@ -14,6 +14,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from aioreduce.codes import hadamard as hadamard_module
 from aioreduce.codes.hadamard import Rotation
 from aioreduce.schemes import FellBehind, Result, StragglerError, Transpose
 from aioreduce.schemes.transpose.clock import StageClock
@@ -259,6 +260,30 @@ def test_a_rotation_in_parts_is_undone_part_by_part(length: int, parts: int) -> 
     np.testing.assert_allclose(rot.forward(only_first)[rot.part:], 0, atol=1e-12)
     with pytest.raises(ValueError, match="part"):
         rot.inverse_part(parts, back[: rot.part])
+
+
+@pytest.mark.parametrize(("length", "parts"), [(1 << 15, 1), (1 << 15, 4), (30_001, 3)])
+def test_the_banded_rotation_is_the_two_whole_vector_products(
+        length: int, parts: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Small bands, so these vectors take many: with and without padding (the first case
+    # applies the signs as each band is read), forward, inverse and inverse_part.
+    monkeypatch.setattr(hadamard_module, "_BAND", 2048)
+    x = np.random.default_rng(length).standard_normal(length)
+    rot = Rotation(length, seed=9, parts=parts)
+    cols = rot.part // rot.a
+    assert cols > hadamard_module._BAND // rot.a  # more than one band per part
+    z = np.zeros(rot.padded)
+    z[:length] = x * rot.signs(np.dtype(np.float64))[:length]
+    ha, hb = hadamard_module._sylvester(rot.a), hadamard_module._sylvester(rot.b)
+    want = (ha @ z.reshape(parts, rot.a, cols)).reshape(-1, rot.b) @ hb
+    y = rot.forward(x)
+    np.testing.assert_allclose(y, want.reshape(-1), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(rot.inverse(y), x, rtol=0, atol=1e-12)
+    for k in range(parts):
+        part = y[k * rot.part:(k + 1) * rot.part].copy()
+        rot.inverse_part(k, part)
+        np.testing.assert_allclose(part, np.r_[x, np.zeros(rot.padded - length)][
+            k * rot.part:(k + 1) * rot.part], rtol=0, atol=1e-12)
 
 
 def test_rotation_spreads_a_lost_tail() -> None:

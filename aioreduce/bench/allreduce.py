@@ -113,6 +113,8 @@ class _Data:
         self.n = max(1, cfg.size_bytes // np.dtype(cfg.dtype).itemsize)
         self._mine: dict[str, np.ndarray] = {}
         self._truth: dict[str, np.ndarray] = {}
+        self._plain: np.ndarray | None = None  # this rank's uncoded vector
+        self._plain_truth: np.ndarray | None = None
 
     def _vec(self, key: int) -> np.ndarray:
         rng = np.random.default_rng([self.cfg.seed, key])
@@ -130,11 +132,15 @@ class _Data:
                 if self.rank == 0 and self.cfg.verify:
                     self._truth[name] = sum((self._vec(1000 + x) for x in range(num)),
                                             np.zeros(self.n, np.float64))
-            else:
-                self._mine[name] = self._vec(self.rank)
-                if self.rank == 0 and self.cfg.verify:
-                    self._truth[name] = sum((self._vec(r) for r in range(self.world)),
-                                            np.zeros(self.n, np.float64))
+            else:  # the uncoded schemes (and Gloo, which copies it) share one vector
+                if self._plain is None:
+                    self._plain = self._vec(self.rank)
+                    if self.rank == 0 and self.cfg.verify:
+                        self._plain_truth = sum((self._vec(r) for r in range(self.world)),
+                                                np.zeros(self.n, np.float64))
+                self._mine[name] = self._plain
+                if self._plain_truth is not None:
+                    self._truth[name] = self._plain_truth
         return self._mine[name]
 
     def rel_err(self, name: str, value: np.ndarray) -> float:
@@ -165,6 +171,10 @@ async def _worker(cfg: Config) -> None:
 
             dist.init_process_group("gloo", rank=rank, world_size=world)
         data = _Data(cfg, rank, world)
+        # Every vector made before the first step, off the event loop: at 64 MiB a coded
+        # scheme's rank sums several random vectors (seconds of CPU with 40 ranks on 2 cores),
+        # and a loop blocked that long misses its peers' handshakes (they give up after 10 s).
+        await asyncio.to_thread(lambda: [data.mine(n, schemes.get(n)) for n in names])
         # Per iteration: start, end, fraction of contributions received, 1 if refused.
         times: dict[str, list[tuple[float, float, float, float]]] = {n: [] for n in names}
         errors: dict[str, float] = {n: 0.0 for n in names}

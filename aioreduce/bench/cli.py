@@ -118,7 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--sizes", type=_sizes, default=_sizes("40K,4M,64M"))
     sw.add_argument("--stragglers", default="none,slow3,pause,shifted-exp,heavy-tail",
                     help="straggler models by name (see the module docstring)")
-    sw.add_argument("--iters", type=int, default=20)
+    sw.add_argument("--iters", default=None, metavar="N[,SIZE=N...]",
+                    help="timed steps per cell, by vector size (default "
+                         "'20,64M=10': what fits the default grid in an hour on 2 cores)")
+    sw.add_argument("--skip", default=None, metavar="RANKSxSIZE,...",
+                    help="cells of the grid not to run (default '40x64M': see the module "
+                         "docstring; '' runs the whole grid)")
     sw.add_argument("--compute", type=float, default=0.05, metavar="SECONDS",
                     help="emulated compute: seconds one rank needs for the whole data set")
     sw.add_argument("--link-mbit", type=float, default=1000.0)
@@ -311,10 +316,15 @@ def _sweep(opts: argparse.Namespace) -> int:
 
     out = Path(opts.out)
     if not opts.plot:
+        try:
+            iters = sweep.Iterations.parse(opts.iters or sweep.DEFAULT_ITERS)
+            skip = sweep.parse_skip(sweep.DEFAULT_SKIP if opts.skip is None else opts.skip)
+        except ValueError as exc:
+            raise SystemExit(f"aioreduce-bench sweep: {exc}") from None
         cells = sweep.grid(opts.nodes, opts.sizes,
-                           [s.strip() for s in opts.stragglers.split(",") if s.strip()])
+                           [s.strip() for s in opts.stragglers.split(",") if s.strip()], skip)
         ran = sweep.sweep(cells, [s.strip() for s in opts.scheme.split(",") if s.strip()], out,
-                          iters=opts.iters, compute=opts.compute, netns=not opts.no_netns,
+                          iters=iters, compute=opts.compute, netns=not opts.no_netns,
                           link_mbit=None if opts.no_netns else opts.link_mbit,
                           vs_gloo=not opts.no_gloo and sweep.gloo_available())
         print(f"{ran} cells run, {len(cells) - ran} already in {out / sweep.RESULTS}")

@@ -19,6 +19,14 @@ pause or a preempted VM); ``shifted-exp`` (every rank, every step: 5 ms + Exp wi
 the model of the gradient-coding papers); ``heavy-tail`` (every rank, every step: 2 % chance of
 300 ms more). A cell's makespan leaves out that step's injected stragglers (see
 :func:`~.allreduce.makespans`).
+
+The default grid is what fits in an hour on a 2-core machine: 64 MiB cells time 10 steps
+instead of 20 (``--iters 20,64M=10``), and 40 ranks at 64 MiB are left out (``--skip 40x64M``;
+``--skip ''`` runs them). One such cell takes about 8 minutes there (three steps of each
+scheme: ring 7.8 s, Gloo 8.7 s and gradient coding's star 31 s a step, plus starting 40
+processes per launch), so its five models alone would take most of the hour. A cell whose
+schemes would not fit in memory together (each rank holds a vector and buffers per scheme:
+40 ranks at 64 MiB went past 24 GiB) runs one launch per scheme instead of alternating them.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +42,7 @@ from typing import Any
 
 from ..codes import TreeTopology
 from .allreduce import Config, run_allreduce
-from .cli import fmt_size
+from .cli import fmt_size, parse_size
 
 STRAGGLERS = {
     "none": "",
@@ -43,6 +52,50 @@ STRAGGLERS = {
     "heavy-tail": "all:spike=0.02,0.3",
 }
 RESULTS = "results.jsonl"
+DEFAULT_ITERS = "20,64M=10"
+DEFAULT_SKIP = "40x64M"
+# Bytes a rank holds per scheme of a launch, in vectors (its own, a result, a pool's spare).
+VECTORS_PER_SCHEME = 2
+MEMORY_SHARE = 0.6  # of the machine's memory, for one launch's ranks
+
+
+@dataclass(frozen=True)
+class Iterations:
+    """Timed steps per cell: ``default``, or by vector size (``"20,64M=10"``)."""
+
+    default: int
+    by_size: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> Iterations:
+        default, by_size = None, []
+        for part in (p.strip() for p in text.split(",") if p.strip()):
+            if "=" in part:
+                size, count = part.split("=", 1)
+                by_size.append((parse_size(size), int(count)))
+            else:
+                default = int(part)
+        if default is None:
+            raise ValueError(f"{text!r}: give a default count of steps (e.g. '20,64M=10')")
+        if any(n < 1 for _, n in by_size) or default < 1:
+            raise ValueError(f"{text!r}: every count of steps must be at least 1")
+        return cls(default, tuple(by_size))
+
+    def for_size(self, size_bytes: int) -> int:
+        return dict(self.by_size).get(size_bytes, self.default)
+
+
+def parse_skip(text: str) -> set[tuple[int, int]]:
+    """``"40x64M,13x4M"`` -> {(ranks, bytes)}: cells of the grid not to run."""
+    from .cli import parse_size
+
+    skip = set()
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        ranks, _, size = part.partition("x")
+        if not size:
+            raise ValueError(f"{part!r}: write a cell to skip as RANKSxSIZE (e.g. 40x64M)")
+        skip.add((int(ranks), parse_size(size)))
+    return skip
 
 
 @dataclass(frozen=True)
@@ -73,11 +126,13 @@ def tree_shape(nodes: int, fanout: int = 3) -> tuple[int, int] | None:
     return None
 
 
-def grid(nodes: Iterable[int], sizes: Iterable[int], stragglers: Iterable[str]) -> list[Cell]:
+def grid(nodes: Iterable[int], sizes: Iterable[int], stragglers: Iterable[str],
+         skip: set[tuple[int, int]] | None = None) -> list[Cell]:
     bad = [s for s in stragglers if s not in STRAGGLERS]
     if bad:
         raise ValueError(f"unknown straggler model(s) {bad}; known: {sorted(STRAGGLERS)}")
-    return [Cell(n, b, s) for n in nodes for b in sizes for s in stragglers]
+    return [Cell(n, b, s) for n in nodes for b in sizes for s in stragglers
+            if (n, b) not in (skip or set())]
 
 
 def done_keys(out: Path) -> set[str]:
@@ -107,12 +162,32 @@ def row_config(row: dict[str, Any]) -> Config:
                        link_mbit=row["link_mbit"], vs_gloo=False)
 
 
-def run_cell(cell: Cell, schemes: list[str], **kw: Any) -> list[dict[str, Any]]:
-    """One launch with every scheme that fits ``cell.nodes`` (and Gloo); rows to append."""
-    cfg = cell_config(cell, schemes, **kw)
-    rows = run_allreduce(cfg)
-    return [{**row, "cell": cell.key, "straggler": cell.straggler, "compute_s": cfg.compute,
-             "link_mbit": cfg.link_mbit, "netns": cfg.netns} for row in rows]
+def memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def launches(cell: Cell, schemes: list[str], vs_gloo: bool,
+             memory: int | None = None) -> list[tuple[list[str], bool]]:
+    """(schemes, with Gloo) per launch of ``cell``: one launch alternating them all, or one
+    launch per scheme (Gloo beside the first) when together they would not fit in memory."""
+    vectors = VECTORS_PER_SCHEME * (len(schemes) + vs_gloo)
+    if cell.nodes * cell.size_bytes * vectors <= MEMORY_SHARE * (memory or memory_bytes()):
+        return [(schemes, vs_gloo)]
+    return [([s], vs_gloo and i == 0) for i, s in enumerate(schemes)]
+
+
+def run_cell(cell: Cell, schemes: list[str], *, iters: Iterations, vs_gloo: bool,
+             **kw: Any) -> list[dict[str, Any]]:
+    """Every scheme that fits ``cell.nodes`` (and Gloo), in as few launches as memory allows;
+    rows to append."""
+    rows = []
+    for names, gloo in launches(cell, schemes, vs_gloo):
+        cfg = cell_config(cell, names, iters=iters.for_size(cell.size_bytes), vs_gloo=gloo,
+                          **kw)
+        rows += [{**row, "cell": cell.key, "straggler": cell.straggler,
+                  "compute_s": cfg.compute, "link_mbit": cfg.link_mbit, "netns": cfg.netns}
+                 for row in run_allreduce(cfg)]
+    return rows
 
 
 def sweep(cells: list[Cell], schemes: list[str], out: Path, **kw: Any) -> int:

@@ -27,7 +27,7 @@ from typing import Any, Literal, TypeAlias
 import numpy as np
 
 from .env import NodeEnv, discover
-from .errors import VectorMismatch
+from .errors import ConfigError, VectorMismatch
 from .schemes import CodedScheme, FellBehind, Result, Scheme, Session
 from .schemes.base import Comm, DecodeTimed, SumsInPlace
 from .schemes.broadcast import broadcast
@@ -116,16 +116,30 @@ class Node:
         """A node configured from ``AIOREDUCE_*``/torchrun/SLURM/Open MPI variables.
 
         ``AIOREDUCE_STRAGGLE`` (see :mod:`aioreduce.straggle`) injects stragglers unless a
-        ``straggle`` argument is given; ``AIOREDUCE_TRACE=DIR`` writes step telemetry to
+        ``straggle`` argument is given; ``AIOREDUCE_LATENCY=SECONDS`` adds that one-way latency
+        to every data frame received (an emulated link's, see ``MeshOptions.latency``) unless
+        ``options`` are given; ``AIOREDUCE_TRACE=DIR`` writes step telemetry to
         ``DIR/rank.N.jsonl`` unless a ``trace`` argument is given.
         """
         env_map = os.environ if environ is None else environ
+        env = discover(environ)
+        if options is None and env_map.get("AIOREDUCE_LATENCY"):
+            try:
+                latency = float(env_map["AIOREDUCE_LATENCY"])
+            except ValueError:
+                latency = -1.0
+            if not 0 <= latency < 60:
+                raise ConfigError(f"AIOREDUCE_LATENCY={env_map['AIOREDUCE_LATENCY']!r}: give "
+                                  "the emulated one-way latency in seconds (e.g. 0.0001)")
+            options = MeshOptions(latency=latency)
+            if env.max_frame is not None:
+                options = dataclasses.replace(options, max_payload=env.max_frame)
         if "trace" not in kwargs and env_map.get("AIOREDUCE_TRACE"):
             kwargs["trace"] = env_map["AIOREDUCE_TRACE"]
         if "straggle" not in kwargs and env_map.get("AIOREDUCE_STRAGGLE"):
             kwargs["straggle"] = parse_straggle(env_map["AIOREDUCE_STRAGGLE"],
                                                 int(env_map.get("AIOREDUCE_STRAGGLE_SEED", 0)))
-        return cls(discover(environ), scheme=scheme, options=options, **kwargs)
+        return cls(env, scheme=scheme, options=options, **kwargs)
 
     @property
     def rank(self) -> int:

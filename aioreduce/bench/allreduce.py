@@ -69,6 +69,8 @@ class Config:
     netns: bool = False  # every rank on its own emulated host (network namespace)
     link_mbit: float | None = None  # shape each host's link, both directions
     background: int = 0  # bulk TCP flows between hosts (emulated cluster only)
+    latency: float = 0.0  # emulated one-way latency per frame, s (our transport only:
+    # Gloo's sockets are its own, so it runs without it)
     seed: int = field(default=0)
     options: dict[str, Any] = field(default_factory=dict)  # more scheme options (by name)
 
@@ -289,6 +291,8 @@ def run_allreduce(cfg: Config, timeout: float = 3600.0) -> list[dict[str, Any]]:
     env = dict(os.environ)
     if cfg.straggle:
         env["AIOREDUCE_STRAGGLE"] = cfg.straggle
+    if cfg.latency > 0:
+        env["AIOREDUCE_LATENCY"] = repr(cfg.latency)
     env.setdefault("OMP_NUM_THREADS", "1")  # 2 cores shared by many ranks: no thread storms
     if cfg.netns:
         out = _run_on_cluster(cfg, worker, env, timeout)

@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run every rank on its own emulated host (network namespace; root)")
     ar.add_argument("--link-mbit", type=float, metavar="MBIT",
                     help="with --netns: shape every host's link to MBIT in both directions")
+    ar.add_argument("--latency", type=float, default=0.0, metavar="SECONDS",
+                    help="emulated one-way latency added to every frame our ranks receive "
+                         "(AIOREDUCE_LATENCY; not applied to Gloo)")
     ar.add_argument("--background", type=int, default=0, metavar="FLOWS",
                     help="with --netns: bulk TCP flows between hosts, as other tenants")
     ar.add_argument("--json", action="store_true", help="JSON lines; the last is the summary")
@@ -127,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--compute", type=float, default=0.05, metavar="SECONDS",
                     help="emulated compute: seconds one rank needs for the whole data set")
     sw.add_argument("--link-mbit", type=float, default=1000.0)
+    sw.add_argument("--latency", type=float, default=0.0, metavar="SECONDS",
+                    help="emulated one-way latency per frame (our schemes only, not Gloo)")
     sw.add_argument("--no-netns", action="store_true",
                     help="ranks on 127.0.0.1 instead of emulated hosts (no shaping)")
     sw.add_argument("--no-gloo", action="store_true", help="leave Gloo out")
@@ -266,7 +271,7 @@ def _allreduce(opts: argparse.Namespace) -> list[dict[str, Any]]:
                  model_bandwidth=(opts.link_mbit * 1e6 / 8 if opts.link_mbit
                                   else opts.model_bandwidth),
                  netns=opts.netns, link_mbit=opts.link_mbit, options=opts.options,
-                 background=opts.background)
+                 background=opts.background, latency=opts.latency)
     results = run_allreduce(cfg)
     gloo = next((r for r in results if r["scheme"] == "gloo"), None)
     rows = [r for r in results if r["scheme"] != "gloo"]
@@ -326,6 +331,7 @@ def _sweep(opts: argparse.Namespace) -> int:
         ran = sweep.sweep(cells, [s.strip() for s in opts.scheme.split(",") if s.strip()], out,
                           iters=iters, compute=opts.compute, netns=not opts.no_netns,
                           link_mbit=None if opts.no_netns else opts.link_mbit,
+                          latency=opts.latency,
                           vs_gloo=not opts.no_gloo and sweep.gloo_available())
         print(f"{ran} cells run, {len(cells) - ran} already in {out / sweep.RESULTS}")
     for path in sweep.plot(out):

@@ -143,7 +143,7 @@ def done_keys(out: Path) -> set[str]:
 
 
 def cell_config(cell: Cell, schemes: list[str], *, iters: int, compute: float, netns: bool,
-                link_mbit: float | None, vs_gloo: bool) -> Config:
+                link_mbit: float | None, vs_gloo: bool, latency: float = 0.0) -> Config:
     """The allreduce run of ``cell``: every scheme that fits ``cell.nodes`` (and Gloo)."""
     shape = tree_shape(cell.nodes)
     names = [s for s in schemes if s != "coded-tree" or shape is not None]
@@ -151,15 +151,16 @@ def cell_config(cell: Cell, schemes: list[str], *, iters: int, compute: float, n
     return Config(schemes=names, nodes=cell.nodes, size_bytes=cell.size_bytes, iters=iters,
                   fanout=fanout, levels=levels, compute=compute,
                   straggle=cell.straggle_spec(), vs_gloo=vs_gloo, netns=netns,
-                  link_mbit=link_mbit, dtype="float64" if cell.size_bytes < 1 << 20 else
-                  "float32")
+                  link_mbit=link_mbit, latency=latency,
+                  dtype="float64" if cell.size_bytes < 1 << 20 else "float32")
 
 
 def row_config(row: dict[str, Any]) -> Config:
     """The configuration a row of ``results.jsonl`` was measured with."""
     return cell_config(Cell(row["nodes"], row["size_bytes"], row["straggler"]), [row["scheme"]],
                        iters=row["iters"], compute=row["compute_s"], netns=row["netns"],
-                       link_mbit=row["link_mbit"], vs_gloo=False)
+                       link_mbit=row["link_mbit"], vs_gloo=False,
+                       latency=row.get("latency_s", 0.0))
 
 
 def memory_bytes() -> int:
@@ -185,7 +186,8 @@ def run_cell(cell: Cell, schemes: list[str], *, iters: Iterations, vs_gloo: bool
         cfg = cell_config(cell, names, iters=iters.for_size(cell.size_bytes), vs_gloo=gloo,
                           **kw)
         rows += [{**row, "cell": cell.key, "straggler": cell.straggler,
-                  "compute_s": cfg.compute, "link_mbit": cfg.link_mbit, "netns": cfg.netns}
+                  "compute_s": cfg.compute, "link_mbit": cfg.link_mbit, "netns": cfg.netns,
+                  "latency_s": cfg.latency}
                  for row in run_allreduce(cfg)]
     return rows
 

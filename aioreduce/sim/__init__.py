@@ -57,8 +57,10 @@ def simulate(name: str, cfg: Config, platform: Platform, steps: int | None = Non
         raise ValueError(f"CodedReduce with fan-out {cfg.fanout} and {cfg.levels} levels has "
                          f"{TreeTopology(cfg.fanout, cfg.levels).size} ranks, not {world}")
     scheme, load = _scheme(name, world, cfg.fanout, cfg.levels, cfg.stragglers, cfg.code)
-    costs = platform.gloo if name == "gloo" else replace(platform.ours,
-                                                          chunk_bytes=cfg.chunk_bytes)
+    # Latency the run injected into our transport (not Gloo's) is wire latency on top of what
+    # the fit found.
+    costs = platform.gloo if name == "gloo" else replace(
+        platform.ours, chunk_bytes=cfg.chunk_bytes, alpha=platform.ours.alpha + cfg.latency)
     share = load * cfg.compute
     model = parse_straggle(cfg.straggle)
     first = warmup_iterations(cfg)

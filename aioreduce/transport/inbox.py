@@ -26,6 +26,13 @@ ahead of our current step its frames may be. Past a bound the frame is a
 :class:`ProtocolError`, which closes that connection only (an honest peer never gets there:
 the defaults cover what a parent pushes to a rank catching up, the scheme's result window).
 
+*Emulated latency* (``latency`` seconds, for clusters emulated on one machine, where tc has no
+netem): a data frame counts as arrived ``latency`` after its last byte did. A posted receive
+resolves then, a staged frame claimed earlier resolves then too, and early handlers see the
+frame then (dropped instead if its stage ended meanwhile). The bytes themselves land at once,
+zero-copy as always; only the moment the scheme learns of them moves, one-way and per frame,
+so frames in flight overlap their latencies as on a real link. Control frames are not delayed.
+
 The inbox is the connection's router: an authenticated connection hands it every frame
 directly. When a peer's last connection closes, every receive waiting on it fails with
 :class:`PeerLost` naming the rank, and so does every later receive that is not already staged.
@@ -78,8 +85,9 @@ class Inbox:
 
     def __init__(self, rank: int, stage_limit: int,
                  on_lost: Callable[[int], None] | None = None,
-                 budget: PeerBudget | None = None) -> None:
+                 budget: PeerBudget | None = None, latency: float = 0.0) -> None:
         self.rank = rank
+        self.latency = latency  # emulated one-way latency, seconds (see the module docstring)
         self.budget = budget or PeerBudget()
         self.staged_bytes = 0  # payload bytes in _staged
         self._on_lost = on_lost
@@ -91,7 +99,8 @@ class Inbox:
         self.control: asyncio.Queue[dict[str, object] | None] = asyncio.Queue()
         self._posted: dict[Key, _Posted] = {}
         self._receiving: dict[FrameProtocol, tuple[Key, _Posted]] = {}
-        self._staged: dict[Key, tuple[Header, memoryview]] = {}
+        # Early frames: header, payload, and when they arrived (loop time).
+        self._staged: dict[Key, tuple[Header, memoryview, float]] = {}
         # Steps of staged frames, smallest first (lazily cleaned), so moving the floor costs
         # the frames it drops, not a scan of everything staged.
         self._staged_steps: list[int] = []
@@ -224,11 +233,11 @@ class Inbox:
             rkey, posted = receiving
             assert rkey == key, "frames on one connection complete in order"
             if frame.payload is not None and not posted.future.done():
-                posted.future.set_result(header)
+                self._resolve(posted.future, header, self._now())
             return
         stale = self._stale(header)
         if stale and not header.payload_nbytes() and self._handled(header):
-            self._hand_early(header, memoryview(b""))  # a stale request is still answerable
+            self._hand_early_after(header, memoryview(b""))  # a stale request: answerable
             return
         if stale or (frame.payload is None and header.payload_nbytes()):
             log.debug("dropped stale frame from rank %d step %d tag %d (floor %d)",
@@ -244,16 +253,16 @@ class Inbox:
             if len(self._staged) >= self.budget.staged_frames:
                 raise ProtocolError(f"rank {self.rank} sent more than "
                                     f"{self.budget.staged_frames} frames nobody has asked for")
-            self._staged[key] = (header, payload)
+            self._staged[key] = (header, payload, self._now())
             self.staged_bytes += payload.nbytes
             tags = self._tags_of.get(header.step)
             if tags is None:
                 tags = self._tags_of[header.step] = set()
                 heapq.heappush(self._staged_steps, header.step)
             tags.add(header.tag)
-            self._hand_early(header, payload)
+            self._hand_early_after(header, payload)
             return
-        self._copy_in(waiting.future, waiting.view, waiting.dtype, header, payload)
+        self._copy_in(waiting.future, waiting.view, waiting.dtype, header, payload, self._now())
 
     def closed(self, conn: FrameProtocol, reason: str) -> None:
         self.conns.discard(conn)
@@ -278,7 +287,7 @@ class Inbox:
         self.lost = None
 
     # -- helpers ------------------------------------------------------------------------------
-    def _unstage(self, key: Key) -> tuple[Header, memoryview] | None:
+    def _unstage(self, key: Key) -> tuple[Header, memoryview, float] | None:
         staged = self._staged.pop(key, None)
         if staged is not None:
             self.staged_bytes -= staged[1].nbytes
@@ -297,6 +306,35 @@ class Inbox:
     def _handled(self, header: Header) -> bool:
         return any(header.tag >= lo for lo, _h in self._early)
 
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time() if self.latency > 0 else 0.0
+
+    def _resolve(self, fut: asyncio.Future[Header], header: Header, arrived: float) -> None:
+        """Resolve a receive whose frame arrived at ``arrived``: now, or once the emulated
+        latency has passed since then."""
+        if self.latency <= 0:
+            fut.set_result(header)
+            return
+        loop = asyncio.get_running_loop()
+        due = arrived + self.latency
+        if due <= loop.time():
+            fut.set_result(header)
+        else:
+            loop.call_at(due, _settle, fut, header)
+
+    def _hand_early_after(self, header: Header, payload: memoryview) -> None:
+        if self.latency <= 0:
+            self._hand_early(header, payload)
+        else:
+            asyncio.get_running_loop().call_later(self.latency, self._hand_late, header, payload)
+
+    def _hand_late(self, header: Header, payload: memoryview) -> None:
+        """An early frame whose emulated latency has passed: stale now if its stage ended
+        meanwhile (as if it had arrived then), else offered to the handlers."""
+        if payload.nbytes and self._stale(header):
+            return
+        self._hand_early(header, payload)
+
     def _hand_early(self, header: Header, payload: memoryview) -> None:
         for lo, handler in list(self._early):
             if header.tag >= lo:
@@ -309,14 +347,14 @@ class Inbox:
         return np.empty(header.payload_nbytes(), dtype=np.uint8).data
 
     def _copy_in(self, fut: asyncio.Future[Header], view: memoryview, dtype: str,
-                 header: Header, data: memoryview) -> None:
+                 header: Header, data: memoryview, arrived: float) -> None:
         """Complete a receive from a frame that was staged first (a small copy)."""
         err = self._mismatch(header, view, dtype)
         if err:
             fut.set_exception(VectorMismatch(err, [self.rank]))
         else:
             view[:] = data
-            fut.set_result(header)
+            self._resolve(fut, header, arrived)
 
     def _mismatch(self, header: Header, view: memoryview, dtype: str) -> str:
         nbytes = header.payload_nbytes()
@@ -325,3 +363,8 @@ class Inbox:
                     f"({nbytes} bytes) for step {header.step} tag {header.tag}, but the receive "
                     f"buffer is {dtype} of {view.nbytes} bytes")
         return ""
+
+
+def _settle(fut: asyncio.Future[Header], header: Header) -> None:
+    if not fut.done():  # withdrawn meanwhile: nobody waits for it
+        fut.set_result(header)

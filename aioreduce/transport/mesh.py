@@ -55,6 +55,9 @@ class MeshOptions:
     # What one authenticated peer can make us hold (staged frames, control messages, steps
     # ahead); past it, that connection is closed as a protocol error.
     peer_budget: PeerBudget = field(default_factory=PeerBudget)
+    # Emulated one-way latency of every data frame, seconds (0: none): for clusters emulated
+    # on one machine, whose links tc can shape but not delay (no netem). See inbox.py.
+    latency: float = 0.0
 
 
 class Mesh:
@@ -72,7 +75,8 @@ class Mesh:
         self.addresses: dict[int, tuple[str, int]] = {}
         self._lost_listeners: list[Callable[[int], None]] = []
         self._inbox = {r: Inbox(r, self.options.stage_limit, self._peer_lost,
-                                self.options.peer_budget) for r in range(world_size)}
+                                self.options.peer_budget, self.options.latency)
+                       for r in range(world_size)}
         self._dial_locks: dict[int, asyncio.Lock] = {}
         self._server: asyncio.Server | None = None
         self._conns: set[FrameProtocol] = set()

@@ -57,6 +57,21 @@ def test_exact_sum_on_every_step(ranks, scheme: str, n: int, extra: list[str]) -
     assert_all_exact(done, 20)
 
 
+@pytest.mark.parametrize("scheme, n, extra", [SCHEMES[0], SCHEMES[4]], ids=["coded-tree", "ring"])
+def test_emulated_latency_delays_every_hop_and_sums_stay_exact(ranks, scheme: str, n: int,
+                                                               extra: list[str]) -> None:
+    latency = 0.05
+    done = run(ranks, n, scheme, "--steps", "5", *extra, AIOREDUCE_LATENCY=str(latency))
+    assert_all_exact(done, 5)
+    # The path was taken: a ring step is 2(N-1) hops one after another, a 2-level tree's
+    # result comes up two hops and down two, and none can beat its latency (but the first hop
+    # may have begun before a rank started its clock).
+    hops = 2 * (n - 1) if scheme == "ring" else 4
+    for step in range(1, 5):
+        slowest = max(steps_of(d)[step]["seconds"] for d in done.values())
+        assert slowest >= (hops - 1) * latency, (step, slowest)
+
+
 def test_coded_tree_does_not_wait_for_one_slow_child_per_family(ranks) -> None:
     slow = (3, 6, 9, 12)  # one child in each of the four families
     done = run(ranks, 13, "coded-tree", "--steps", "10",

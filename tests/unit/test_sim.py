@@ -239,3 +239,17 @@ def test_node_refuses_a_scheme_name_other_than_auto() -> None:
                   job="j")
     with pytest.raises(ValueError, match="rank 3: scheme must be a Scheme or 'auto'"):
         Node(env, scheme="ring")  # type: ignore[arg-type]
+
+
+def test_latency_a_run_injected_is_wire_latency_for_our_schemes_not_gloos() -> None:
+    plat = emulation_start()
+
+    def ring(name: str, latency: float) -> float:
+        cfg = Config(schemes=[], nodes=7, size_bytes=4096, iters=1, latency=latency)
+        return float(simulate(name, cfg, plat)[0])
+
+    # Once latency dominates, every 10 ms more costs 2(N-1) hops one after another (at 0 the
+    # 7 ranks' CPU work on 2 cores does not overlap the wire as much: not linear from there).
+    assert ring("ring", 0.02) - ring("ring", 0.01) == pytest.approx(2 * 6 * 0.01, rel=1e-6)
+    assert ring("ring", 0.01) > ring("ring", 0.0) + 0.1
+    assert ring("gloo", 0.01) == ring("gloo", 0.0)

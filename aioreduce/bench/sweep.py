@@ -287,11 +287,17 @@ def plot(out: Path) -> list[Path]:
         for i, model in enumerate(models):
             for j, size in enumerate(sizes):
                 ax = axes[i][j]
-                for r in rows:
-                    if (r["nodes"], r["straggler"], r["size_bytes"]) == (n, model, size):
-                        xs = np.sort(np.array(r["steps_s"])) * 1e3
-                        ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post",
-                                color=colours[r["scheme"]], label=r["scheme"])
+                here = [r for r in rows
+                        if (r["nodes"], r["straggler"], r["size_bytes"]) == (n, model, size)]
+                for r in here:
+                    xs = np.sort(np.array(r["steps_s"])) * 1e3
+                    ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post",
+                            color=colours[r["scheme"]], label=r["scheme"])
+                if not here:  # a cell left out of the sweep (--skip): say so, not a blank
+                    ax.text(0.5, 0.5, "not run", ha="center", va="center",
+                            transform=ax.transAxes, color="grey")
+                    ax.set_xticks([])
+                    ax.set_yticks([])
                 label(ax, model, size)
                 ax.set_xlabel("ms")
         written.append(_save(fig, out / f"cdf_{n}.png"))

@@ -181,6 +181,9 @@ async def _worker(cfg: Config) -> None:
         times: dict[str, list[tuple[float, float, float, float]]] = {n: [] for n in names}
         errors: dict[str, float] = {n: 0.0 for n in names}
         current: str | None = None
+        # Once, not per step: a coded tree's plan takes tens of milliseconds of CPU, and a
+        # rank that spends them between steps starves the ranks still in one (2 cores).
+        loads = {n: load_fraction(schemes.get(n), world) for n in names}
         warmup = warmup_iterations(cfg)
         for it in range(warmup + cfg.iters):
             order = names if it % 2 == 0 else names[::-1]
@@ -190,7 +193,7 @@ async def _worker(cfg: Config) -> None:
                     await node.use(scheme, keep=True)
                     current = name
                 vec = data.mine(name, scheme)
-                sleep = load_fraction(scheme, world) * cfg.compute
+                sleep = loads[name] * cfg.compute
                 await node.barrier(timeout=300)
                 t0 = time.monotonic()
                 received, refused = 1.0, 0.0

@@ -13,6 +13,8 @@ from ..topology import heap_children, heap_parent
 from .base import Comm, OnInsufficient, StepOptions
 from .reduce import Family, ReduceSession
 
+_PLANS_KEPT = 4  # data-set sizes whose plan a CodedTree keeps (a train and a test set, say)
+
 
 @dataclass(frozen=True)
 class CodedTree:
@@ -49,9 +51,21 @@ class CodedTree:
                              f"job has {world_size}")
 
     def plan(self, num_samples: int) -> CodedTreePlan:
-        """The placement of a data set of ``num_samples`` over this tree."""
-        return coded_tree_plan(num_samples, self.fanout, self.levels, self.stragglers,
-                               self.code)
+        """The placement of a data set of ``num_samples`` over this tree (kept: planning
+        takes tens of milliseconds at 13 ranks, and samplers and benchmarks ask per step)."""
+        plans = self._plans
+        plan = plans.pop(num_samples, None)
+        if plan is None:
+            plan = coded_tree_plan(num_samples, self.fanout, self.levels, self.stragglers,
+                                   self.code)
+        plans[num_samples] = plan  # most recent last
+        while len(plans) > _PLANS_KEPT:
+            del plans[next(iter(plans))]
+        return plan
+
+    @cached_property
+    def _plans(self) -> dict[int, CodedTreePlan]:
+        return {}
 
     @cached_property
     def min_samples(self) -> int:

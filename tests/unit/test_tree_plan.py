@@ -168,3 +168,31 @@ def test_cost_model_matches_the_closed_form_without_noise() -> None:
     star = predict_star(12, 1, vector_bytes=vec, link=link, compute=compute, trials=10)
     assert star.median == pytest.approx(2 / 12 + 11 * tau + 12 * tau, rel=1e-6)
     assert math.isfinite(star.p99)
+
+
+def test_coded_tree_keeps_its_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan is made once per data-set size (planning a 13-rank tree costs tens of ms of CPU,
+    which a bench or sampler asking every step spent while peers were mid-step), equal to a
+    fresh one, and only the most recent few sizes are kept."""
+    from aioreduce.schemes import CodedTree
+    from aioreduce.schemes import tree as tree_mod
+
+    made: list[int] = []
+
+    def counting(num: int, *args: object) -> object:
+        made.append(num)
+        return coded_tree_plan(num, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tree_mod, "coded_tree_plan", counting)
+    scheme = CodedTree(3, 2, 1)
+    unit = scheme.min_samples
+    first = scheme.plan(unit)
+    assert scheme.plan(unit) is first and made == [unit]
+    fresh = coded_tree_plan(unit, 3, 2, 1)
+    for rank in range(13):
+        for got, want in zip(first.placement(rank), fresh.placement(rank), strict=True):
+            np.testing.assert_array_equal(got, want)
+    for k in range(2, 2 + tree_mod._PLANS_KEPT):  # older sizes fall out
+        scheme.plan(k * unit)
+    scheme.plan(unit)
+    assert made.count(unit) == 2

@@ -31,6 +31,7 @@ from .errors import ConfigError, VectorMismatch
 from .schemes import CodedScheme, FellBehind, Result, Scheme, Session
 from .schemes.base import Comm, DecodeTimed, SumsInPlace
 from .schemes.broadcast import broadcast
+from .schemes.dormant import GatedComm
 from .schemes.gather import allgather
 from .straggle import StraggleModel, parse_straggle
 from .telemetry import Tracer, TracingComm, trace_path
@@ -99,7 +100,10 @@ class Node:
         self._holders: tuple[Scheme, int] | None = None  # see _data_holders
         self._last_return = time.perf_counter()
         self._session: Session | None = None
-        self._kept: list[tuple[Scheme, Session]] = []  # sessions kept by use(keep=True)
+        # Sessions kept by use(keep=True), each with the gate that keeps it out of the
+        # running scheme's frames; and the running session's gate.
+        self._kept: list[tuple[Scheme, Session, GatedComm]] = []
+        self._gate: GatedComm | None = None
         if options is None and env.max_frame is not None:
             options = MeshOptions(max_payload=env.max_frame)
         self.mesh = Mesh(env.rank, env.world_size, env.secret, env.job, options)
@@ -167,7 +171,7 @@ class Node:
         self._started = True
         await self._preconnect()
         if self.scheme is not None:
-            self._session = self.scheme.open(self._comm())
+            self._session = self.scheme.open(self._gated())
         log.debug("rank %d joined job %s (%d ranks)", env.rank, env.job, env.world_size)
 
     async def _preconnect(self) -> None:
@@ -190,7 +194,7 @@ class Node:
                 await barrier(self.mesh, self.close_timeout, closing=True)
             except Exception as exc:  # a dead peer must not block shutdown
                 log.warning("rank %d: closing without a clean barrier: %s", self.rank, exc)
-        sessions = [s for _scheme, s in self._kept]
+        sessions = [s for _scheme, s, _gate in self._kept]
         self._kept.clear()
         if self._session is not None:
             sessions.append(self._session)
@@ -265,17 +269,26 @@ class Node:
         scheme.validate(self.world_size)
         if self._session is not None:
             session, self._session = self._session, None
-            if keep and self.scheme is not None:
-                self._kept.append((self.scheme, session))
+            if keep and self.scheme is not None and self._gate is not None:
+                self._gate.dormant_from = self._step  # the steps from here are not its own
+                self._kept.append((self.scheme, session, self._gate))
             else:
                 await session.close(self.close_timeout)
         self.scheme = scheme
         self._like = None
         await self._preconnect()
         if self._started:
-            kept = next((i for i, (s, _) in enumerate(self._kept) if s == scheme), None)
-            self._session = (self._kept.pop(kept)[1] if kept is not None
-                             else scheme.open(self._comm()))
+            kept = next((i for i, (s, _, _) in enumerate(self._kept) if s == scheme), None)
+            if kept is not None:
+                _scheme, self._session, self._gate = self._kept.pop(kept)
+                self._gate.dormant_from = None
+            else:
+                self._session = scheme.open(self._gated())
+
+    def _gated(self) -> Comm:
+        """A new session's comm, with the gate it needs if it is ever kept dormant."""
+        self._gate = GatedComm(self._comm())
+        return self._gate
 
     def _comm(self) -> Comm:
         """The comm sessions run on: the mesh, counted when tracing."""

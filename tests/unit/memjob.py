@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from aioreduce.schemes import CodedScheme, Result, Scheme, Session
+from aioreduce.schemes.base import Comm
 from aioreduce.transport.memory import MemoryNetwork
 
 DIM = 6
@@ -16,10 +17,11 @@ DIM = 6
 class Job:
     """Every rank's session of ``scheme``; vectors are deterministic per (rank, step)."""
 
-    def __init__(self, scheme: Scheme, world: int, net: MemoryNetwork | None = None) -> None:
+    def __init__(self, scheme: Scheme, world: int, net: MemoryNetwork | None = None,
+                 comms: Sequence[Comm] | None = None) -> None:
         self.scheme, self.world = scheme, world
         self.net = net or MemoryNetwork(world)
-        self.sessions: list[Session] = [scheme.open(c) for c in self.net.comms]
+        self.sessions: list[Session] = [scheme.open(c) for c in comms or self.net.comms]
         self.coded = isinstance(scheme, CodedScheme)
         if self.coded:
             assert isinstance(scheme, CodedScheme)

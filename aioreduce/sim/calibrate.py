@@ -67,13 +67,14 @@ def emulation_start(link_mbit: float = 1000.0, cores: int = 2) -> Platform:
     """Where the fit starts: a plausible Python runtime and a C++ one on shaped links."""
     bandwidth = link_mbit * 1e6 / 8
     return Platform(Costs(50e-6, bandwidth, msg_cpu=100e-6, byte_cpu=1e-9, decode_cpu=50e-6,
-                          cores=cores),
-                    Costs(50e-6, bandwidth, msg_cpu=30e-6, byte_cpu=0.5e-9, cores=cores))
+                          step_cpu=200e-6, cores=cores),
+                    Costs(50e-6, bandwidth, msg_cpu=30e-6, byte_cpu=0.5e-9, step_cpu=200e-6,
+                          cores=cores))
 
 
 # (which side, field) the fit moves; bandwidth stays the shaped rate, cores the machine's
 FREE = (("ours", "msg_cpu"), ("ours", "byte_cpu"), ("gloo", "msg_cpu"), ("gloo", "byte_cpu"),
-        ("ours", "decode_cpu"), ("both", "alpha"))
+        ("ours", "decode_cpu"), ("ours", "step_cpu"), ("gloo", "step_cpu"), ("both", "alpha"))
 
 
 def _get(p: Platform, side: str, name: str) -> float:
@@ -127,9 +128,10 @@ def fit(measured: list[Measured], start: Platform, rounds: int = 6,
 def costs_table(platform: Platform) -> list[tuple[str, str, str]]:
     """(field, ours, Gloo) rows to print the fitted costs."""
     units = {"alpha": 1e6, "msg_cpu": 1e6, "byte_cpu": 1e9, "decode_cpu": 1e6,
-             "bandwidth": 8e-6}
+             "step_cpu": 1e6, "bandwidth": 8e-6}
     names = {"alpha": "alpha (us)", "msg_cpu": "CPU per message (us)",
              "byte_cpu": "CPU per byte (ns)", "decode_cpu": "decode, per child (us)",
+             "step_cpu": "CPU per rank and step (us)",
              "bandwidth": "link (Mbit/s)"}
     out = []
     for f in fields(Costs):

@@ -34,8 +34,11 @@ class Costs:
 
     ``msg_cpu`` is the CPU time a frame costs at each end (syscalls, framing, the event
     loop's wake-up), ``byte_cpu`` what each received byte costs (the add or copy),
-    ``decode_cpu`` what choosing and applying a decoder costs a coded parent, ``alpha``
-    the wire latency of a message, ``bandwidth`` a link's bytes per second in each direction,
+    ``decode_cpu`` what choosing and applying a decoder costs a coded parent, ``step_cpu``
+    what a rank's step costs before its first message (leaving the barrier, handing the
+    compute to a thread and back: on a host whose cores all ranks share, every rank pays it
+    at the same moment, so it sets a floor of ranks x step_cpu / cores), ``alpha`` the wire
+    latency of a message, ``bandwidth`` a link's bytes per second in each direction,
     ``cores`` the cores all ranks share (the emulation host) or ``None`` (a host per rank).
     """
 
@@ -44,6 +47,7 @@ class Costs:
     msg_cpu: float = 100e-6
     byte_cpu: float = 0.5e-9
     decode_cpu: float = 0.0  # a coded parent's decode, per chunk and child (the solve)
+    step_cpu: float = 0.0  # a rank's fixed CPU per step, before it computes
     cores: int | None = None
     chunk_bytes: int = 1 << 20
 
@@ -60,7 +64,11 @@ class _Builder:
         self.g = Graph()
 
     def compute(self, rank: int, seconds: float) -> Op:
-        return self.g.add("delay", rank, seconds)
+        """The rank's step up to its first send: its fixed CPU, then its (emulated) compute."""
+        if self.c.step_cpu <= 0:
+            return self.g.add("delay", rank, seconds)
+        start = self.g.add("cpu", rank, self.c.step_cpu)
+        return self.g.add("delay", rank, seconds, after=[start])
 
     def message(self, src: int, dst: int, nbytes: float, after: list[Op],
                 frames: int | None = None) -> Op:

@@ -253,3 +253,19 @@ def test_latency_a_run_injected_is_wire_latency_for_our_schemes_not_gloos() -> N
     assert ring("ring", 0.02) - ring("ring", 0.01) == pytest.approx(2 * 6 * 0.01, rel=1e-6)
     assert ring("ring", 0.01) > ring("ring", 0.0) + 0.1
     assert ring("gloo", 0.01) == ring("gloo", 0.0)
+
+
+@pytest.mark.parametrize("cores, floor", [(None, 1.0), (2, 4.0)])
+def test_every_ranks_fixed_step_cpu_sets_a_floor_on_shared_cores(cores: int | None,
+                                                                  floor: float) -> None:
+    """8 ranks, no compute, free messages: a tree's step ends when the last rank has paid its
+    step CPU; on 2 shared cores they pay it two at a time (8 x 1 s / 2)."""
+    costs = Costs(alpha=0.0, bandwidth=1e12, msg_cpu=0.0, byte_cpu=0.0, step_cpu=1.0,
+                  cores=cores)
+    children = [heap_children(r, 2, 8) for r in range(8)]
+    g, done = tree(costs, [0.0] * 8, 8.0, children)
+    run(g, 8, cores)
+    assert max(d.done or 0.0 for d in done) == pytest.approx(floor)
+    g, done = ring(costs, [0.0] * 8, 8.0)
+    run(g, 8, cores)
+    assert max(d.done or 0.0 for d in done) == pytest.approx(floor)

@@ -71,6 +71,7 @@ class Config:
     background: int = 0  # bulk TCP flows between hosts (emulated cluster only)
     latency: float = 0.0  # emulated one-way latency per frame, s (our transport only:
     # Gloo's sockets are its own, so it runs without it)
+    in_place: bool = False  # uncoded schemes sum in place into a fresh copy, as Gloo does
     seed: int = field(default=0)
     options: dict[str, Any] = field(default_factory=dict)  # more scheme options (by name)
 
@@ -194,14 +195,21 @@ async def _worker(cfg: Config) -> None:
                     current = name
                 vec = data.mine(name, scheme)
                 sleep = loads[name] * cfg.compute
+                # Gloo sums in place: its fresh copy of the vector is made before the clock
+                # starts, as a trainer's gradients are there already (ours write a result of
+                # their own, so Gloo is not charged a copy that ours do not make).
+                tensor = torch.from_numpy(vec.copy()) if scheme is None else None
+                # --in-place: ours get the same treatment (a copy made before the clock, summed
+                # into), so the two are compared doing the same work.
+                work = (vec.copy() if cfg.in_place and scheme is not None and not scheme.coded
+                        else None)
                 await node.barrier(timeout=300)
                 t0 = time.monotonic()
                 received, refused = 1.0, 0.0
                 value: np.ndarray | None = None
                 if scheme is None:
-                    assert dist is not None
+                    assert dist is not None and tensor is not None
                     await asyncio.sleep(sleep + model.extra_delay(rank, it, sleep, world))
-                    tensor = torch.from_numpy(vec.copy())
                     dist.all_reduce(tensor)
                     value = tensor.numpy()
                 else:
@@ -213,7 +221,11 @@ async def _worker(cfg: Config) -> None:
 
                     call = node.aggregate if scheme.coded else node.allreduce
                     try:
-                        res = await call(compute)
+                        if work is not None:
+                            await asyncio.sleep(sleep + model.extra_delay(rank, it, sleep, world))
+                            res = await node.allreduce(work, in_place=True)
+                        else:
+                            res = await call(compute)
                         value, received = res.value, res.received
                     except StragglerError as exc:
                         if exc.received is None:
@@ -254,7 +266,9 @@ def _report(cfg: Config, name: str, scheme: Scheme | None, t: np.ndarray, err: f
     out: dict[str, Any] = {"scheme": name, "nodes": world, "size_bytes": cfg.size_bytes,
                            "iters": cfg.iters, "median_s": float(np.median(spans)),
                            "p99_s": float(np.quantile(spans, 0.99)),
-                           "steps_s": [round(float(x), 6) for x in spans]}
+                           "steps_s": [round(float(x), 6) for x in spans],
+                           "in_place": bool(cfg.in_place and scheme is not None
+                                            and not scheme.coded)}
     own = (t[:, :, 1] - t[:, :, 0].min(axis=0)).ravel()  # each rank's own completion
     received = t[:, :, 2]
     out.update({"rank_p50_s": float(np.median(own)), "rank_p99_s": float(np.quantile(own, 0.99)),

@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--verify", action="store_true", help="check every result (rank 0)")
     ar.add_argument("--vs-gloo", action="store_true",
                     help="also run torch.distributed Gloo all_reduce in the same run")
+    ar.add_argument("--in-place", action="store_true",
+                    help="uncoded schemes sum in place into a copy of the vector made before "
+                         "the clock starts, as Gloo's all_reduce does (default: they write a "
+                         "result of their own)")
     ar.add_argument("--model-alpha", type=float, default=200e-6,
                     help="cost model: seconds per message (default 200e-6)")
     ar.add_argument("--model-bandwidth", type=float, default=1e9,
@@ -271,7 +275,7 @@ def _allreduce(opts: argparse.Namespace) -> list[dict[str, Any]]:
                  model_bandwidth=(opts.link_mbit * 1e6 / 8 if opts.link_mbit
                                   else opts.model_bandwidth),
                  netns=opts.netns, link_mbit=opts.link_mbit, options=opts.options,
-                 background=opts.background, latency=opts.latency)
+                 background=opts.background, latency=opts.latency, in_place=opts.in_place)
     results = run_allreduce(cfg)
     gloo = next((r for r in results if r["scheme"] == "gloo"), None)
     rows = [r for r in results if r["scheme"] != "gloo"]

@@ -57,6 +57,19 @@ def test_single_scheme_vs_gloo_ends_with_the_scheme_and_its_ratio() -> None:
     assert last["ratio_vs_gloo"] == pytest.approx(last["median_s"] / last["gloo_median_s"])
 
 
+def test_in_place_sums_into_a_fresh_copy_every_step_and_only_for_uncoded_schemes() -> None:
+    """--in-place: the ring sums into a copy made before each step (exact at every step, so the
+    rank's own vector was never summed into); the coded scheme beside it writes its own."""
+    res = subprocess.run([sys.executable, "-m", "aioreduce.bench.cli", "allreduce", "--scheme",
+                          "ring,gc", "--nodes", "4", "--size", "64K", "--iters", "4",
+                          "--verify", "--in-place", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    rows = {r["scheme"]: r for r in map(json.loads, res.stdout.splitlines()) if "scheme" in r}
+    assert rows["ring"]["in_place"] is True and rows["gc"]["in_place"] is False
+    assert rows["ring"]["max_rel_err"] < 1e-6 and rows["gc"]["max_rel_err"] < 1e-6
+
+
 def test_allreduce_bench_compares_schemes_and_gloo() -> None:
     pytest.importorskip("torch", reason="torch is an optional extra (pip install torch)")
     res = subprocess.run([sys.executable, "-m", "aioreduce.bench.cli", "allreduce", "--scheme",

@@ -201,28 +201,26 @@ async def _worker(cfg: Config) -> None:
                 tensor = torch.from_numpy(vec.copy()) if scheme is None else None
                 # --in-place: ours get the same treatment (a copy made before the clock, summed
                 # into), so the two are compared doing the same work.
-                work = (vec.copy() if cfg.in_place and scheme is not None and not scheme.coded
-                        else None)
+                work = vec.copy() if _in_place(cfg, scheme) else None
                 await node.barrier(timeout=300)
                 t0 = time.monotonic()
                 received, refused = 1.0, 0.0
                 value: np.ndarray | None = None
+                delay = sleep + model.extra_delay(rank, it, sleep, world)
                 if scheme is None:
                     assert dist is not None and tensor is not None
-                    await asyncio.sleep(sleep + model.extra_delay(rank, it, sleep, world))
+                    await asyncio.sleep(delay)
                     dist.all_reduce(tensor)
                     value = tensor.numpy()
                 else:
-                    def compute(v: np.ndarray = vec,
-                                t: float = sleep + model.extra_delay(rank, it, sleep, world)
-                                ) -> np.ndarray:
+                    def compute(v: np.ndarray = vec, t: float = delay) -> np.ndarray:
                         time.sleep(t)
                         return v
 
                     call = node.aggregate if scheme.coded else node.allreduce
                     try:
                         if work is not None:
-                            await asyncio.sleep(sleep + model.extra_delay(rank, it, sleep, world))
+                            await asyncio.sleep(delay)
                             res = await node.allreduce(work, in_place=True)
                         else:
                             res = await call(compute)
@@ -243,6 +241,11 @@ async def _worker(cfg: Config) -> None:
                 _report(cfg, name, schemes.get(name), every, errors[name], world)
         if dist is not None:
             dist.destroy_process_group()
+
+
+def _in_place(cfg: Config, scheme: Scheme | None) -> bool:
+    """Whether ``--in-place`` applies to ``scheme``: ours and uncoded (not Gloo, not coded)."""
+    return cfg.in_place and scheme is not None and not scheme.coded
 
 
 def makespans(straggle: str, t: np.ndarray, first_iter: int = 0) -> np.ndarray:
@@ -267,8 +270,7 @@ def _report(cfg: Config, name: str, scheme: Scheme | None, t: np.ndarray, err: f
                            "iters": cfg.iters, "median_s": float(np.median(spans)),
                            "p99_s": float(np.quantile(spans, 0.99)),
                            "steps_s": [round(float(x), 6) for x in spans],
-                           "in_place": bool(cfg.in_place and scheme is not None
-                                            and not scheme.coded)}
+                           "in_place": _in_place(cfg, scheme)}
     own = (t[:, :, 1] - t[:, :, 0].min(axis=0)).ravel()  # each rank's own completion
     received = t[:, :, 2]
     out.update({"rank_p50_s": float(np.median(own)), "rank_p99_s": float(np.quantile(own, 0.99)),

@@ -270,7 +270,7 @@ class Node:
         if self._session is not None:
             session, self._session = self._session, None
             if keep and self.scheme is not None and self._gate is not None:
-                self._gate.dormant_from = self._step  # the steps from here are not its own
+                self._gate.sleep(self._step)  # the steps from here are not its own
                 self._kept.append((self.scheme, session, self._gate))
             else:
                 await session.close(self.close_timeout)
@@ -281,13 +281,14 @@ class Node:
             kept = next((i for i, (s, _, _) in enumerate(self._kept) if s == scheme), None)
             if kept is not None:
                 _scheme, self._session, self._gate = self._kept.pop(kept)
-                self._gate.dormant_from = None
+                self._gate.wake(self._step)
             else:
                 self._session = scheme.open(self._gated())
 
     def _gated(self) -> Comm:
-        """A new session's comm, with the gate it needs if it is ever kept dormant."""
-        self._gate = GatedComm(self._comm())
+        """A new session's comm, behind the gate that keeps its handlers to its own steps
+        (from the next one on)."""
+        self._gate = GatedComm(self._comm(), first_step=self._step)
         return self._gate
 
     def _comm(self) -> Comm:

@@ -57,10 +57,12 @@ class Comm(Protocol):
     def on_peer_lost(self, listener: Callable[[int], None]) -> Callable[[], None]:
         """Call ``listener(rank)`` when a peer's connection breaks; returns the remover."""
 
-    def on_early(self, rank: int, min_tag: int, handler: EarlyHandler) -> Callable[[], None]:
+    def on_early(self, rank: int, min_tag: int, handler: EarlyHandler, *,
+                 since: int | None = None) -> Callable[[], None]:
         """Hand frames from ``rank`` with tag >= ``min_tag`` to ``handler`` when they arrive
         before their receive is posted (payload-less ones even when stale); returns the
-        remover."""
+        remover. With ``since``, also the frames of steps >= ``since`` that arrived before
+        the handler existed and are still unclaimed: soon after the call, once each."""
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,14 @@ results to its tree children, say, work and traffic in the middle of another sch
 The gate lets a dormant session hear frames of the steps it ran (a late child's request for a
 result it holds is still answered), not of later ones, which belong to whatever scheme ran
 them. Receives it posts are unaffected: a dormant session posts none.
+
+Every session runs behind a gate, kept or not, for a second reason: ranks switch schemes at
+the same step but not at the same moment. A peer that switched first sends frames of the new
+session's steps while this rank still runs the old one (or sleeps the kept one): they are
+staged, and without an early handler to hear them they were heard by nobody. A ring's abort
+(the step failed on the other side) was one: the rank that missed it waited forever. So a
+session's handlers are installed with the staged frames of its own steps replayed to them,
+when it opens and when it wakes.
 """
 
 from __future__ import annotations
@@ -24,13 +32,49 @@ from ..wire import Header
 from .base import Comm, EarlyHandler
 
 
-class GatedComm:
-    """A :class:`~.base.Comm` whose early handlers can be told to ignore later steps."""
+class _Registration:
+    """One early handler a session installed through the gate, re-installable on waking."""
 
-    def __init__(self, inner: Comm) -> None:
+    def __init__(self, rank: int, min_tag: int, handler: EarlyHandler) -> None:
+        self.rank, self.min_tag, self.handler = rank, min_tag, handler
+        self.remove_inner: Callable[[], None] = _nothing
+
+
+def _nothing() -> None:
+    pass
+
+
+class GatedComm:
+    """A session's :class:`~.base.Comm`: its early handlers hear the steps from
+    ``first_step`` on (frames already staged for those included, as peers may have started
+    them before this rank opened the session) until the session is put to sleep, and again
+    from the step it wakes at."""
+
+    def __init__(self, inner: Comm, first_step: int | None = None) -> None:
         self.inner = inner
+        self.first_step = first_step
         # Steps from this one on are not this session's (None: it is the running session).
         self.dormant_from: int | None = None
+        self._registered: list[_Registration] = []
+
+    def sleep(self, step: int) -> None:
+        """Another scheme runs from ``step`` on: its frames are not this session's."""
+        self.dormant_from = step
+
+    def wake(self, step: int) -> None:
+        """The session runs again from ``step``. Its handlers are installed anew, so that
+        frames of ``step`` on that peers sent while it slept (they woke it first) reach it."""
+        self.dormant_from = None
+        for reg in self._registered:
+            reg.remove_inner()
+            reg.remove_inner = self._install(reg, since=step)
+
+    def _install(self, reg: _Registration, since: int | None) -> Callable[[], None]:
+        def gated(header: Header, payload: memoryview) -> None:
+            if self.dormant_from is None or header.step < self.dormant_from:
+                reg.handler(header, payload)
+
+        return self.inner.on_early(reg.rank, reg.min_tag, gated, since=since)
 
     @property
     def rank(self) -> int:
@@ -57,9 +101,17 @@ class GatedComm:
     def on_peer_lost(self, listener: Callable[[int], None]) -> Callable[[], None]:
         return self.inner.on_peer_lost(listener)
 
-    def on_early(self, rank: int, min_tag: int, handler: EarlyHandler) -> Callable[[], None]:
-        def gated(header: Header, payload: memoryview) -> None:
-            if self.dormant_from is None or header.step < self.dormant_from:
-                handler(header, payload)
+    def on_early(self, rank: int, min_tag: int, handler: EarlyHandler, *,
+                 since: int | None = None) -> Callable[[], None]:
+        """Install ``handler`` behind the gate; staged frames are replayed from ``since`` or,
+        if not given, from the session's first step."""
+        reg = _Registration(rank, min_tag, handler)
+        reg.remove_inner = self._install(reg, self.first_step if since is None else since)
+        self._registered.append(reg)
 
-        return self.inner.on_early(rank, min_tag, gated)
+        def remove() -> None:
+            reg.remove_inner()
+            if reg in self._registered:
+                self._registered.remove(reg)
+
+        return remove

@@ -212,9 +212,10 @@ class TracingComm:
     def on_peer_lost(self, listener: Callable[[int], None]) -> Callable[[], None]:
         return self.inner.on_peer_lost(listener)
 
-    def on_early(self, rank: int, min_tag: int, handler: EarlyHandler) -> Callable[[], None]:
+    def on_early(self, rank: int, min_tag: int, handler: EarlyHandler, *,
+                 since: int | None = None) -> Callable[[], None]:
         def counted(header: Header, payload: memoryview) -> None:
             self.tracer.received(rank, header.step, payload.nbytes)
             handler(header, payload)
 
-        return self.inner.on_early(rank, min_tag, counted)
+        return self.inner.on_early(rank, min_tag, counted, since=since)

@@ -107,13 +107,28 @@ class Inbox:
         self._tags_of: dict[int, set[int]] = {}
         self._held: dict[FrameProtocol, Header] = {}
         self._early: list[tuple[int, EarlyHandler]] = []
+        # Staged frames not yet handed to the early handlers (their emulated latency runs).
+        self._in_flight: set[Key] = set()
 
-    def on_early(self, min_tag: int, handler: EarlyHandler) -> Callable[[], None]:
+    def on_early(self, min_tag: int, handler: EarlyHandler, *,
+                 since: int | None = None) -> Callable[[], None]:
         """Hand frames with tag >= ``min_tag`` to ``handler`` when they arrive before their
         receive is posted (they stay staged for that receive too). Frames of steps below the
-        floor are handed over only if they carry no payload (requests). Returns the remover."""
+        floor are handed over only if they carry no payload (requests). Returns the remover.
+
+        With ``since``, frames of steps >= ``since`` that are staged already (they came before
+        the handler existed: a peer that switched schemes first, its new session's frames
+        reaching us while we still ran the old one) are handed over too, soon after this
+        call (not inside it: the caller is still setting itself up), each once, unless a
+        receive claims it first. A frame still within its emulated latency is not: it is
+        handed over when that ends, like every other."""
         entry = (min_tag, handler)
         self._early.append(entry)
+        if since is not None:
+            backlog = [key for key in self._staged
+                       if key[0] >= since and key[1] >= min_tag and key not in self._in_flight]
+            if backlog:
+                asyncio.get_running_loop().call_soon(self._replay, entry, backlog)
 
         def remove() -> None:
             if entry in self._early:
@@ -326,22 +341,37 @@ class Inbox:
         if self.latency <= 0:
             self._hand_early(header, payload)
         else:
+            self._in_flight.add((header.step, header.tag))
             asyncio.get_running_loop().call_later(self.latency, self._hand_late, header, payload)
 
     def _hand_late(self, header: Header, payload: memoryview) -> None:
         """An early frame whose emulated latency has passed: stale now if its stage ended
         meanwhile (as if it had arrived then), else offered to the handlers."""
+        self._in_flight.discard((header.step, header.tag))
         if payload.nbytes and self._stale(header):
             return
         self._hand_early(header, payload)
 
     def _hand_early(self, header: Header, payload: memoryview) -> None:
-        for lo, handler in list(self._early):
-            if header.tag >= lo:
-                try:
-                    handler(header, payload)
-                except Exception:  # a scheme's bug must not break the connection
-                    log.exception("early-frame handler for rank %d failed", self.rank)
+        for entry in list(self._early):
+            if header.tag >= entry[0]:
+                self._offer(entry, header, payload)
+
+    def _offer(self, entry: tuple[int, EarlyHandler], header: Header,
+               payload: memoryview) -> None:
+        try:
+            entry[1](header, payload)
+        except Exception:  # a scheme's bug must not break the connection
+            log.exception("early-frame handler for rank %d failed", self.rank)
+
+    def _replay(self, entry: tuple[int, EarlyHandler], keys: list[Key]) -> None:
+        """Hand a new handler the frames that were staged before it existed (in the order
+        they arrived), those still unclaimed, if it was not removed meanwhile."""
+        for key in keys:
+            staged = self._staged.get(key)
+            if staged is None or entry not in self._early:
+                continue
+            self._offer(entry, staged[0], staged[1])
 
     def _stage_buffer(self, header: Header) -> memoryview:
         return np.empty(header.payload_nbytes(), dtype=np.uint8).data

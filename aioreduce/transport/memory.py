@@ -14,7 +14,8 @@ milliseconds: ``MemoryNetwork(n).comms[r]`` is rank ``r``'s comm. The test contr
 
 Matching follows the real inbox: a posted receive wins, else a frame below the floor is
 dropped (a payload-less one is still handed to early handlers), else it is staged and handed
-to early handlers. This proves scheme logic only; network claims need real sockets.
+to early handlers (and to those registered later with ``since``). This proves scheme logic
+only; network claims need real sockets.
 """
 
 from __future__ import annotations
@@ -180,12 +181,24 @@ class MemoryComm:
         return lambda: self._lost_listeners.remove(listener) \
             if listener in self._lost_listeners else None
 
-    def on_early(self, rank: int, min_tag: int, handler: EarlyHandler) -> Callable[[], None]:
+    def on_early(self, rank: int, min_tag: int, handler: EarlyHandler, *,
+                 since: int | None = None) -> Callable[[], None]:
         self._check(rank)
         entry = (min_tag, handler)
-        early = self._peers[rank].early
-        early.append(entry)
-        return lambda: early.remove(entry) if entry in early else None
+        peer = self._peers[rank]
+        peer.early.append(entry)
+        if since is not None:  # as the inbox: staged frames, handed over soon, once each
+            backlog = [k for k in peer.staged if k[0] >= since and k[1] >= min_tag]
+            if backlog:
+                asyncio.get_running_loop().call_soon(self._replay, peer, entry, backlog)
+        return lambda: peer.early.remove(entry) if entry in peer.early else None
+
+    @staticmethod
+    def _replay(peer: _FromPeer, entry: tuple[int, EarlyHandler], keys: list[Key]) -> None:
+        for key in keys:
+            staged = peer.staged.get(key)
+            if staged is not None and entry in peer.early:
+                entry[1](staged[0], memoryview(staged[1]))
 
     # -- for tests ----------------------------------------------------------------------------
     def installed(self) -> int:

@@ -277,11 +277,13 @@ class Mesh:
         return remove
 
     def on_early(self, rank: int, min_tag: int,
-                 handler: Callable[[Header, memoryview], None]) -> Callable[[], None]:
+                 handler: Callable[[Header, memoryview], None], *,
+                 since: int | None = None) -> Callable[[], None]:
         """Hand frames from ``rank`` with tag >= ``min_tag`` to ``handler`` when they arrive
-        before their receive is posted (see :meth:`Inbox.on_early`); returns the remover."""
+        before their receive is posted, and those of steps >= ``since`` staged already (see
+        :meth:`Inbox.on_early`); returns the remover."""
         self._check_rank(rank)
-        return self._inbox[rank].on_early(min_tag, handler)
+        return self._inbox[rank].on_early(min_tag, handler, since=since)
 
     def is_lost(self, rank: int) -> bool:
         """True if ``rank`` had a connection that broke and has not come back."""

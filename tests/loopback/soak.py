@@ -173,22 +173,31 @@ class Soak:
 
 
 def random_soak(steps: int, seed: int, deadline: float = 2.0, pace: float = 0.02) -> Soak:
+    """At least ``steps`` steps, two pauses and the kill, whatever the host's speed: the ranks
+    run until the controller has done all three and every live rank is past ``steps``, then
+    the job is torn down (a fixed step count let a fast host finish before the kill)."""
     rng = random.Random(seed)
-    soak = Soak(steps, deadline, pace)
+    soak = Soak(10 ** 6, deadline, pace)
     soak.start()
+    soak.steps = steps
     try:
         soak.wait_for(lambda: soak.progress(0) >= 5, 60)
-        while soak.progress(0) < steps - 5 and soak.job.procs[0].poll() is None:
-            if soak.killed is None and soak.progress(0) >= steps // 2:
+        while (soak.progress(0) < steps or len(soak.pauses) < 2 or soak.killed is None) and (
+                soak.job.procs[0].poll() is None):
+            if soak.killed is None and (soak.progress(0) >= steps // 2 or len(soak.pauses) >= 2):
                 soak.kill(rng.choice(LEAVES))
             barred = {soak.killed} | set(FAMILIES.get(PARENT.get(soak.killed, -1), []))
             rank = rng.choice([r for r in range(1, 13) if r not in barred])
             p = soak.pause((rank,), rng.uniform(0.2, 3.0))
             soak.wait_caught_up(p)  # so that no family has two ranks out at once
             soak.wait_for(lambda: False, rng.uniform(0.2, 1.0))  # a gap between faults
-        soak.finish(steps * 1.0 + 120)
+        alive = [r for r in range(13) if r != soak.killed]
+        soak.wait_for(lambda: min(soak.progress(r) for r in alive) >= steps, 120)
     finally:
+        soak.torn_down = time.time()
         soak.job.kill()
+        for t in soak._readers:
+            t.join(5)
     return soak
 
 

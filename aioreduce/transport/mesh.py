@@ -58,6 +58,9 @@ class MeshOptions:
     # Emulated one-way latency of every data frame, seconds (0: none): for clusters emulated
     # on one machine, whose links tc can shape but not delay (no netem). See inbox.py.
     latency: float = 0.0
+    # While a payload lands, wake up once this many of its bytes are readable (or its rest),
+    # not on every TCP segment (SO_RCVLOWAT; see protocol.py). 0 or 1: every segment.
+    recv_lowat: int = 1 << 20
 
 
 class Mesh:
@@ -111,7 +114,8 @@ class Mesh:
             self._server.close()
 
     def _new_protocol(self) -> FrameProtocol:
-        conn = FrameProtocol(self.options.max_payload, self.options.user_timeout)
+        conn = FrameProtocol(self.options.max_payload, self.options.user_timeout,
+                             self.options.recv_lowat)
         self._conns.add(conn)
         conn.closed.add_done_callback(lambda _f: self._conns.discard(conn))
         return conn

@@ -3,6 +3,15 @@
 Receiving: ``get_buffer`` hands out whatever view the :class:`FrameDecoder` asks for, which for a
 payload is a slice of the destination numpy array: the kernel copies straight into it.
 
+While a payload lands, the socket's ``SO_RCVLOWAT`` is the payload's rest (at most
+``recv_lowat``), so the event loop is woken once that many bytes are there instead of for
+every burst the kernel delivers: under strace, 22 steps of a 16 MiB ring on 4 ranks of one
+2-core host made 2169 epoll waits instead of 3132, and the ring's step took 0.85-0.90x Gloo's
+time instead of 0.94-0.95x (0.71-0.75x against 0.93x at 64 MiB). The kernel caps it at half
+the receive buffer, and a closing peer wakes us whatever it is. It only ever asks for bytes
+the frame in progress still has to deliver, so no data is left waiting; between frames it
+is 1.
+
 Sending: :meth:`FrameProtocol.send` writes a frame's buffers and returns once the transport has
 handed every byte to the kernel, so the caller may modify the array afterwards. The write-buffer
 high-water mark is 0, which turns ``pause_writing``/``resume_writing`` into an exact "drained"
@@ -15,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, cast
 
@@ -47,9 +57,12 @@ class Router(Protocol):
 class FrameProtocol(asyncio.BufferedProtocol):
     """A framed, flow-controlled connection; before authentication frames go to ``handshake``."""
 
-    def __init__(self, max_payload: int, user_timeout: float) -> None:
+    def __init__(self, max_payload: int, user_timeout: float, recv_lowat: int = 0) -> None:
         self._max_payload = max_payload
         self._user_timeout = user_timeout
+        self._recv_lowat = recv_lowat  # 0: the kernel's default (wake on every byte)
+        self._lowat = 1  # what the socket has now
+        self._sock: socket.socket | None = None
         # Before authentication: small restricted headers, no payloads, a small buffer.
         self.decoder = FrameDecoder(self._choose, max_payload=0, authenticated=False)
         self.transport: asyncio.Transport | None = None
@@ -77,6 +90,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             tune(sock, self._user_timeout)
+            if self._recv_lowat > 1 and sock.family in (socket.AF_INET, socket.AF_INET6):
+                self._sock = sock
         peer = transport.get_extra_info("peername")
         self.peername = f"{peer[0]}:{peer[1]}" if peer else "?"
         if self.on_made is not None:
@@ -123,6 +138,19 @@ class FrameProtocol(asyncio.BufferedProtocol):
         frames = self.decoder.buffer_updated(nbytes)
         if frames is not NO_FRAMES:  # mid-payload reads skip the dispatch machinery
             self._dispatch(frames)
+        if self._sock is not None:
+            self._set_lowat()
+
+    def _set_lowat(self) -> None:
+        """Be woken when the payload's rest, or ``recv_lowat`` of it, is readable; between
+        payloads on every byte (see the module docstring)."""
+        nbytes = max(1, min(self.decoder.payload_left, self._recv_lowat))
+        if nbytes != self._lowat and self._sock is not None:
+            try:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+                self._lowat = nbytes
+            except OSError:  # a kernel without it, or a socket closing: wake on every byte
+                self._sock = None
 
     def withdraw_payload(self) -> None:
         """The receive this connection is filling was withdrawn: land the rest in scratch."""
@@ -131,6 +159,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def resume_with(self, dest: memoryview | None) -> None:
         """Give a held-back frame its destination and start reading again."""
         self._dispatch(self.decoder.resume(dest))
+        if self._sock is not None:
+            self._set_lowat()
         if self._held and not self.decoder.waiting and self.transport is not None:
             self._held = False
             if not self.transport.is_closing():

@@ -138,6 +138,13 @@ class FrameDecoder:
         return self._header
 
     @property
+    def payload_left(self) -> int:
+        """Bytes of the payload being received into its destination still to come (0 when
+        no payload is being received into a destination: a header, a held or discarded
+        frame)."""
+        return self._payload_len - self._got if self._state is _State.PAYLOAD else 0
+
+    @property
     def mid_frame(self) -> bool:
         """True if a frame has started but not finished (a close now loses data)."""
         return self._state is not _State.PREFIX or self._hi > self._lo

@@ -391,3 +391,20 @@ def test_every_dtype_we_send_is_accepted() -> None:
         arr = np.zeros(3, dt)
         frames = collecting_decoder()[0].receive_data(wire_bytes(Header(Kind.DATA), arr))
         assert frames[0].header.dtype == arr.dtype.str
+
+
+def test_payload_left_counts_down_a_payload_landing_in_its_destination_only() -> None:
+    """What the protocol sets SO_RCVLOWAT from: never more than the frame still owes."""
+    out = np.zeros(1000, np.uint8)
+    dec = FrameDecoder(lambda h: byte_view(out) if h.step == 1 else None, 1 << 20)
+    stream = (wire_bytes(Header(step=1), np.full(1000, 3, np.uint8))
+              + wire_bytes(Header(step=2), np.ones(500, np.uint8)) + wire_bytes(Header(step=3)))
+    assert dec.payload_left == 0  # waiting for a prefix
+    seen = []
+    for byte in stream:  # one byte per read: every state the decoder passes through
+        dec.receive_data(bytes([byte]))
+        seen.append(dec.payload_left)
+    start = seen.index(1000)
+    assert seen[start:start + 1000] == list(range(1000, 0, -1))  # step 1, byte by byte
+    assert set(seen[:start]) == {0} and set(seen[start + 1000:]) == {0}  # step 2: discarded
+    assert (out == 3).all()

@@ -14,7 +14,12 @@ rank has the result) is reported: ``rank_p50_s``, ``rank_p99_s``. A bounded-time
 (``transpose``) lets the ranks that were not delayed finish while a delayed rank is still
 computing, which the makespan (it waits for the last rank) cannot show; a rank's own injected
 delay always counts in its own time. ``lost`` is the mean fraction of contributions missing
-from a rank's result, ``raised`` the steps the safety valve refused. Sessions are kept
+from a rank's result, ``raised`` the steps the safety valve refused. After each step every
+rank waits, off the clock, until its peers' kernels have acknowledged every byte it sent: a
+straggler-tolerant step can end with messages it did not need still on the links, and with the
+schemes alternating, the next step (of another scheme) would otherwise pay for them. ``tail_s``
+(median) is how long after the makespan the last rank's sends were all acknowledged; an
+injected straggler's own late finish counts in it. Sessions are kept
 across the alternation (``Node.use(keep=True)``), so an adaptive deadline learns from every
 step of its scheme; warm-up iterations cover the transpose's warm-up stages.
 """
@@ -178,8 +183,9 @@ async def _worker(cfg: Config) -> None:
         # scheme's rank sums several random vectors (seconds of CPU with 40 ranks on 2 cores),
         # and a loop blocked that long misses its peers' handshakes (they give up after 10 s).
         await asyncio.to_thread(lambda: [data.mine(n, schemes.get(n)) for n in names])
-        # Per iteration: start, end, fraction of contributions received, 1 if refused.
-        times: dict[str, list[tuple[float, float, float, float]]] = {n: [] for n in names}
+        # Per iteration: start, end, fraction of contributions received, 1 if refused, and
+        # when this rank's sends were all acknowledged.
+        times: dict[str, list[tuple[float, float, float, float, float]]] = {n: [] for n in names}
         errors: dict[str, float] = {n: 0.0 for n in names}
         current: str | None = None
         # Once, not per step: a coded tree's plan takes tens of milliseconds of CPU, and a
@@ -230,8 +236,14 @@ async def _worker(cfg: Config) -> None:
                             raise
                         received, refused = exc.received, 1.0  # the safety valve said no
                 t1 = time.monotonic()
+                # A straggler-tolerant step can end with messages it did not need still on the
+                # links (gradient coding's last leaf, a coded tree's late child); the step
+                # after it, of another scheme when they alternate, would pay for them. Wait
+                # here, off the clock, until the peers have every byte; when that was is kept.
+                await node.mesh.drained(timeout=30)
+                t2 = time.monotonic()
                 if it >= warmup:
-                    times[name].append((t0, t1, received, refused))
+                    times[name].append((t0, t1, received, refused, t2))
                     if rank == 0 and cfg.verify and value is not None and received >= 1.0:
                         errors[name] = max(errors[name], data.rel_err(name, value))
         # Everyone's timings, one collective step per scheme (every rank ran the same steps).
@@ -264,8 +276,11 @@ def makespans(straggle: str, t: np.ndarray, first_iter: int = 0) -> np.ndarray:
 
 def _report(cfg: Config, name: str, scheme: Scheme | None, t: np.ndarray, err: float,
             world: int) -> None:
-    """t: (ranks, iters, 4) start, end, received, refused. Print one RESULT line."""
+    """t: (ranks, iters, 5) start, end, received, refused, sends acknowledged. Print one
+    RESULT line."""
     spans = makespans(cfg.straggle, t, warmup_iterations(cfg))
+    # How long the step's messages kept the links busy after its makespan ended.
+    tail = np.maximum(0.0, t[:, :, 4].max(axis=0) - t[:, :, 0].min(axis=0) - spans)
     out: dict[str, Any] = {"scheme": name, "nodes": world, "size_bytes": cfg.size_bytes,
                            "iters": cfg.iters, "median_s": float(np.median(spans)),
                            "p99_s": float(np.quantile(spans, 0.99)),
@@ -274,7 +289,8 @@ def _report(cfg: Config, name: str, scheme: Scheme | None, t: np.ndarray, err: f
     own = (t[:, :, 1] - t[:, :, 0].min(axis=0)).ravel()  # each rank's own completion
     received = t[:, :, 2]
     out.update({"rank_p50_s": float(np.median(own)), "rank_p99_s": float(np.quantile(own, 0.99)),
-                "lost": float(1.0 - received.mean()), "raised": int(t[:, :, 3].sum())})
+                "lost": float(1.0 - received.mean()), "raised": int(t[:, :, 3].sum()),
+                "tail_s": float(np.median(tail))})
     if cfg.verify:
         out["max_rel_err"] = err
     out["model_s"] = _predict(cfg, name, scheme, world)

@@ -414,6 +414,26 @@ class Mesh:
         return msg
 
     # -- teardown -----------------------------------------------------------------------------
+    def unacked(self) -> int:
+        """Bytes this rank has sent that no peer's kernel has acknowledged yet (see
+        :meth:`FrameProtocol.unacked`)."""
+        return sum(conn.unacked() for conn in self._conns)
+
+    async def drained(self, timeout: float) -> bool:
+        """Wait until the peers' kernels have every byte this rank sent, or ``timeout``
+        seconds; True if they have. For benchmarks: a straggler-tolerant step can end while
+        messages it did not need are still crossing the links, and a step of another scheme
+        started then would pay for them. No event says "acknowledged", so this polls the
+        kernel's counters every millisecond (a few system calls per connection).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.unacked():
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.001)
+        return True
+
     async def close(self) -> None:
         """Stop listening and close every connection (pending data is flushed by the kernel)."""
         if self._server is not None:

@@ -23,8 +23,11 @@ there payloads are written in bounded slices.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import socket
+import struct
+import termios
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, cast
 
@@ -63,6 +66,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._recv_lowat = recv_lowat  # 0: the kernel's default (wake on every byte)
         self._lowat = 1  # what the socket has now
         self._sock: socket.socket | None = None
+        self._fd = -1  # a TCP socket's descriptor, for its send queue (see unacked)
         # Before authentication: small restricted headers, no payloads, a small buffer.
         self.decoder = FrameDecoder(self._choose, max_payload=0, authenticated=False)
         self.transport: asyncio.Transport | None = None
@@ -90,8 +94,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             tune(sock, self._user_timeout)
-            if self._recv_lowat > 1 and sock.family in (socket.AF_INET, socket.AF_INET6):
-                self._sock = sock
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                self._fd = sock.fileno()
+                if self._recv_lowat > 1:
+                    self._sock = sock
         peer = transport.get_extra_info("peername")
         self.peername = f"{peer[0]}:{peer[1]}" if peer else "?"
         if self.on_made is not None:
@@ -235,6 +241,22 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 for start in range(0, len(view), _STOCK_WRITE_SLICE):
                     self._check_open().write(view[start:start + _STOCK_WRITE_SLICE])
                     await self._wait_drained()
+
+    def unacked(self) -> int:
+        """Bytes written here that the peer's kernel has not acknowledged yet: what the
+        transport still buffers plus the socket's send queue (TIOCOUTQ: unsent and unacked).
+        0 once the connection is closing; the send queue counts only on a TCP socket."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return 0
+        nbytes = transport.get_write_buffer_size()
+        if self._fd >= 0:
+            try:
+                queued = fcntl.ioctl(self._fd, termios.TIOCOUTQ, b"\0\0\0\0")
+                nbytes += struct.unpack("i", queued)[0]
+            except OSError:  # closed meanwhile: nothing of ours is on its way any more
+                self._fd = -1
+        return nbytes
 
     async def _wait_drained(self) -> None:
         if self._drained.is_set():

@@ -88,7 +88,7 @@ def simulate(name: str, cfg: Config, platform: Platform, steps: int | None = Non
         else:
             graph, done = tree(costs, compute, cfg.size_bytes, children, tolerance,
                                root_computes, m)
-        run(graph, world, costs.cores)
+        run(graph, world, costs.cores, costs.shared_port)
         slow = model.stragglers(it, world)
         fast = [r for r in range(world) if r not in slow] or list(range(world))
         ends = [done[r].done for r in fast]

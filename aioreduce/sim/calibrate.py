@@ -74,7 +74,9 @@ def emulation_start(link_mbit: float = 1000.0, cores: int = 2) -> Platform:
 
 # (which side, field) the fit moves; bandwidth stays the shaped rate, cores the machine's
 FREE = (("ours", "msg_cpu"), ("ours", "byte_cpu"), ("gloo", "msg_cpu"), ("gloo", "byte_cpu"),
-        ("ours", "decode_cpu"), ("ours", "step_cpu"), ("gloo", "step_cpu"), ("both", "alpha"))
+        ("ours", "decode_cpu"), ("ours", "step_cpu"), ("gloo", "step_cpu"), ("both", "alpha"),
+        ("both", "shared_port"))
+CEILING = {"shared_port": 1.0}  # a fraction of the link: never more than all of it
 
 
 def _get(p: Platform, side: str, name: str) -> float:
@@ -83,7 +85,7 @@ def _get(p: Platform, side: str, name: str) -> float:
 
 
 def _set(p: Platform, side: str, name: str, value: float) -> Platform:
-    changes: dict[str, Any] = {name: value}
+    changes: dict[str, Any] = {name: min(value, CEILING.get(name, math.inf))}
     ours = replace(p.ours, **changes) if side in ("ours", "both") else p.ours
     gloo = replace(p.gloo, **changes) if side in ("gloo", "both") else p.gloo
     return Platform(ours, gloo)
@@ -128,11 +130,12 @@ def fit(measured: list[Measured], start: Platform, rounds: int = 6,
 def costs_table(platform: Platform) -> list[tuple[str, str, str]]:
     """(field, ours, Gloo) rows to print the fitted costs."""
     units = {"alpha": 1e6, "msg_cpu": 1e6, "byte_cpu": 1e9, "decode_cpu": 1e6,
-             "step_cpu": 1e6, "bandwidth": 8e-6}
+             "step_cpu": 1e6, "bandwidth": 8e-6, "shared_port": 1.0}
     names = {"alpha": "alpha (us)", "msg_cpu": "CPU per message (us)",
              "byte_cpu": "CPU per byte (ns)", "decode_cpu": "decode, per child (us)",
              "step_cpu": "CPU per rank and step (us)",
-             "bandwidth": "link (Mbit/s)"}
+             "bandwidth": "link (Mbit/s)",
+             "shared_port": "port shared by several streams (fraction of its rate)"}
     out = []
     for f in fields(Costs):
         if f.name in units:

@@ -11,7 +11,10 @@ first sufficient set of its children) and then holds resources for its duration:
 * ``wire``: a message on the stream from sender to receiver (``bytes / bandwidth`` at the
   full link rate, then ``alpha`` of latency). A stream sends its messages in order; streams
   through the same port share its rate equally, as TCP connections into one NIC do (twelve
-  children sending to one parent each get a twelfth, and finish chunk 0 together).
+  children sending to one parent each get a twelfth, and finish chunk 0 together). A port
+  that several streams share delivers only ``shared`` of its rate: on the emulated links,
+  TCP streams into and out of one host at once lose a fifth to a third of it (their ACKs
+  wait behind data in the same queues), which a lone stream each way does not.
 
 CPU ops are started in the order they become ready (FIFO), which is what an event loop's
 ready queue does. The engine is pure: no clock, no IO.
@@ -77,7 +80,8 @@ class _Links:
     Rates change whenever a stream starts or ends, so finish times are re-planned then; an
     outdated plan is recognised by its version and skipped."""
 
-    def __init__(self, ranks: int) -> None:
+    def __init__(self, ranks: int, shared: float = 1.0) -> None:
+        self.shared = shared
         # dicts as ordered sets: re-planning in insertion order keeps runs reproducible (a
         # set of Ops iterates by id, which changed tie-breaks from one run to the next)
         self.out: list[dict[Op, None]] = [{} for _ in range(ranks)]
@@ -117,18 +121,20 @@ class _Links:
             f = self.flows[op]
             f.left -= (t - f.since) * f.rate
             f.since = t
-            f.rate = 1.0 / max(len(self.out[op.rank]), len(self.into[op.dst]))
+            streams = max(len(self.out[op.rank]), len(self.into[op.dst]))
+            f.rate = (self.shared if streams > 1 else 1.0) / streams
             f.version += 1
             plans.append((t + max(0.0, f.left) / f.rate, op, f.version))
         return plans
 
 
-def run(graph: Graph, ranks: int, cores: int | None) -> None:
+def run(graph: Graph, ranks: int, cores: int | None, shared: float = 1.0) -> None:
     """Run every op of ``graph`` (sets ``op.done``); ops whose ``need`` is never met stay
-    ``None``."""
+    ``None``. ``shared``: the fraction of a port's rate its streams get when it has several
+    (see :class:`_Links`)."""
     thread_free = [0.0] * ranks
     core_free = [0.0] * cores if cores else []
-    links = _Links(ranks)
+    links = _Links(ranks, shared)
     # (time, sequence, what, op, version): "start" an op when ready, a wire op's "sent" (its
     # last byte, if the plan is still current), and "finished", when successors are told, in
     # time order, so a k-of-n join sees the first k to *finish*.

@@ -39,7 +39,9 @@ class Costs:
     compute to a thread and back: on a host whose cores all ranks share, every rank pays it
     at the same moment, so it sets a floor of ranks x step_cpu / cores), ``alpha`` the wire
     latency of a message, ``bandwidth`` a link's bytes per second in each direction,
-    ``cores`` the cores all ranks share (the emulation host) or ``None`` (a host per rank).
+    ``cores`` the cores all ranks share (the emulation host) or ``None`` (a host per rank),
+    ``shared_port`` the fraction of a port's rate left when several streams share it (one
+    each way gets the whole rate; see :mod:`.engine`).
     """
 
     alpha: float = 50e-6
@@ -50,6 +52,7 @@ class Costs:
     step_cpu: float = 0.0  # a rank's fixed CPU per step, before it computes
     cores: int | None = None
     chunk_bytes: int = 1 << 20
+    shared_port: float = 1.0
 
 
 def _frames(nbytes: float, chunk: int) -> int:

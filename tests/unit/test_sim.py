@@ -51,6 +51,40 @@ def test_a_stream_speeds_up_when_the_one_it_shared_with_ends() -> None:
     assert short.done == pytest.approx(2.0) and long.done == pytest.approx(4.0)
 
 
+def test_a_port_several_streams_share_delivers_only_its_shared_fraction() -> None:
+    g = Graph()
+    a = g.add("wire", 1, 1.0, dst=0)
+    b = g.add("wire", 2, 1.0, dst=0)
+    run(g, 3, None, shared=0.8)
+    assert a.done == pytest.approx(2.5) and b.done == pytest.approx(2.5)  # 0.4 of the rate each
+    # one stream each way through rank 0's port: the whole rate both ways
+    g = Graph()
+    into = g.add("wire", 1, 1.0, dst=0)
+    out = g.add("wire", 0, 1.0, dst=1)
+    run(g, 2, None, shared=0.8)
+    assert into.done == pytest.approx(1.0) and out.done == pytest.approx(1.0)
+
+
+def test_a_stream_left_alone_on_a_port_gets_its_whole_rate_back() -> None:
+    g = Graph()
+    short = g.add("wire", 1, 1.0, dst=0)
+    long = g.add("wire", 2, 3.0, dst=0)
+    run(g, 3, None, shared=0.5)
+    # a quarter of the rate each until short is done at t=4, then long alone: 2 s left
+    assert short.done == pytest.approx(4.0) and long.done == pytest.approx(6.0)
+
+
+def test_the_fit_never_gives_a_shared_port_more_than_its_rate() -> None:
+    cells = [_cfg(nodes=7, fanout=2, size_bytes=s) for s in (40_000, 4_000_000)]
+    truth = emulation_start()
+    # every step measured twice as fast as the start: a fit free to raise shared_port
+    # past 1 does (checked by emptying CEILING)
+    measured = [Measured(name, cfg, 0.5 * float(np.median(simulate(name, cfg, truth))))
+                for cfg in cells for name in ("ring", "tree", "gc")]
+    fitted = fit(measured, truth, rounds=2)
+    assert fitted.ours.shared_port <= 1.0 and fitted.gloo.shared_port <= 1.0
+
+
 @pytest.mark.parametrize("cores, end", [(None, 1.0), (1, 2.0), (2, 1.0)])
 def test_cpu_work_of_two_ranks_overlaps_only_on_free_cores(cores: int | None,
                                                            end: float) -> None:

@@ -42,13 +42,17 @@ def test_streams_into_one_port_share_it_and_one_stream_is_in_order() -> None:
     assert (first.done, second.done) == (pytest.approx(1.5), pytest.approx(2.5))
 
 
-def test_a_stream_speeds_up_when_the_one_it_shared_with_ends() -> None:
+@pytest.mark.parametrize("shared, short_end, long_end", [(1.0, 2.0, 4.0), (0.5, 4.0, 6.0)])
+def test_a_stream_speeds_up_when_the_one_it_shared_with_ends(shared: float, short_end: float,
+                                                              long_end: float) -> None:
     g = Graph()
     short = g.add("wire", 1, 1.0, dst=0)
     long = g.add("wire", 2, 3.0, dst=0)
-    run(g, 3, None)
-    # both at half rate until t=2 (short done), then long alone: 1 s of its 3 left at t=2
-    assert short.done == pytest.approx(2.0) and long.done == pytest.approx(4.0)
+    run(g, 3, None, shared=shared)
+    # both at shared/2 of the rate until short is done, then long alone at the whole rate
+    # (shared 1: half rate each until t=2, 1 s of long's 3 left; shared 0.5: a quarter each
+    # until t=4, 2 s left)
+    assert short.done == pytest.approx(short_end) and long.done == pytest.approx(long_end)
 
 
 def test_a_port_several_streams_share_delivers_only_its_shared_fraction() -> None:
@@ -63,15 +67,6 @@ def test_a_port_several_streams_share_delivers_only_its_shared_fraction() -> Non
     out = g.add("wire", 0, 1.0, dst=1)
     run(g, 2, None, shared=0.8)
     assert into.done == pytest.approx(1.0) and out.done == pytest.approx(1.0)
-
-
-def test_a_stream_left_alone_on_a_port_gets_its_whole_rate_back() -> None:
-    g = Graph()
-    short = g.add("wire", 1, 1.0, dst=0)
-    long = g.add("wire", 2, 3.0, dst=0)
-    run(g, 3, None, shared=0.5)
-    # a quarter of the rate each until short is done at t=4, then long alone: 2 s left
-    assert short.done == pytest.approx(4.0) and long.done == pytest.approx(6.0)
 
 
 def test_the_fit_never_gives_a_shared_port_more_than_its_rate() -> None:

@@ -29,7 +29,7 @@ import numpy as np
 from .env import NodeEnv, discover
 from .errors import ConfigError, VectorMismatch
 from .schemes import CodedScheme, FellBehind, Result, Scheme, Session
-from .schemes.base import Comm, DecodeTimed, SumsInPlace
+from .schemes.base import Comm, DecodeTimed, SumsInPlace, WritesInto
 from .schemes.broadcast import broadcast
 from .schemes.dormant import GatedComm
 from .schemes.gather import allgather
@@ -559,6 +559,8 @@ class Node:
                 result = await session.step(step, like, own)
             elif isinstance(session, SumsInPlace):
                 result = await session.step_into(step, like, own, into, divisor)
+            elif isinstance(session, WritesInto):
+                result = await session.step_to(step, like, own, into)
             else:
                 result = await session.step(step, like, own)
                 np.copyto(into.reshape(result.value.shape), result.value)

@@ -120,6 +120,27 @@ class Rotation:
             self._mix(z, z)
         return z
 
+    def forward_part(self, k: int, x: np.ndarray, out: np.ndarray) -> None:
+        """Part ``k`` of the rotation of ``x`` (the whole vector, ``length`` entries of
+        floating point), written into the same part of ``out`` (``padded`` entries, x's
+        dtype, not overlapping x): a caller can send one part while the next is rotated.
+        Doing every part gives :meth:`forward`."""
+        if x.shape != (self.length,) or out.shape != (self.padded,) or out.dtype != x.dtype:
+            raise ValueError(f"x must have {self.length} entries and out {self.padded} of "
+                             f"{x.dtype}")
+        if not 0 <= k < self.parts:
+            raise ValueError(f"there is no part {k} of {self.parts}")
+        lo, hi = k * self.part, (k + 1) * self.part
+        end = min(hi, self.length)
+        signs, seg = self.signs(x.dtype), out[lo:hi]
+        if end == hi:  # no padding in this part: the signs are applied as each block is read
+            self._mix(x[lo:hi], seg, before=signs[lo:hi])
+            return
+        if lo < end:
+            np.multiply(x[lo:end], signs[lo:end], out=seg[:end - lo])
+        seg[max(0, end - lo):] = 0
+        self._mix(seg, seg)
+
     def inverse(self, y: np.ndarray) -> np.ndarray:
         """The vector whose rotation is ``y`` (``length`` entries; y is left as it is)."""
         z = np.empty(self.padded, y.dtype)

@@ -129,6 +129,19 @@ class SumsInPlace(Protocol):
 
 
 @runtime_checkable
+class WritesInto(Protocol):
+    """A session that can land a step's result straight in an array of the caller's (its own
+    vector included) instead of in a buffer of its own that would then be copied: for
+    results that need not sum every rank (those that do implement :class:`SumsInPlace`)."""
+
+    async def step_to(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray],
+                      into: np.ndarray) -> Result:
+        """:meth:`Session.step` with the result written into ``into`` (C-contiguous,
+        ``like``'s shape and dtype; it may be the vector ``own`` yields), which is the
+        result's ``value``. If the step fails, ``into`` holds partial results."""
+
+
+@runtime_checkable
 class DecodeTimed(Protocol):
     """A session that can tell how long this rank spent decoding a step (for telemetry)."""
 

@@ -100,7 +100,10 @@ async def main(args: argparse.Namespace) -> None:
             wall0 = time.time()
             arg = mine if not args.pace else _paced(mine, args.pace)
             try:
-                res = await (node.aggregate(arg) if scheme.coded else node.allreduce(arg))
+                if args.in_place:  # the result lands in this rank's own vector
+                    res = await node.allreduce(mine, in_place=True)
+                else:
+                    res = await (node.aggregate(arg) if scheme.coded else node.allreduce(arg))
             except (ar.StragglerError, getattr(ar, "FellBehind", ar.StragglerError)) as exc:
                 kind = "straggler" if isinstance(exc, ar.StragglerError) else "behind"
                 print("STEP " + json.dumps({"step": step, "error": kind,
@@ -116,6 +119,7 @@ async def main(args: argparse.Namespace) -> None:
                    "exact": res.exact, "error_bound": res.error_bound, "t0": wall0,
                    "t1": time.time(), "link": _link(node), "received": res.received,
                    "stand_in": res.stand_in, "deadline": res.deadline,
+                   "into_own": bool(np.shares_memory(res.value, mine)),
                    "wall": time.monotonic() - t0}
             if part_norms is not None and not res.exact:
                 out["abs_err"] = float(np.linalg.norm(res.value - truth))
@@ -197,6 +201,8 @@ if __name__ == "__main__":
     p.add_argument("--approximate", action="store_true")
     p.add_argument("--options", default="{}", help="more scheme options, as JSON")
     p.add_argument("--dtype", default="float64", choices=["float32", "float64"])
+    p.add_argument("--in-place", action="store_true",
+                   help="allreduce(in_place=True): uncoded schemes, no --pace")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20)
     p.add_argument("--die", type=lambda s: [int(x) for x in s.split(",") if x], default=[])
     p.add_argument("--stop", type=lambda s: [int(x) for x in s.split(",") if x], default=[])

@@ -27,16 +27,20 @@ FIXED = json.dumps({"deadline": 30.0})  # nothing is cut: the sums must be exact
 
 @pytest.mark.parametrize("n", [4, 7])
 def test_exact_sums_on_real_processes(ranks, n: int) -> None:
-    for dtype, hadamard, tol in [("float64", False, 1e-9), ("float32", True, 1e-6)]:
+    # In place, the result lands in each rank's own vector (slices in the rotation's padding
+    # beside it).
+    for dtype, hadamard, tol, place in [("float64", False, 1e-9, []), ("float32", True, 1e-6, []),
+                                        ("float32", True, 1e-6, ["--in-place"])]:
         options = json.dumps({"deadline": 30.0, "hadamard": hadamard, "slice_bytes": 4096})
         done = run(ranks, n, "transpose", "--steps", "12", "--dim", "30011", "--dtype", dtype,
-                   "--options", options)
+                   "--options", options, *place)
         for rank, d in done.items():
             assert d.returncode == 0, (rank, d.err[-2000:])
             got = steps_of(d)
             assert [s["step"] for s in got] == list(range(12)), rank
             for s in got:
                 assert s["exact"] and s["received"] == 1.0 and s["rel_err"] < tol, (rank, s)
+                assert s["into_own"] == bool(place), (rank, s)  # where the result landed
 
 
 def _stopped(pid: int) -> bool:
@@ -44,12 +48,14 @@ def _stopped(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
-def test_a_rank_stopped_for_5_s_costs_the_others_only_their_bounds_and_rejoins(ranks) -> None:
+@pytest.mark.parametrize("place", [[], ["--in-place"]], ids=["result", "in-place"])
+def test_a_rank_stopped_for_5_s_costs_the_others_only_their_bounds_and_rejoins(
+        ranks, place: list[str]) -> None:
     job: Ranks = ranks(4)
     steps, stop_at = 500, 30
     job.start_all("transpose", "--steps", str(steps), "--dim", "20000", "--stop", "2",
                   "--die-step", str(stop_at), "--deadline", "0", "--options",
-                  json.dumps({"deadline": None}), prog=SCHEMEPROG)
+                  json.dumps({"deadline": None}), *place, prog=SCHEMEPROG)
     job.drain()
     try:
         limit = time.monotonic() + 120
@@ -70,6 +76,7 @@ def test_a_rank_stopped_for_5_s_costs_the_others_only_their_bounds_and_rejoins(r
         assert got[-1]["step"] == steps - 1
         cut = [s for s in got if 2 in (s.get("missing") or s.get("late") or [])]
         assert len(cut) >= 10, f"rank {rank} never noticed the pause"  # the path under test
+        assert all(s["into_own"] == bool(place) for s in got if "into_own" in s), rank
         # After warm-up, every step within its bound + 50 ms. Measured as the scheme's step
         # (Result.seconds; for a refused step, the call), not this program's loop: a rank
         # starved of CPU on a busy 2-core machine is late by its own fault, not its peers'.

@@ -127,6 +127,71 @@ async def test_exact_sums_with_and_without_hadamard(world: int) -> None:
         await asyncio.gather(*(s.close(1.0) for s in sessions))
 
 
+async def run_step_to(net: MemoryNetwork, sessions: list, step: int,
+                      vectors: list[np.ndarray]) -> list[Result | BaseException]:
+    """One step on every rank, each result written into the rank's own vector."""
+    tasks = [asyncio.ensure_future(s.step_to(step, np.zeros_like(x), _ready(x), x))
+             for s, x in zip(sessions, vectors, strict=True)]
+    await asyncio.wait(tasks)
+    return [t.exception() or t.result() for t in tasks]
+
+
+@pytest.mark.parametrize("world", [4, 7])
+async def test_results_written_into_the_vectors_themselves_are_exact(world: int) -> None:
+    net = MemoryNetwork(world)
+    rng = np.random.default_rng(world)
+    for hadamard, dtype, tol in [(False, np.float64, 1e-9), (True, np.float32, 1e-6)]:
+        # 10 007 entries in 4 KiB slices: with the rotation, the last slices reach into its
+        # padding, so they land beside the vector and are copied in.
+        sessions = [Transpose(hadamard=hadamard, deadline=30.0, slice_bytes=4096).open(c)
+                    for c in net.comms]
+        xs = [rng.standard_normal(10_007).astype(dtype) for _ in range(world)]
+        want = np.sum(np.array(xs, np.float64), axis=0)
+        for x, res in zip(xs, await run_step_to(net, sessions, 0, xs), strict=True):
+            assert isinstance(res, Result) and res.exact and np.shares_memory(res.value, x)
+            assert x.flags.writeable
+            err = np.linalg.norm(x - want) / np.linalg.norm(want)
+            assert err < tol, (hadamard, err)
+        await asyncio.gather(*(s.close(1.0) for s in sessions))
+
+
+@pytest.mark.parametrize("hadamard", [False, True])
+async def test_a_missed_reduced_shard_written_into_the_vector_gets_its_own_values(
+        hadamard: bool) -> None:
+    """The stand-in is this rank's own contribution even though the vector it came from is
+    where the result lands (with the rotation: rotated back from what the rank sent)."""
+    net = MemoryNetwork(3)
+    sessions = [Transpose(hadamard=hadamard, deadline=D, max_loss=1.0).open(c)
+                for c in net.comms]
+    xs = [X0.copy(), 10 * X0, 100 * X0]
+    net.lose(2, 0, PHASE2_TAG)  # owner 2's reduced shard never reaches rank 0
+    r0, r1, r2 = await run_step_to(net, sessions, 0, xs)
+    for res in (r1, r2):
+        assert isinstance(res, Result) and res.exact
+        assert res.value.tolist() == pytest.approx([111, 222, 333, 444, 555, 666])
+    assert isinstance(r0, Result) and r0.stand_in == [2] and np.shares_memory(r0.value, xs[0])
+    assert xs[0].tolist() == pytest.approx([111, 222, 333, 444, 5, 6])
+
+
+async def test_a_missed_reduced_slice_in_the_rotation_padding_gets_its_own_values() -> None:
+    """With the rotation, the last shard's slices reach past the vector; one that is lost
+    leaves this rank's own values in the vector's entries it covers, nothing beyond."""
+    net = MemoryNetwork(3)
+    sessions = [Transpose(deadline=D, max_loss=1.0, slice_bytes=16).open(c) for c in net.comms]
+    xs = [np.arange(1.0, 12.0) * 10 ** r for r in range(3)]  # 11 entries, padded to 12
+    sessions[0]._rotation_for(11)
+    assert sessions[0]._rotation.padded == 12  # shards of 4: the last slice is 10..11
+    net.lose(2, 0, PHASE2_TAG + 1)  # rank 0 misses owner 2's slice [10, 12)
+    r0, *others = await run_step_to(net, sessions, 0, [x.copy() for x in xs])
+    assert isinstance(r0, Result) and r0.stand_in == [2] and r0.value.shape == (11,)
+    want = np.sum(xs, axis=0)
+    for res in others:  # theirs came, through the buffer beside the vector
+        assert isinstance(res, Result) and res.exact
+        assert res.value.tolist() == pytest.approx(want.tolist())
+    want[10] = xs[0][10]
+    assert r0.value.tolist() == pytest.approx(want.tolist())
+
+
 async def test_a_rank_far_behind_jumps_to_the_step_its_peers_are_at() -> None:
     net = MemoryNetwork(3)
     sessions = [Transpose(hadamard=False, deadline=D).open(c) for c in net.comms]
@@ -260,6 +325,12 @@ def test_a_rotation_in_parts_is_undone_part_by_part(length: int, parts: int) -> 
     np.testing.assert_allclose(rot.forward(only_first)[rot.part:], 0, atol=1e-12)
     with pytest.raises(ValueError, match="part"):
         rot.inverse_part(parts, back[: rot.part])
+    by_part = np.full(rot.padded, np.nan)
+    for k in reversed(range(parts)):  # any order: each part reads only its own entries
+        rot.forward_part(k, x, by_part)
+    np.testing.assert_array_equal(by_part, y)
+    with pytest.raises(ValueError, match="part"):
+        rot.forward_part(parts, x, by_part)
 
 
 @pytest.mark.parametrize(("length", "parts"), [(1 << 15, 1), (1 << 15, 4), (30_001, 3)])

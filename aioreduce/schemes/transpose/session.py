@@ -3,16 +3,17 @@ steps (the stage clock, background sends, which replicas drifted, the newest ste
 
 A step, on rank ``r`` of ``N``:
 
-1. post every receive at once: phase-1 slices of shard ``r`` from each peer (into one scratch
-   row per peer) and phase-2 slices of every other shard (straight into the result);
-2. rotate this rank's vector, send shard ``k``'s slices to owner ``k`` (interleaved across
-   owners, in the background: a stopped owner only blocks its own queue);
+1. post the phase-1 receives: slices of shard ``r`` from each peer (one scratch row each);
+2. rotate this rank's vector shard by shard (each shard is rotated on its own), sending each
+   shard's slices to its owner as soon as it is ready (in the background: a stopped owner
+   only blocks its own queue), then post the phase-2 receives of every other shard, straight
+   into the result (which may be the caller's vector: it has been read by now);
 3. stage 1 (bounded by ``D1``): add what arrived to this rank's own copy of shard ``r``;
    raise the floor so late phase-1 slices are dropped on arrival;
-4. rotate the reduced shard back (each shard is rotated on its own, so its owner inverts
-   just 1/N of the vector, not every rank all of it), send it to every rank, with its
-   received fraction and the ranks missing from it; stage 2 ends ``D1 + D2`` after stage 1
-   began (an owner that waited its whole ``D1`` still has ``D2`` to deliver);
+4. rotate the reduced shard back (its owner inverts just 1/N of the vector, not every rank
+   all of it), send it to every rank, with its received fraction and the ranks missing from
+   it; stage 2 ends ``D1 + D2`` after stage 1 began (an owner that waited its whole ``D1``
+   still has ``D2`` to deliver);
 5. a reduced slice that did not come gets the stand-in; account for every slice, apply the
    safety valve, update the clocks (one per stage, as their times differ: stage 1 absorbs
    the ranks' skew).
@@ -20,6 +21,7 @@ A step, on rank ``r`` of ``N``:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -85,6 +87,16 @@ class TransposeSession:
         return self._rotation
 
     async def step(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray]) -> Result:
+        return await self._run(step, like, own, None)
+
+    async def step_to(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray],
+                      into: np.ndarray) -> Result:
+        """The step with its result received straight into ``into`` (see
+        :class:`~..base.WritesInto`): no result buffer, no copy of it."""
+        return await self._run(step, like, own, into.reshape(-1))
+
+    async def _run(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray],
+                   into: np.ndarray | None) -> Result:
         comm, opts = self.comm, self.opts
         n, me = comm.world_size, comm.rank
         t0 = time.perf_counter()
@@ -101,23 +113,41 @@ class TransposeSession:
         lo, hi = layout.shards[me]
         # Row j: sender j's copy of our shard.
         scratch = self.pool.take(n * (hi - lo), like.dtype).reshape(n, hi - lo)
-        out = self.pool.take(length, like.dtype)
-        phase1 = self._post(step, layout, me, [(j, scratch[j], lo) for j in range(n) if j != me],
-                            0)
-        phase2 = [s for k in range(n) if k != me
-                  for s in self._post(step, layout, k, [(k, out, 0)], PHASE2_TAG)]
+        # The result lands in `out` (the caller's array, or one of ours), except what lies
+        # in the rotation's padding: slices reaching past the vector land in `tail`.
+        out = into if into is not None else self.pool.take(like.size, like.dtype)
+        tail = _Tail(layout, like.size, self.pool, like.dtype)
+        phase1 = self._post(step, layout, me, [j for j in range(n) if j != me], 0,
+                            lambda src, a, b: scratch[src, a - lo:b - lo])
+        phase2: list[Slot] = []
         try:
             mine = np.asarray(await own).reshape(-1)
             # Stage 1's time starts here, with the rotation in it: the ranks' vectors are
             # ready at about the same time, their rotations (on a busy host) are not, and a
             # clock started after our own rotation would charge its variance twice.
             ready = time.perf_counter()
+            # What we send must stay as it is until it is sent (a slow owner may take longer
+            # than this step): our rotated vector, or a copy, never the caller's array.
             y = self.pool.take(length, like.dtype)
-            if rot is not None:
-                rot.forward(mine, out=y)
-            else:
-                np.copyto(y, mine)
-            self._send_phase1(step, layout, y)
+            meta: dict[str, Any] = {"c": [clock.advert() for clock in self.clocks],
+                                    "d": me in self.drifted}
+            # Shard by shard, each sent to its owner as soon as it is ready (ours last, it
+            # is needed only once the others' copies are in), the event loop turning between
+            # shards: the links start working after 1/N of the rotation, not all of it.
+            for i in range(1, n + 1):
+                k = (me + i) % n
+                a, b = layout.shards[k]
+                if rot is not None:
+                    rot.forward_part(k, mine, y)
+                else:
+                    y[a:b] = mine[a:b]
+                if k != me:
+                    self._send_shard(step, layout, y, k, meta)
+                    await asyncio.sleep(0)
+            # Reduced slices may land in the caller's vector: posted only now that it is read.
+            phase2 = [s for k in range(n) if k != me
+                      for s in self._post(step, layout, k, [k], PHASE2_TAG,
+                                          lambda _src, a, b: tail.view(out, a, b))]
             d1, d2 = (clock.deadline() for clock in self.clocks)
             self.last_deadline = d1 + d2 if d1 is not None and d2 is not None else 0.0
             stage1 = Stage(phase1, (n - 1) * (hi - lo))
@@ -128,10 +158,13 @@ class TransposeSession:
                          (d1 or 0) * 1e3, stage1.fraction * 100)
             comm.discard_before(step, PHASE2_TAG)
             self._drop_injected(step, 1, phase1)
-            shard_fraction, missing = self._reduce(y, out, scratch, layout, phase1)
+            shard_fraction, missing = self._reduce(y, scratch, layout, phase1)
             if rot is not None:  # the layout's shards are the rotation's parts
-                rot.inverse_part(me, out[lo:hi])
-            self._send_phase2(step, layout, out, shard_fraction, missing)
+                rot.inverse_part(me, y[lo:hi])
+            self._send_phase2(step, layout, y, shard_fraction, missing)
+            end = min(hi, like.size)
+            if lo < end:
+                out[lo:end] = y[lo:end]
             stage2 = Stage(phase2, length - (hi - lo))
             # Stage 2 ends both bounds after stage 1 began, not one bound after it ended
             # here: an owner whose stage 1 ran to its deadline sends only then.
@@ -148,60 +181,55 @@ class TransposeSession:
                 slot.future.cancel()
         self.clocks[0].observe(stage1.elapsed, stage1.fraction)
         self.clocks[1].observe(stage2.elapsed, stage2.fraction)
-        return self._finish(step, like, mine, out, layout, phase1, phase2, shard_fraction,
-                            missing, time.perf_counter() - t0)
+        tail.land(out, phase2, layout)
+        own_part = _OwnContribution(mine, y, rot, layout, out)
+        return self._finish(step, like, own_part, out, into is not None, layout, phase2,
+                            shard_fraction, missing, time.perf_counter() - t0)
 
     # -- the two phases -----------------------------------------------------------------------
-    def _post(self, step: int, layout: Layout, owner: int,
-              into: list[tuple[int, np.ndarray, int]], tag0: int) -> list[Slot]:
-        """Post the receives of ``owner``'s shard slices from each ``(src, buffer, offset)``."""
+    def _post(self, step: int, layout: Layout, owner: int, srcs: list[int], tag0: int,
+              where: Callable[[int, int, int], np.ndarray]) -> list[Slot]:
+        """Post the receives of ``owner``'s shard slices from each of ``srcs``; slice
+        ``[a, b)`` from ``src`` lands in ``where(src, a, b)``."""
         slices = layout.slices_of(owner)
         tail = layout.tail_index(owner)
         slots = []
-        for src, buf, offset in into:
+        for src in srcs:
             if self.comm.is_lost(src):
                 continue
             for i, (a, b) in enumerate(slices):
-                fut = self.comm.post_recv(src, buf[a - offset:b - offset], step=step,
-                                          tag=tag0 + i)
+                fut = self.comm.post_recv(src, where(src, a, b), step=step, tag=tag0 + i)
                 slots.append(Slot(src, i, b - a, fut, tail=i >= tail))
         return slots
 
-    def _send_phase1(self, step: int, layout: Layout, y: np.ndarray) -> None:
-        """Every shard to its owner, slice by slice, interleaved across owners."""
-        me = self.comm.rank
-        meta: dict[str, Any] = {"c": [clock.advert() for clock in self.clocks],
-                                "d": me in self.drifted}
-        owners = [k for k in range(self.comm.world_size) if k != me]
-        per_owner = {k: layout.slices_of(k) for k in owners}
-        for i in range(max((len(s) for s in per_owner.values()), default=0)):
-            for k in owners:
-                if i < len(per_owner[k]) and not self.comm.is_lost(k):
-                    a, b = per_owner[k][i]
-                    self.outbox.send(k, y[a:b], step=step, tag=i, meta=meta)
+    def _send_shard(self, step: int, layout: Layout, y: np.ndarray, owner: int,
+                    meta: dict[str, Any]) -> None:
+        """Our copy of ``owner``'s shard to its owner, slice by slice (phase 1)."""
+        if not self.comm.is_lost(owner):
+            for i, (a, b) in enumerate(layout.slices_of(owner)):
+                self.outbox.send(owner, y[a:b], step=step, tag=i, meta=meta)
 
-    def _reduce(self, y: np.ndarray, out: np.ndarray, scratch: np.ndarray, layout: Layout,
+    def _reduce(self, y: np.ndarray, scratch: np.ndarray, layout: Layout,
                 phase1: list[Slot]) -> tuple[float, list[int]]:
-        """Our shard: own copy plus every slice that arrived. Returns the shard's received
-        fraction (of all N contributions) and the ranks missing from it."""
+        """Our shard, in ``y``: own copy plus every slice that arrived. Returns the shard's
+        received fraction (of all N contributions) and the ranks missing from it."""
         n, me = self.comm.world_size, self.comm.rank
-        lo, hi = layout.shards[me]
+        lo, _hi = layout.shards[me]
         slices = layout.slices_of(me)
-        out[lo:hi] = y[lo:hi]
         counts = np.ones(len(slices))
         got: dict[int, int] = {}
         for slot in phase1:
             if slot.arrived:
                 a, b = slices[slot.index]
-                out[a:b] += scratch[slot.src, a - lo:b - lo]
+                y[a:b] += scratch[slot.src, a - lo:b - lo]
                 counts[slot.index] += 1
                 if slot.src not in got and slot.header is not None:
                     self._learn(slot.src, slot.header.meta)  # the same on all its slices
                 got[slot.src] = got.get(slot.src, 0) + 1
-        if self.opts.missing == "rescale" and out.dtype.kind == "f":
+        if self.opts.missing == "rescale" and y.dtype.kind == "f":
             for i in np.flatnonzero(counts < n):
                 a, b = slices[i]
-                out[a:b] *= n / counts[i]
+                y[a:b] *= n / counts[i]
         sizes = np.array([b - a for a, b in slices], float)
         fraction = float(sizes @ counts / (n * sizes.sum())) if slices else 1.0
         missing = [j for j in range(n) if j != me and got.get(j, 0) < len(slices)]
@@ -229,9 +257,9 @@ class TransposeSession:
                 self.outbox.send(k, out[a:b], step=step, tag=PHASE2_TAG + i, meta=meta)
 
     # -- accounting -------------------------------------------------------------------------
-    def _finish(self, step: int, like: np.ndarray, mine: np.ndarray, out: np.ndarray,
-                layout: Layout, phase1: list[Slot], phase2: list[Slot],
-                own_fraction: float, own_missing: list[int], seconds: float) -> Result:
+    def _finish(self, step: int, like: np.ndarray, own: _OwnContribution, out: np.ndarray,
+                in_place: bool, layout: Layout, phase2: list[Slot], own_fraction: float,
+                own_missing: list[int], seconds: float) -> Result:
         n, me, opts = self.comm.world_size, self.comm.rank, self.opts
         fractions = {me: own_fraction}
         late = set(own_missing)
@@ -248,7 +276,7 @@ class TransposeSession:
                 if isinstance(ranks, list):
                     late.update(r for r in ranks if isinstance(r, int) and 0 <= r < n)
             else:  # the stand-in: our own contribution (x N when rescaling)
-                _stand_in(out, mine, a, b, weight)
+                _stand_in(out, own, slot.src, a, b, weight)
                 got[slot.src] = got.get(slot.src, 0.0) + (b - a) / n
                 stand_in.add(slot.src)
         for k in range(n):
@@ -256,7 +284,7 @@ class TransposeSession:
                 lo, hi = layout.shards[k]
                 fractions[k] = got.get(k, 0.0) / (hi - lo) if hi > lo else 1.0
                 if hi > lo and k not in got:  # nothing posted: the owner's link is lost
-                    _stand_in(out, mine, lo, hi, weight)
+                    _stand_in(out, own, k, lo, hi, weight)
                     fractions[k] = 1 / n
                     stand_in.add(k)
         late.update(stand_in)
@@ -271,8 +299,9 @@ class TransposeSession:
             raise StragglerError(step, sorted(late), f"{lost:.1%} of the contributions missing "
                                  f"on rank {me}, more than max_loss {opts.max_loss:.1%}",
                                  received)
-        value = out[: like.size].reshape(like.shape)  # drop the rotation's padding
-        value.setflags(write=False)
+        value = out.reshape(like.shape)
+        if not in_place:
+            value.setflags(write=False)
         resync = opts.resync_every > 0 and step % opts.resync_every == opts.resync_every - 1
         result = Result(value, step, [r for r in range(n) if r not in late], sorted(late),
                         received >= 1.0 and not late, 0.0, seconds, received, worst,
@@ -302,10 +331,61 @@ class TransposeSession:
         return 1.0 - self.opts.max_loss if self.opts.on_excess_loss == "wait" else 0.0
 
 
-def _stand_in(out: np.ndarray, mine: np.ndarray, a: int, b: int, weight: int) -> None:
-    """``out[a:b]`` = this rank's own contribution times ``weight`` (zero past the end of
-    its vector: the rotation's padding)."""
-    end = min(b, mine.size)
+def _stand_in(out: np.ndarray, own: _OwnContribution, owner: int, a: int, b: int,
+              weight: int) -> None:
+    """``out[a:b]`` (of ``owner``'s shard) = this rank's own contribution times ``weight``
+    (nothing past the end of the vector: the rotation's padding)."""
+    end = min(b, out.size)
     if a < end:
-        np.multiply(mine[a:end], weight, out=out[a:end])
-    out[max(a, end):b] = 0
+        np.multiply(own.values(owner, a, end), weight, out=out[a:end])
+
+
+class _Tail:
+    """Where reduced slices that reach past the vector (into the rotation's padding) land:
+    a small buffer of ours, copied into the result once the step is over."""
+
+    def __init__(self, layout: Layout, size: int, pool: BufferPool, dtype: np.dtype) -> None:
+        self.size = size
+        starts = [a for k in range(layout.world) for a, b in layout.slices_of(k) if b > size]
+        self.start = min(starts, default=layout.length)
+        self.buf = pool.take(layout.length - self.start, dtype) if starts else None
+
+    def view(self, out: np.ndarray, a: int, b: int) -> np.ndarray:
+        if b <= self.size or self.buf is None:
+            return out[a:b]
+        return self.buf[a - self.start:b - self.start]
+
+    def land(self, out: np.ndarray, slots: list[Slot], layout: Layout) -> None:
+        """Copy the part inside the vector of every tail slice that arrived."""
+        if self.buf is None:
+            return
+        for slot in slots:
+            a, b = layout.slices_of(slot.src)[slot.index]
+            if slot.arrived and b > self.size and a < self.size:
+                out[a:self.size] = self.buf[a - self.start:self.size - self.start]
+
+
+class _OwnContribution:
+    """This rank's own (not rotated) values of another owner's shard: the stand-in for a
+    reduced slice that did not come. Read from the caller's vector while it is intact; once
+    the result was written over it (``step_to`` into the vector itself), from what this rank
+    sent (rotated back one shard at a time, only when a stand-in is needed)."""
+
+    def __init__(self, mine: np.ndarray, y: np.ndarray, rot: Rotation | None, layout: Layout,
+                 out: np.ndarray) -> None:
+        self._intact = mine if rot is not None and not np.may_share_memory(mine, out) else None
+        self._y, self._rot, self._layout = y, rot, layout
+        self._parts: dict[int, np.ndarray] = {}
+
+    def values(self, owner: int, a: int, b: int) -> np.ndarray:
+        """Entries ``[a, b)`` (inside the vector) of ``owner``'s shard."""
+        if self._rot is None:  # y is a copy of the vector outside this rank's own shard
+            return self._y[a:b]
+        if self._intact is not None:
+            return self._intact[a:b]
+        lo, hi = self._layout.shards[owner]
+        part = self._parts.get(owner)
+        if part is None:
+            part = self._parts[owner] = self._y[lo:hi].copy()
+            self._rot.inverse_part(owner, part)
+        return part[a - lo:b - lo]

@@ -103,21 +103,10 @@ class Rotation:
         written into ``out`` if given (``padded`` entries of x's dtype, not overlapping x),
         else into a new array."""
         x = x.reshape(-1)
-        if x.size != self.length:
-            raise ValueError(f"expected {self.length} entries, got {x.size}")
-        if x.dtype.kind != "f":
-            raise TypeError(f"the Hadamard rotation needs a floating-point vector, not "
-                            f"{x.dtype} (pass hadamard=False for integer vectors)")
-        if out is not None and (out.shape != (self.padded,) or out.dtype != x.dtype):
-            raise ValueError(f"out must be {self.padded} entries of {x.dtype}")
+        self._check(x, out)
         z = np.empty(self.padded, x.dtype) if out is None else out
-        signs = self.signs(x.dtype)
-        if x.size == self.padded:  # no padding: the signs are applied as each block is read
-            self._mix(x, z, before=signs)
-        else:
-            np.multiply(x, signs[: self.length], out=z[: self.length])
-            z[self.length:] = 0
-            self._mix(z, z)
+        for k in range(self.parts):
+            self._forward_part(k, x, z)
         return z
 
     def forward_part(self, k: int, x: np.ndarray, out: np.ndarray) -> None:
@@ -125,11 +114,23 @@ class Rotation:
         floating point), written into the same part of ``out`` (``padded`` entries, x's
         dtype, not overlapping x): a caller can send one part while the next is rotated.
         Doing every part gives :meth:`forward`."""
-        if x.shape != (self.length,) or out.shape != (self.padded,) or out.dtype != x.dtype:
-            raise ValueError(f"x must have {self.length} entries and out {self.padded} of "
-                             f"{x.dtype}")
+        if x.shape != (self.length,):
+            raise ValueError(f"x must have {self.length} entries, not shape {x.shape}")
+        self._check(x, out)
         if not 0 <= k < self.parts:
             raise ValueError(f"there is no part {k} of {self.parts}")
+        self._forward_part(k, x, out)
+
+    def _check(self, x: np.ndarray, out: np.ndarray | None) -> None:
+        if x.size != self.length:
+            raise ValueError(f"expected {self.length} entries, got {x.size}")
+        if x.dtype.kind != "f":
+            raise TypeError(f"the Hadamard rotation needs a floating-point vector, not "
+                            f"{x.dtype} (pass hadamard=False for integer vectors)")
+        if out is not None and (out.shape != (self.padded,) or out.dtype != x.dtype):
+            raise ValueError(f"out must be {self.padded} entries of {x.dtype}")
+
+    def _forward_part(self, k: int, x: np.ndarray, out: np.ndarray) -> None:
         lo, hi = k * self.part, (k + 1) * self.part
         end = min(hi, self.length)
         signs, seg = self.signs(x.dtype), out[lo:hi]
@@ -138,7 +139,7 @@ class Rotation:
             return
         if lo < end:
             np.multiply(x[lo:end], signs[lo:end], out=seg[:end - lo])
-        seg[max(0, end - lo):] = 0
+        seg[max(0, end - lo):] = 0  # the padding
         self._mix(seg, seg)
 
     def inverse(self, y: np.ndarray) -> np.ndarray:

@@ -45,6 +45,7 @@ from .pool import BufferPool
 ABORT_TAG = 1 << 30  # above every data tag of a step (those stay below 1 << 21)
 MAX_TEXT = 1000
 MAX_AHEAD = 4
+POSTED_AHEAD = 4 << 20  # bytes of reduce-scatter scratch posted ahead (see _depth)
 EMPTY = np.empty(0, np.uint8)
 
 
@@ -68,59 +69,71 @@ async def _ring(comm: Comm, mine: np.ndarray, acc: np.ndarray, pool: BufferPool,
     segment is written as ``mine + received`` straight into ``acc``, and the all-gather
     overwrites the rest. In place, segment ``r`` of ``mine`` is read once, by the add that
     overwrites it; the own segment is sent first and only overwritten by the all-gather.
-    Receives are posted ahead of the sends they follow, so a neighbour
-    that is a sub-step ahead streams straight into its destination: the next reduce-scatter
-    segment lands in the second scratch buffer while this one is added, and every all-gather
-    segment has its receive posted into ``acc`` before the all-gather starts (a segment is
-    only sent after it was received, so an early arrival never overwrites what is still to be
-    sent). Without this, a segment of more than the inbox's staging limit was held back in the
-    kernel until its receive was posted: a stall per sub-step.
+
+    Receives are posted before their frames can arrive wherever memory allows, so a frame
+    lands in its destination instead of being staged by the inbox (a fresh buffer and a
+    copy) or held back in the kernel (a stall): a rank's predecessor is only held back by the
+    socket buffers, so it runs sub-steps ahead. Reduce-scatter receives go to ``depth``
+    scratch slots posted ahead (see :func:`_depth`); the all-gather receive of segment
+    ``pos - i`` is posted as soon as reduce-scatter sub-step ``i`` has sent that segment, the
+    last time the reduce-scatter reads it (a segment is only sent after it was received, so
+    an early arrival never overwrites what is still to be sent). On 13 ranks of one 2-core
+    host with 8 MiB, one frame in five was staged when only the next receive was posted.
     """
     n = comm.world_size
     seg = _segments(acc.size, n)
     width = max(hi - lo for lo, hi in seg)
+    depth = _depth(n, width * acc.itemsize)
     # The session's pool: the previous step's scratch, unless something still holds it.
-    bufs = (pool.take(width, acc.dtype), pool.take(width, acc.dtype))
-    posted: list[asyncio.Future[Header]] = []
+    scratch = pool.take(depth * width, acc.dtype)
+    slots = [scratch[k * width:(k + 1) * width] for k in range(depth)]
+    reduce_recvs: list[asyncio.Future[Header]] = []
+    gathered: list[asyncio.Future[Header]] = []
 
-    def post_reduce(i: int) -> asyncio.Future[Header]:
+    def post_reduce(i: int) -> None:
         lo, hi = seg[(pos - i - 1) % n]
-        fut = comm.post_recv(recv_from, bufs[i % 2][: hi - lo], step=step, tag=tag + i)
-        posted.append(fut)
-        return fut
+        reduce_recvs.append(comm.post_recv(recv_from, slots[i % depth][: hi - lo], step=step,
+                                           tag=tag + i))
+
+    def post_gather(i: int) -> None:
+        lo, hi = seg[(pos - i) % n]
+        gathered.append(comm.post_recv(recv_from, acc[lo:hi], step=step, tag=tag + n + i))
 
     try:
-        ahead = post_reduce(0)
+        for i in range(min(depth, n - 1)):
+            post_reduce(i)
         for i in range(n - 1):  # reduce-scatter
             s_lo, s_hi = seg[(pos - i) % n]
             r_lo, r_hi = seg[(pos - i - 1) % n]
-            fut = ahead
-            if i + 1 < n - 1:
-                ahead = post_reduce(i + 1)  # into the other scratch, added at step i + 1
             src = mine if i == 0 else acc  # segment pos - i was reduced at step i - 1
             # Send, then wait for the receive: it fills meanwhile (posted, so the neighbour's
             # bytes land as they come). Not gather(): a task per send cost more than the rest
             # of a small segment's handling.
             await comm.send(send_to, src[s_lo:s_hi], step=step, tag=tag + i)
-            await fut
-            np.add(mine[r_lo:r_hi], bufs[i % 2][: r_hi - r_lo], out=acc[r_lo:r_hi])
+            post_gather(i)  # segment pos - i is not read again before the all-gather
+            await reduce_recvs[i]
+            np.add(mine[r_lo:r_hi], slots[i % depth][: r_hi - r_lo], out=acc[r_lo:r_hi])
+            if i + depth < n - 1:
+                post_reduce(i + depth)  # into the slot just added
         if divisor != 1:  # this rank's reduced segment, the first the all-gather sends
             lo, hi = seg[(pos + 1) % n]
             np.divide(acc[lo:hi], divisor, out=acc[lo:hi])
-        gathered = []
-        for i in range(n - 1):  # all-gather: every receive posted now, into its segment
-            r_lo, r_hi = seg[(pos - i) % n]
-            gathered.append(comm.post_recv(recv_from, acc[r_lo:r_hi], step=step,
-                                           tag=tag + n + i))
-        posted += gathered
-        for i in range(n - 1):
+        for i in range(n - 1):  # all-gather: every receive is posted by now
             s_lo, s_hi = seg[(pos + 1 - i) % n]
             await comm.send(send_to, acc[s_lo:s_hi], step=step, tag=tag + n + i)
             await gathered[i]
     finally:
-        for fut in posted:  # a failed step withdraws what it posted: nothing lands later
+        for fut in reduce_recvs + gathered:  # a failed step withdraws what it posted
             if not fut.done():
                 fut.cancel()
+
+
+def _depth(n: int, width_bytes: int) -> int:
+    """Reduce-scatter receives posted ahead: as many as ``POSTED_AHEAD`` bytes of scratch
+    hold, at least two (one lands while the other is added), at most all ``n - 1``. Deeper
+    only pays for segments the inbox would stage (larger ones are held in the kernel, no
+    copy), and those are small."""
+    return min(n - 1, max(2, POSTED_AHEAD // max(1, width_bytes)))
 
 
 @dataclass(frozen=True)
@@ -153,7 +166,7 @@ class RingSession:
         self._sends: set[asyncio.Task[None]] = set()
         # Results and scratch reused once nobody holds them (fresh memory costs page faults
         # every step, which on a 4-rank 64 MiB ring was as much CPU as the additions): a
-        # step's worth spare (a result and two scratch buffers per direction).
+        # step's worth spare (a result and a scratch array per direction, and one more).
         self.pool = BufferPool(spare=5)
         self._removers: list[Callable[[], None]] = [
             comm.on_early(peer, ABORT_TAG, functools.partial(self._abort_heard, peer))

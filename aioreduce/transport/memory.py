@@ -58,6 +58,9 @@ class MemoryNetwork:
         self.world_size = world_size
         self.comms = [MemoryComm(self, r) for r in range(world_size)]
         self.sent: list[tuple[int, int, int, int]] = []  # (src, dst, step, tag), in order
+        # Data frames that arrived before their receive was posted: (src, dst, step, tag).
+        self.staged: list[tuple[int, int, int, int]] = []
+        self._on_sent = asyncio.Condition()
         self._held: set[tuple[int, int]] = set()
         self._queues: dict[tuple[int, int], deque[tuple[Header, bytes]]] = {}
         self._delay: dict[tuple[int, int], float] = {}
@@ -92,6 +95,11 @@ class MemoryNetwork:
         """Frames from ``src`` to ``dst`` with ``tag`` vanish from now on."""
         self._lost_tags.add((src, dst, tag))
 
+    async def until_sent(self, src: int, dst: int, step: int, tag: int) -> None:
+        """Return once ``src`` has sent (step, tag) to ``dst`` (held links included)."""
+        async with self._on_sent:
+            await self._on_sent.wait_for(lambda: (src, dst, step, tag) in self.sent)
+
     def kill(self, rank: int) -> None:
         self.dead.add(rank)
         for other in self.comms:
@@ -111,6 +119,8 @@ class MemoryNetwork:
         if src in self.dead or dst in self.dead:
             raise PeerLost(dst, "connection closed")
         self.sent.append((src, dst, header.step, header.tag))
+        async with self._on_sent:
+            self._on_sent.notify_all()
         if (src, dst, header.tag) in self._lost_tags:
             await asyncio.sleep(0)
             return
@@ -219,6 +229,7 @@ class MemoryComm:
                     h(header, memoryview(b""))
             return
         peer.staged[key] = (header, payload)
+        self.net.staged.append((src, self.rank, header.step, header.tag))
         for h in handled:
             h(header, memoryview(payload))
 

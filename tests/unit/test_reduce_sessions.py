@@ -296,6 +296,47 @@ async def test_the_ring_sums_into_each_ranks_own_vector(world: int, bidirectiona
     await job.close()
 
 
+@pytest.mark.parametrize("ahead, staged", [("all", 0), ("two", 4)])
+async def test_a_ring_predecessor_running_ahead_lands_in_posted_receives(
+        ahead: str, staged: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's predecessor is held back only by the socket buffers, so it can send every
+    reduce-scatter segment before this rank has added the first. Those frames land in
+    receives posted ahead (``POSTED_AHEAD`` of scratch), not in the inbox's staging (a fresh
+    buffer and a copy each); with only two posted ahead, the rest are staged."""
+    from aioreduce.schemes import ring
+
+    world, me = 7, 3
+    if ahead == "two":
+        monkeypatch.setattr(ring, "POSTED_AHEAD", 1)  # the floor: two slots
+    job = Job(ar.Ring(), world)
+    job.net.hold(me - 1, me)
+    tasks = job.start(0, range(world))
+    # The predecessor's last reduce-scatter frame needs nothing from this rank.
+    await job.net.until_sent(me - 1, me, 0, world - 2)
+    job.net.release(me - 1, me)
+    await asyncio.wait(tasks.values())
+    job.assert_exact(0, {r: t.result() for r, t in tasks.items()})
+    early = [tag for src, dst, _step, tag in job.net.staged
+             if (src, dst) == (me - 1, me) and tag < world - 1]
+    assert len(early) == staged, early
+    await job.close()
+
+
+@pytest.mark.parametrize("ahead", [1, 24, 1 << 30])
+async def test_the_ring_is_exact_whatever_it_posts_ahead(ahead: int,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    # Two slots, three (segments here are one float64: 24 bytes; a slot is reused while
+    # later receives are posted) and every one.
+    from aioreduce.schemes import ring
+
+    monkeypatch.setattr(ring, "POSTED_AHEAD", ahead)
+    job = Job(ar.Ring(), 7)
+    for step in range(3):
+        job.assert_exact(step, await job.run(step))
+    await job.close()
+
+
 async def test_a_dead_rank_in_the_ring_stops_every_rank() -> None:
     # The ring has no deadline: without the abort, ranks two hops away would wait forever.
     world = 6

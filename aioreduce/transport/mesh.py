@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import AuthError, PeerLost, RecvTimeout
-from ..wire import Header, Kind, as_payload, byte_view, encode_frame
+from ..wire import Header, Kind, as_payload, byte_view, encode_data, encode_frame
 from ..wire.handshake import (
     Accepted,
     ConnectorHandshake,
@@ -341,8 +341,7 @@ class Mesh:
         self._check_rank(rank)
         payload = as_payload(array)
         conn = self._live(rank) or await self.connect(rank)
-        await conn.send(encode_frame(Header(Kind.DATA, step, tag, self.rank, meta=meta or {}),
-                                     payload))
+        await conn.send(encode_data(step, tag, self.rank, payload, meta))
 
     async def recv_into(self, rank: int, out: np.ndarray, *, step: int, tag: int = 0,
                         timeout: float | None = None) -> Header:

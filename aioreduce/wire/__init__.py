@@ -10,6 +10,7 @@ from .frame import (
     ProtocolError,
     as_payload,
     byte_view,
+    encode_data,
     encode_frame,
 )
 
@@ -25,5 +26,6 @@ __all__ = [
     "ProtocolError",
     "as_payload",
     "byte_view",
+    "encode_data",
     "encode_frame",
 ]

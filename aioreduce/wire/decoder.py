@@ -26,8 +26,9 @@ larger staging buffer (fewer reads for small frames).
 Large frames come in runs (segments of a vector), and a staging read that asks the kernel for
 everything it has pulls the start of the next frame's payload into the staging buffer, to be
 copied again: up to the whole buffer per frame, an eighth of a 1 MiB payload. So after a frame
-whose payload was larger than the staging buffer, the next prefix and header are read exactly
-(two small reads), and its payload goes straight to its destination.
+whose payload was larger than the staging buffer, the next prefix and header are read exactly:
+the prefix with as many bytes as the last header had (one read when the header is as long,
+as in a run of segments), and its payload goes straight to its destination.
 
 Wrong magic, version, lengths or an undecodable header raise :class:`ProtocolError`; the
 decoder is then dead.
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .frame import (
     MAGIC,
@@ -70,9 +71,9 @@ _PRE_AUTH_STAGING = 2048  # before: a prefix + the largest handshake header
 _SCRATCH = 1 << 20
 
 
-@dataclass(frozen=True, slots=True)
-class Frame:
-    """One complete frame. ``payload`` is the memoryview it landed in (None if discarded)."""
+class Frame(NamedTuple):
+    """One complete frame. ``payload`` is the memoryview it landed in (None if discarded).
+    A named tuple: one is made per frame received (see :class:`~.frame.Header`)."""
 
     header: Header
     payload: memoryview | None
@@ -163,9 +164,12 @@ class FrameDecoder:
             return memoryview(self._stage)[:0]
         if self._lo == self._hi:
             self._lo = self._hi = 0
-        if self._exact:  # just the rest of this prefix or header
-            need = (PREFIX_SIZE if st is _State.PREFIX else self._header_len) - (
-                self._hi - self._lo)
+        if self._exact:  # just the rest of this prefix and header
+            # A prefix is read with as many header bytes as the last frame's header had:
+            # one read instead of two when the next header is as long (a run of segments),
+            # a few payload bytes staged when it is shorter, a second read when longer.
+            need = (PREFIX_SIZE + self._header_len if st is _State.PREFIX
+                    else self._header_len) - (self._hi - self._lo)
             if need > 0 and self._hi + need <= len(self._stage):
                 return memoryview(self._stage)[self._hi:self._hi + need]
         if self._hi == len(self._stage) and self._lo < self._hi:

@@ -18,8 +18,7 @@ import functools
 import math
 import re
 import struct
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -39,6 +38,7 @@ _DTYPE = re.compile(r"[<>|=][biufcmMSUV]\d{1,5}(\[\d*[a-zA-Z]{1,3}\])?")
 _PRE_AUTH_KEYS = frozenset({"kind", "step", "tag", "src", "meta"})
 
 Buffer = bytes | bytearray | memoryview
+_NO_META: dict[str, Any] = {}  # the default meta, shared: headers never modify theirs
 
 
 class ProtocolError(Exception):
@@ -56,12 +56,15 @@ class Kind(enum.IntEnum):
     CONTROL = 5  # rendezvous and runtime messages (meta only, no payload)
 
 
-@dataclass(frozen=True, slots=True)
-class Header:
-    """The decoded msgpack header of one frame.
+class Header(NamedTuple):
+    """The decoded msgpack header of one frame: a value, never modified (``meta`` included).
 
     ``step`` and ``tag`` say which receive a data frame belongs to; ``src`` is the sender's rank.
     ``dtype``/``shape`` describe the payload; ``meta`` carries small control data.
+
+    A named tuple, not a frozen dataclass: one is made for every frame sent and received, and
+    a frozen dataclass's ``__init__`` (a guarded ``object.__setattr__`` per field) took 1.9 us
+    against 0.5 us.
     """
 
     kind: Kind = Kind.DATA
@@ -70,7 +73,7 @@ class Header:
     src: int = -1
     dtype: str = ""
     shape: tuple[int, ...] = ()
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = _NO_META
 
     def payload_nbytes(self) -> int:
         """Bytes the payload must have for this dtype and shape (0 without a dtype)."""
@@ -105,15 +108,17 @@ class Header:
             step, tag, src = body["step"], body["tag"], body["src"]
             dtype = body.get("dtype", "")
             shape = tuple(body.get("shape", ()))
-            meta = body.get("meta", {})
+            meta = body.get("meta", _NO_META)
         except (KeyError, ValueError, TypeError) as exc:
             raise ProtocolError(f"malformed header: {exc!r}") from None
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (step, tag, src)):
+        # type() is, not isinstance: bools (an int subclass) are refused, and it is cheaper.
+        if type(step) is not int or type(tag) is not int or type(src) is not int:
             raise ProtocolError("header step/tag/src must be integers")
-        if not isinstance(dtype, str) or not isinstance(meta, dict):
+        if type(dtype) is not str or type(meta) is not dict:
             raise ProtocolError("header dtype/meta have the wrong type")
-        if not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise ProtocolError("header shape must be non-negative integers")
+        for d in shape:
+            if type(d) is not int or d < 0:
+                raise ProtocolError("header shape must be non-negative integers")
         if dtype:
             _itemsize(dtype)  # validates it
         return cls(kind, step, tag, src, dtype, shape, meta)
@@ -175,6 +180,20 @@ def as_payload(array: np.ndarray) -> np.ndarray:
 def byte_view(array: np.ndarray) -> memoryview:
     """A flat, writable-if-possible byte view of a C-contiguous array (works for size 0)."""
     return array.reshape(-1).view(np.uint8).data
+
+
+def encode_data(step: int, tag: int, src: int, payload: np.ndarray,
+                meta: dict[str, Any] | None = None) -> list[Buffer]:
+    """:func:`encode_frame` of a data frame without making its :class:`Header` first (the
+    send path of every data frame). ``payload`` must be C-contiguous (:func:`as_payload`)."""
+    head = _pack(Kind.DATA, step, tag, src, payload.dtype.str, payload.shape, meta or _NO_META)
+    if len(head) > MAX_HEADER:
+        raise ValueError(f"header of {len(head)} bytes exceeds {MAX_HEADER}")
+    nbytes = payload.nbytes
+    prefix = PREFIX.pack(MAGIC, VERSION, 0, len(head), nbytes)
+    if nbytes == 0:
+        return [prefix + head]
+    return [prefix + head, byte_view(payload)]
 
 
 def encode_frame(header: Header, payload: np.ndarray | None = None) -> list[Buffer]:

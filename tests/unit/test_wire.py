@@ -121,14 +121,17 @@ def test_any_split_yields_the_same_frames(spec: list, cuts: list[int]) -> None:
 
 def test_after_a_large_payload_the_next_header_is_read_exactly() -> None:
     # A kernel that fills whatever buffer it is given. After a payload larger than the staging
-    # buffer, the next prefix and header are read exactly, so the following payload goes
-    # straight to its destination instead of partly through the staging buffer.
+    # buffer, the next prefix is read with as many header bytes as the last header had, so
+    # the following payload goes straight to its destination instead of partly through the
+    # staging buffer: a header as long takes one read, a shorter one stages the difference
+    # of the payload, a longer one takes a second read for its rest.
     big, small = np.arange(80_000, dtype="<f4"), np.arange(10, dtype="<f4")  # 320 KB, 40 B
     arrays = [big, big, small, big, big * 2]
     headers = [Header(step=i, tag=0, src=1) for i in range(len(arrays))]
     stream = memoryview(b"".join(wire_bytes(h, a) for h, a in zip(headers, arrays, strict=True)))
     dec, _ = collecting_decoder()
     staged: list[int] = [0]  # bytes that landed outside a destination, per frame
+    reads: list[int] = [0]  # reads that landed in the staging buffer, per frame
     frames = []
     pos = 0
     while pos < len(stream):
@@ -138,16 +141,22 @@ def test_after_a_large_payload_the_next_header_is_read_exactly() -> None:
         pos += n
         if isinstance(buf.obj, bytearray):
             staged[-1] += n
+            reads[-1] += 1
         for frame in dec.buffer_updated(n):
             frames.append(frame)
             staged.append(0)
+            reads.append(0)
     assert [bytes(f.payload or b"") for f in frames] == [a.tobytes() for a in arrays]
-    exact = [len(wire_bytes(h, a)) - a.nbytes for h, a in zip(headers, arrays, strict=True)]
+    head = [len(wire_bytes(h, a)) - a.nbytes - PREFIX_SIZE
+            for h, a in zip(headers, arrays, strict=True)]
+    assert head[2] < head[1]  # the small frame's shape is shorter in msgpack
+    exact = [PREFIX_SIZE + n for n in head]
     assert staged[0] > exact[0]  # the first read asks for all there is (nothing known yet)
-    assert staged[1] == exact[1] and staged[2] == exact[2]  # after a large payload: exact
+    assert staged[1] == exact[1] and reads[1] == 1  # as long as the last: one read
+    assert staged[2] == PREFIX_SIZE + head[1]  # shorter: the difference is payload, staged
     # After the small frame the read is large again (small frames come in runs too): the
     # big payload behind it is partly staged, and the one after that is exact once more.
-    assert staged[3] > exact[3] and staged[4] == exact[4]
+    assert staged[3] > exact[3] and staged[4] == exact[4] and reads[4] == 1
 
 
 @pytest.mark.parametrize("cut", [1, 7, 4096, 200_000])

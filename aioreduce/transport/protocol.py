@@ -43,6 +43,7 @@ log = logging.getLogger("aioreduce.transport")
 
 # Stock asyncio copies what the kernel does not take at once; bound that copy.
 _STOCK_WRITE_SLICE = 1 << 20
+_MIN_LOWAT = 64 << 10  # payload rests below this wake us on every burst (see _set_lowat)
 _HANDSHAKE = (Kind.HELLO, Kind.CHALLENGE, Kind.AUTH, Kind.WELCOME)
 _UNAUTHENTICATED = RateLimitedLog(log)
 
@@ -150,7 +151,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def _set_lowat(self) -> None:
         """Be woken when the payload's rest, or ``recv_lowat`` of it, is readable; between
         payloads on every byte (see the module docstring)."""
-        nbytes = max(1, min(self.decoder.payload_left, self._recv_lowat))
+        left = self.decoder.payload_left
+        # A small rest arrives in a burst or two anyway: not worth two setsockopt calls.
+        nbytes = min(left, self._recv_lowat) if left >= _MIN_LOWAT else 1
         if nbytes != self._lowat and self._sock is not None:
             try:
                 self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)

@@ -109,8 +109,8 @@ def optim() -> None:
         refuse.step()
         say("refused", [refuse.committed, float(w[0]), len(refuse.results)])
         # Sums through the process group land in the tensor itself (the ring sums in place:
-        # no result buffer is taken from its pool, only its two scratch halves, reused), and
-        # the group keeps their reports, not their values.
+        # no result buffer is taken from its pool, only its scratch: on two ranks one half of
+        # the vector per sum, reused), and the group keeps their reports, not their values.
         pg = art.ProcessGroupAioreduce(node)
         pool = node.node._session.pool  # type: ignore[union-attr]
         before = pool.reused

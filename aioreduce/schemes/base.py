@@ -13,15 +13,35 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
 from ..errors import AioreduceError
 from ..wire import Header
 
+if TYPE_CHECKING:
+    from ..transport.lane import Lane
+
 OnInsufficient = Literal["raise", "approximate"]
 EarlyHandler = Callable[[Header, memoryview], None]
+
+
+async def open_lanes(comm: Comm, send_to: int, recv_from: int, step: int
+                     ) -> tuple[Lane, Lane]:
+    """Blocking lanes to ``send_to`` and from ``recv_from`` (:mod:`aioreduce.transport.lane`)
+    through whatever wraps the mesh; ``NotImplementedError`` where there is none (the
+    in-memory network of the unit tests). Every rank's comm is built the same way, so every
+    rank gets the same answer."""
+    while True:
+        opener = getattr(comm, "open_lanes", None)
+        if opener is not None:
+            lanes: tuple[Lane, Lane] = await opener(send_to, recv_from, step)
+            return lanes
+        inner = getattr(comm, "inner", None)
+        if inner is None:
+            raise NotImplementedError(f"{type(comm).__name__} has no lanes")
+        comm = inner
 
 
 class Comm(Protocol):

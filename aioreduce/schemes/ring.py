@@ -18,6 +18,16 @@ bandwidth (a unidirectional ring already keeps every host's sending and receivin
 doubles the flows and halves the segments; measured on one 2-core host it was no faster on 4
 ranks and 1.3-1.6x slower on 13 (9 MiB: 213 ms against 160 ms), so it is off by default.
 
+``lanes=True`` moves the segments off the event loop: each rank opens a blocking TCP lane to
+its successor and one from its predecessor (:mod:`aioreduce.transport.lane`, authenticated
+with the job's secret) and runs the step's sends and receives on a thread of the session's,
+the sends on the lane's own thread. A frame through the event loop costs tens of
+microseconds of interpreter time; where ranks share cores that is the step's time (13 ranks
+x 8 MiB on 2 cores: see the lane module). Lanes are opened at the first step and again at
+the step after a failed one (a failure drops them on every rank, with the abort below);
+their bytes are not in the step telemetry's counts. Without a mesh (the in-memory network)
+the ring runs on the event loop.
+
 The ring waits for every rank: it is the baseline that stragglers hurt. A step that fails on
 one rank (a lost neighbour, a vector of another shape) would leave the ranks further round
 the ring waiting forever, so the rank that sees the failure tells every rank (an abort frame,
@@ -31,6 +41,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +49,9 @@ import numpy as np
 
 from ..errors import AioreduceError, PeerLost, VectorMismatch
 from ..topology import ring_neighbours
-from ..wire import Header
-from .base import Comm, Result
+from ..transport.lane import Lane, LaneMismatch
+from ..wire import Header, byte_view
+from .base import Comm, Result, open_lanes
 from .pool import BufferPool
 
 ABORT_TAG = 1 << 30  # above every data tag of a step (those stay below 1 << 21)
@@ -47,6 +59,7 @@ MAX_TEXT = 1000
 MAX_AHEAD = 4
 POSTED_AHEAD = 4 << 20  # bytes of reduce-scatter scratch posted ahead (see _depth)
 EMPTY = np.empty(0, np.uint8)
+LANE_GRACE_S = 10.0  # how long a closed lane waits for the reason over the mesh
 
 
 @functools.lru_cache(maxsize=32)
@@ -136,12 +149,39 @@ def _depth(n: int, width_bytes: int) -> int:
     return min(n - 1, max(2, POSTED_AHEAD // max(1, width_bytes)))
 
 
+def _lane_ring(out: Lane, into: Lane, mine: np.ndarray, acc: np.ndarray, scratch: np.ndarray,
+               pos: int, n: int, step: int, divisor: float) -> None:
+    """:func:`_ring` over lanes, on a worker thread: the same segments in the same order,
+    each send queued to ``out``'s thread while this one receives from ``into``. The hazards
+    are those of :func:`_ring`: a segment is written only after the send that reads it was
+    received further round the ring (every byte this rank receives depends on it), and the
+    step returns only once every send is in the kernel (``flush``)."""
+    seg = _segments(acc.size, n)
+    for i in range(n - 1):  # reduce-scatter
+        s_lo, s_hi = seg[(pos - i) % n]
+        out.send(step, i, byte_view((mine if i == 0 else acc)[s_lo:s_hi]))
+        r_lo, r_hi = seg[(pos - i - 1) % n]
+        buf = scratch[: r_hi - r_lo]
+        into.recv_into(step, i, byte_view(buf))
+        np.add(mine[r_lo:r_hi], buf, out=acc[r_lo:r_hi])
+    if divisor != 1:
+        lo, hi = seg[(pos + 1) % n]
+        np.divide(acc[lo:hi], divisor, out=acc[lo:hi])
+    for i in range(n - 1):  # all-gather
+        s_lo, s_hi = seg[(pos + 1 - i) % n]
+        out.send(step, n + i, byte_view(acc[s_lo:s_hi]))
+        r_lo, r_hi = seg[(pos - i) % n]
+        into.recv_into(step, n + i, byte_view(acc[r_lo:r_hi]))
+    out.flush()
+
+
 @dataclass(frozen=True)
 class Ring:
     """Ring-AllReduce (the bandwidth-optimal, straggler-sensitive baseline); see the module
-    docstring for ``bidirectional``."""
+    docstring for ``bidirectional`` and ``lanes`` (on by default)."""
 
     bidirectional: bool = False
+    lanes: bool = True
     coded: bool = field(default=False, init=False)
 
     def validate(self, world_size: int) -> None:
@@ -151,14 +191,19 @@ class Ring:
         return sorted(set(ring_neighbours(rank, world_size)) - {rank})
 
     def open(self, comm: Comm) -> RingSession:
-        return RingSession(comm, self.bidirectional)
+        return RingSession(comm, self.bidirectional, self.lanes)
 
 
 class RingSession:
     """A ring keeps nothing across steps but the way to hear that a step failed elsewhere."""
 
-    def __init__(self, comm: Comm, bidirectional: bool) -> None:
+    def __init__(self, comm: Comm, bidirectional: bool, lanes: bool = False) -> None:
         self.comm, self.bidirectional = comm, bidirectional
+        # Lanes: wanted (and not refused by the comm), the open pair (to the successor, from
+        # the predecessor), and the thread the steps run on.
+        self._want_lanes = lanes and not bidirectional and comm.world_size > 1
+        self._lanes: tuple[Lane, Lane] | None = None
+        self._thread: ThreadPoolExecutor | None = None
         self._step = -1
         self._aborted: asyncio.Future[AioreduceError] | None = None
         # Aborts of steps this rank has not begun (it is behind): a few, newest kept.
@@ -176,6 +221,11 @@ class RingSession:
         for remove in self._removers:
             remove()
         self._removers.clear()
+        if self._lanes is not None:
+            lanes, self._lanes = self._lanes, None
+            await asyncio.to_thread(_close_lanes, lanes)
+        if self._thread is not None:
+            self._thread.shutdown(wait=False)
         if self._sends:
             await asyncio.wait(self._sends, timeout=timeout)
 
@@ -208,6 +258,11 @@ class RingSession:
     async def _send_abort(self, peer: int, step: int, meta: dict[str, object]) -> None:
         with contextlib.suppress(Exception):  # a peer that is gone cannot be told
             await self.comm.send(peer, EMPTY, step=step, tag=ABORT_TAG, meta=meta)
+
+    @property
+    def lanes_open(self) -> bool:
+        """Whether the steps run over lanes (opened by the first step and after a failed one)."""
+        return self._lanes is not None
 
     def known(self, step: int) -> bool:
         return False  # a ring's result needs everyone's vector
@@ -270,6 +325,15 @@ class RingSession:
         comm = self.comm
         n, rank = comm.world_size, comm.rank
         prev, nxt = ring_neighbours(rank, n)
+        if self._want_lanes:
+            if self._lanes is None:
+                try:
+                    self._lanes = await open_lanes(comm, nxt, prev, step)
+                except NotImplementedError:
+                    self._want_lanes = False  # no mesh under this comm: the event loop's way
+            if self._lanes is not None:
+                await self._lane_exchange(self._lanes, mine, acc, step, divisor)
+                return
         if self.bidirectional and acc.size >= 2 * n:
             half = acc.size // 2
             # Position on the reversed ring (0 -> N-1 -> ... -> 1 -> 0) is -rank mod n.
@@ -280,6 +344,68 @@ class RingSession:
                       1 << 20, divisor))
         else:
             await _ring(comm, mine, acc, self.pool, nxt, prev, rank, step, 0, divisor)
+
+
+    async def _lane_exchange(self, lanes: tuple[Lane, Lane], mine: np.ndarray, acc: np.ndarray,
+                             step: int, divisor: float) -> None:
+        """The step on the session's thread over ``lanes``. If it fails here, or is cancelled
+        because it failed elsewhere, the lanes are interrupted (which releases the thread),
+        the thread is waited for (it must not touch the vectors after the step), and they are
+        dropped: the next step opens new ones, on every rank."""
+        n = self.comm.world_size
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="aioreduce-ring")
+        seg = _segments(acc.size, n)
+        scratch = self.pool.take(max(hi - lo for lo, hi in seg), acc.dtype)
+        job = asyncio.get_running_loop().run_in_executor(
+            self._thread, _lane_ring, lanes[0], lanes[1], mine, acc, scratch, self.comm.rank,
+            n, step, divisor)
+        try:
+            await asyncio.shield(job)
+        except BaseException as exc:
+            self._lanes = None
+            for lane in lanes:
+                lane.interrupt()
+            with contextlib.suppress(BaseException):
+                await job
+            await asyncio.to_thread(_close_lanes, lanes)
+            if isinstance(exc, PeerLost) and not self.comm.is_lost(exc.rank):
+                # A lane closed under us while the peer's mesh connection is up: the peer
+                # dropped it because its step failed, and its abort (the error every rank
+                # must raise) is on its way over the mesh. Wait for that, or for the peer
+                # to be lost after all.
+                await self._abort_or_loss(exc.rank)
+            if isinstance(exc, LaneMismatch):
+                if exc.got[:2] == exc.want[:2]:  # the right segment, of another size
+                    raise VectorMismatch(f"rank {exc.peer} sent a segment of {exc.got[2]} "
+                                         f"bytes where {exc.want[2]} were expected",
+                                         [exc.peer]) from None
+                raise PeerLost(exc.peer, f"lane out of step: {exc}") from None
+            raise
+
+
+    async def _abort_or_loss(self, peer: int) -> None:
+        """Return once this step's abort is heard, ``peer`` is lost, or LANE_GRACE_S."""
+        aborted = self._aborted
+        if aborted is None:
+            return
+        lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def heard(rank: int) -> None:
+            if rank == peer and not lost.done():
+                lost.set_result(None)
+
+        remove = self.comm.on_peer_lost(heard)
+        try:
+            waits: set[asyncio.Future[Any]] = {asyncio.shield(aborted), lost}
+            await asyncio.wait(waits, timeout=LANE_GRACE_S, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            remove()
+
+
+def _close_lanes(lanes: tuple[Lane, Lane]) -> None:
+    for lane in lanes:
+        lane.close()
 
 
 def _mismatch(step: int, exc: VectorMismatch, me: int, mine: np.ndarray) -> VectorMismatch:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -30,11 +31,15 @@ from ..wire.handshake import (
     WrongJob,
 )
 from .inbox import Inbox, PeerBudget
+from .lane import ACCEPT_TIMEOUT_S, Lane, LaneListener, dial, proof
 from .protocol import FrameProtocol
 from .ratelog import RateLimitedLog
 from .sockopts import raise_fd_limit
 
 log = logging.getLogger("aioreduce.transport")
+
+LANE_TAG = (1 << 30) + 8  # lane offers (see open_lanes): above every scheme's data tags
+_NOTHING = np.empty(0, np.uint8)
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ class Mesh:
         self.options = options or MeshOptions()
         self._secret = secret
         self.addresses: dict[int, tuple[str, int]] = {}
+        self.host = "127.0.0.1"  # where we listen (set by listen); lanes listen there too
         self._lost_listeners: list[Callable[[int], None]] = []
         self._inbox = {r: Inbox(r, self.options.stage_limit, self._peer_lost,
                                 self.options.peer_budget, self.options.latency)
@@ -106,6 +112,7 @@ class Mesh:
         self._server = await loop.create_server(self._incoming, host, port, backlog=1024,
                                                 reuse_address=True)
         sockname = self._server.sockets[0].getsockname()
+        self.host = sockname[0]
         return sockname[0], sockname[1]
 
     def stop_listening(self) -> None:
@@ -396,6 +403,39 @@ class Mesh:
         ``tag``) from any peer are stale: drop them, now and later."""
         for inbox in self._inbox.values():
             inbox.set_floor(step, tag)
+
+    async def open_lanes(self, send_to: int, recv_from: int, step: int,
+                         timeout: float = ACCEPT_TIMEOUT_S) -> tuple[Lane, Lane]:
+        """A lane to ``send_to`` and one from ``recv_from`` (see :mod:`.lane`), opened with
+        both peers at their step ``step``: each rank tells the rank it receives from where to
+        connect and which nonce to prove, over this mesh."""
+        self._check_rank(send_to)
+        self._check_rank(recv_from)
+        listener = LaneListener(self.host, recv_from)
+        nonce = os.urandom(16)
+        try:
+            told = self.post_recv(send_to, _NOTHING, step=step, tag=LANE_TAG)
+            await self.send(recv_from, _NOTHING, step=step, tag=LANE_TAG,
+                            meta={"port": listener.port, "nonce": nonce.hex()})
+            header = await asyncio.wait_for(told, timeout)
+            port, theirs = header.meta.get("port"), header.meta.get("nonce")
+            if type(port) is not int or type(theirs) is not str or len(theirs) != 32:
+                raise PeerLost(send_to, f"rank {send_to} sent a malformed lane offer")
+            host = self.addresses.get(send_to, (self.host, 0))[0]
+            token = proof(self._secret, bytes.fromhex(theirs), self.rank, send_to)
+            expect = proof(self._secret, nonce, recv_from, self.rank)
+            out, into = await asyncio.gather(
+                asyncio.to_thread(dial, host, port, token, send_to, timeout),
+                asyncio.to_thread(listener.accept, expect, timeout), return_exceptions=True)
+        finally:
+            listener.close()
+        if isinstance(out, BaseException) or isinstance(into, BaseException):
+            for lane in (out, into):
+                if isinstance(lane, Lane):
+                    lane.close()
+            raise out if isinstance(out, BaseException) else cast(BaseException, into)
+        into.latency = self.options.latency
+        return out, into
 
     # -- control messages (rendezvous, barriers) ----------------------------------------------
     async def send_control(self, rank: int, meta: dict[str, object]) -> None:

@@ -120,6 +120,7 @@ async def main(args: argparse.Namespace) -> None:
                    "t1": time.time(), "link": _link(node), "received": res.received,
                    "stand_in": res.stand_in, "deadline": res.deadline,
                    "into_own": bool(np.shares_memory(res.value, mine)),
+                   "lanes": getattr(node._session, "lanes_open", None),
                    "wall": time.monotonic() - t0}
             if part_norms is not None and not res.exact:
                 out["abs_err"] = float(np.linalg.norm(res.value - truth))

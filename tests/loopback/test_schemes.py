@@ -46,15 +46,22 @@ SCHEMES = [
     ("gc-gaussian", 7, ["--stragglers", "1", "--dim", "1001"]),
     ("ring", 4, []),
     ("ring", 5, ["--dim", "7"]),
+    ("ring", 13, ["--dim", "100003"]),
+    ("ring", 4, ["--options", '{"lanes": false}']),
     ("tree", 7, ["--fanout", "2", "--chunk-bytes", "2048"]),
     ("star", 4, []),
 ]
 
 
-@pytest.mark.parametrize("scheme, n, extra", SCHEMES, ids=[f"{s}-{n}" for s, n, _ in SCHEMES])
+@pytest.mark.parametrize("scheme, n, extra", SCHEMES,
+                         ids=[f"{s}-{n}" + ("-event-loop" if "lanes" in " ".join(e) else "")
+                              for s, n, e in SCHEMES])
 def test_exact_sum_on_every_step(ranks, scheme: str, n: int, extra: list[str]) -> None:
     done = run(ranks, n, scheme, "--steps", "20", *extra)
     assert_all_exact(done, 20)
+    if scheme == "ring":  # the path taken: lanes (the default) or the event loop, every step
+        want = "lanes" not in " ".join(extra)
+        assert all(s["lanes"] is want for d in done.values() for s in steps_of(d)), want
 
 
 @pytest.mark.parametrize("scheme, n, extra", [SCHEMES[0], SCHEMES[4]], ids=["coded-tree", "ring"])

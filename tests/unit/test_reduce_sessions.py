@@ -293,6 +293,9 @@ async def test_the_ring_sums_into_each_ranks_own_vector(world: int, bidirectiona
             assert np.shares_memory(res.value, vectors[rank]) and res.value.flags.writeable
             np.testing.assert_allclose(vectors[rank], job.truth(step) / divisor, rtol=1e-12)
             assert vectors[rank].tobytes() == vectors[0].tobytes()
+    # Lanes are asked for (the default) but the in-memory network has none: the event loop's
+    # path ran, on every rank.
+    assert not any(getattr(s, "lanes_open", False) for s in job.sessions)
     await job.close()
 
 

@@ -1,0 +1,258 @@
+"""Lanes: blocking point-to-point byte streams for bulk transfers, driven from a worker thread.
+
+Why. A ring step on 13 ranks sends and receives 24 frames per rank; through the event loop each
+costs tens of microseconds of interpreter time (callbacks, futures, task wake-ups), and where
+ranks share cores that time is the step's. Measured on one 2-core host, 13 ranks x 8 MiB, per
+step summed over ranks: the event-loop ring 138 ms of CPU (62 of them in user space), Gloo 113
+(18), and a throwaway ring over blocking sockets with a sender thread 91-96 (25-27): the
+kernel copies the same bytes either way, a blocking ``recv_into`` wakes its thread once per
+segment and costs no Python beyond the call.
+
+What. A lane is one TCP connection between two ranks of a job, outside the event loop, for one
+direction of a scheme's bulk data (the ring's successor and predecessor). Each message on it
+is a 24-byte header (step, index, payload bytes) and the raw payload: the receiver knows what
+it expects and checks the header against it (a mismatch is the caller's: vectors of another
+shape), so a lane never allocates for a peer. Sending runs on a thread of the lane's own, so a
+rank can send segment *i* while it receives segment *i - 1*, as the event-loop path does.
+
+Opening one, on the event loop (:func:`open_lanes`): the receiving rank listens on a fresh
+port and tells the sender, over the authenticated mesh, the port and a random nonce; the
+sender connects and first writes ``HMAC(secret, nonce, ranks)`` (32 bytes); the receiver reads
+exactly that many bytes (with a timeout), compares in constant time and answers one byte. A
+connection that cannot prove the secret costs 32 bytes and is closed; the port accepts only
+for the few seconds the opening takes. :meth:`Lane.interrupt` (from any thread) makes a
+blocked send or receive fail at once: a failed step elsewhere releases the lane's thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import queue
+import selectors
+import socket
+import struct
+import threading
+import time
+from typing import cast
+
+from ..errors import AioreduceError, PeerLost
+from .sockopts import tune
+
+HEADER = struct.Struct("<qqq")  # step, index, payload bytes
+PROOF_BYTES = 32
+ACCEPT_TIMEOUT_S = 30.0  # the whole opening
+PROOF_TIMEOUT_S = 5.0  # one connection's 32 bytes
+MAX_PENDING = 64  # connections read at once while a lane opens
+
+
+class LaneMismatch(AioreduceError):
+    """A lane message is not the one expected: ``got`` and ``want`` are (step, index, bytes)."""
+
+    def __init__(self, peer: int, got: tuple[int, int, int], want: tuple[int, int, int]) -> None:
+        super().__init__(f"rank {peer} sent (step, segment, bytes) {got}, expected {want}")
+        self.peer, self.got, self.want = peer, got, want
+
+
+def proof(secret: bytes, nonce: bytes, src: int, dst: int) -> bytes:
+    """What the sender ``src`` writes first on a lane to ``dst``: only a holder of the job's
+    secret can compute it, and it is good for this nonce and this pair only."""
+    return hmac.new(secret, b"aioreduce-lane|%d|%d|" % (src, dst) + nonce,
+                    hashlib.sha256).digest()
+
+
+class Lane:
+    """One direction of bulk data to or from ``peer`` over a blocking socket (see the module
+    docstring). Sends are queued to the lane's sender thread; receives block the caller."""
+
+    def __init__(self, sock: socket.socket, peer: int, latency: float = 0.0) -> None:
+        sock.setblocking(True)
+        self.sock, self.peer = sock, peer
+        # Emulated one-way latency (MeshOptions.latency): a message counts as arrived this
+        # long after its last byte did, as on the mesh's connections.
+        self.latency = latency
+        self._closed = False
+        self._queue: queue.SimpleQueue[tuple[bytes, memoryview] | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._sender: threading.Thread | None = None
+        self._head = bytearray(HEADER.size)
+
+    # -- sending (any thread; the bytes go out on the lane's own) --------------------------------
+    def send(self, step: int, index: int, payload: memoryview) -> None:
+        """Queue one message; ``payload`` must stay unchanged until :meth:`flush` returns."""
+        self._raise_if_failed()
+        if self._sender is None:
+            self._sender = threading.Thread(target=self._send_loop, daemon=True,
+                                            name=f"aioreduce-lane-to-{self.peer}")
+            self._sender.start()
+        with self._idle:
+            self._pending += 1
+        self._queue.put((HEADER.pack(step, index, payload.nbytes), payload))
+
+    def flush(self) -> None:
+        """Block until every queued message is in the kernel (or raise the send's error)."""
+        with self._idle:
+            while self._pending and self._error is None:
+                self._idle.wait()
+        self._raise_if_failed()
+
+    def _send_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            head, payload = item
+            try:
+                if self._error is None:
+                    self.sock.sendall(head)
+                    self.sock.sendall(payload)
+            except OSError as exc:
+                self._error = exc
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise PeerLost(self.peer, f"lane to rank {self.peer}: {self._error}")
+
+    # -- receiving (the caller's thread) ---------------------------------------------------------
+    def recv_into(self, step: int, index: int, out: memoryview) -> None:
+        """Receive the message (step, index) of exactly ``out.nbytes`` bytes into ``out``."""
+        self._read_exactly(memoryview(self._head))
+        got = HEADER.unpack(self._head)
+        want = (step, index, out.nbytes)
+        if got != want:
+            raise LaneMismatch(self.peer, got, want)
+        self._read_exactly(out)
+        if self.latency > 0:
+            time.sleep(self.latency)
+
+    def _read_exactly(self, view: memoryview) -> None:
+        got, total = 0, view.nbytes
+        flat = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        while got < total:
+            try:
+                n = self.sock.recv_into(flat[got:])
+            except OSError as exc:
+                raise PeerLost(self.peer, f"lane from rank {self.peer}: {exc}") from None
+            if n == 0:
+                raise PeerLost(self.peer, f"lane from rank {self.peer} closed")
+            got += n
+
+    # -- teardown --------------------------------------------------------------------------------
+    def interrupt(self) -> None:
+        """Make blocked sends and receives fail now (any thread); the lane is unusable after."""
+        with contextlib.suppress(OSError):  # not connected any more: nothing blocks on it
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.interrupt()
+        self._queue.put(None)
+        if self._sender is not None and self._sender is not threading.current_thread():
+            self._sender.join(timeout=5)
+        self.sock.close()
+
+
+def dial(host: str, port: int, token: bytes, peer: int, timeout: float) -> Lane:
+    """Connect to ``peer``'s lane port, prove the secret and wait for its acceptance."""
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise PeerLost(peer, f"cannot open a lane to {host}:{port}: {exc}") from None
+    try:
+        tune(sock)
+        sock.sendall(token)
+        if sock.recv(1) != b"\x01":
+            raise PeerLost(peer, f"rank {peer} refused our lane")
+    except OSError as exc:
+        sock.close()
+        raise PeerLost(peer, f"opening a lane to rank {peer}: {exc}") from None
+    except PeerLost:
+        sock.close()
+        raise
+    sock.settimeout(None)
+    return Lane(sock, peer)
+
+
+class LaneListener:
+    """A fresh port that accepts one lane from ``peer`` (whoever proves ``token``)."""
+
+    def __init__(self, host: str, peer: int) -> None:
+        self.peer = peer
+        self.sock = socket.create_server((host, 0), backlog=8)
+        self.port: int = self.sock.getsockname()[1]
+        self.refused = 0  # connections that did not prove the secret
+
+    def accept(self, token: bytes, timeout: float = ACCEPT_TIMEOUT_S,
+               proof_timeout: float = PROOF_TIMEOUT_S) -> Lane:
+        """Block until a connection proves ``token`` (it becomes the lane) or ``timeout``.
+
+        Connections are read side by side, never more than :data:`MAX_PENDING` at once (the
+        oldest is dropped), each for at most ``proof_timeout`` and ``PROOF_BYTES``: one that
+        stays silent or sends garbage delays nobody."""
+        deadline = time.monotonic() + timeout
+        pending: dict[socket.socket, tuple[bytearray, float]] = {}
+        sel = selectors.DefaultSelector()
+        self.sock.setblocking(False)
+        sel.register(self.sock, selectors.EVENT_READ)
+        try:
+            while (now := time.monotonic()) < deadline:
+                for conn, (_buf, until) in list(pending.items()):
+                    if until <= now:
+                        self._refuse(sel, pending, conn)
+                wake = min([deadline, *(until for _b, until in pending.values())])
+                for key, _ev in sel.select(max(0.0, wake - now)):
+                    if key.fileobj is self.sock:
+                        self._admit(sel, pending, now + proof_timeout)
+                        continue
+                    conn = cast(socket.socket, key.fileobj)
+                    buf = pending[conn][0]
+                    try:
+                        chunk = conn.recv(PROOF_BYTES - len(buf))
+                    except OSError:
+                        chunk = b""
+                    buf += chunk
+                    if not chunk or (len(buf) == PROOF_BYTES
+                                     and not hmac.compare_digest(bytes(buf), token)):
+                        self._refuse(sel, pending, conn)
+                    elif len(buf) == PROOF_BYTES:
+                        sel.unregister(conn)
+                        del pending[conn]
+                        conn.setblocking(True)
+                        tune(conn)
+                        conn.sendall(b"\x01")
+                        return Lane(conn, self.peer)
+        finally:
+            for conn in pending:
+                conn.close()
+            sel.close()
+            self.sock.close()
+        raise PeerLost(self.peer, f"rank {self.peer} did not open its lane within {timeout:g} s")
+
+    def _admit(self, sel: selectors.BaseSelector,
+               pending: dict[socket.socket, tuple[bytearray, float]], until: float) -> None:
+        try:
+            conn, _addr = self.sock.accept()
+        except OSError:  # gone before we got to it
+            return
+        conn.setblocking(False)
+        if len(pending) >= MAX_PENDING:
+            self._refuse(sel, pending, next(iter(pending)))
+        pending[conn] = (bytearray(), until)
+        sel.register(conn, selectors.EVENT_READ)
+
+    def _refuse(self, sel: selectors.BaseSelector,
+                pending: dict[socket.socket, tuple[bytearray, float]],
+                conn: socket.socket) -> None:
+        sel.unregister(conn)
+        del pending[conn]
+        conn.close()
+        self.refused += 1
+
+    def close(self) -> None:
+        self.sock.close()
+

@@ -1,0 +1,145 @@
+"""Lanes (blocking bulk streams between two ranks, see aioreduce/transport/lane.py) on real
+sockets on 127.0.0.1: only a peer that proves the secret gets one, whatever else connects
+first; messages arrive exact and are checked against what the receiver expects; a blocked
+receive is released by an interrupt from another thread; two meshes open a pair each way.
+The ring over lanes between processes is tested with the ring (its default) in test_schemes,
+callerprog (vector mismatches) and the torch tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from aioreduce.errors import PeerLost
+from aioreduce.transport import Mesh
+from aioreduce.transport.lane import PROOF_BYTES, Lane, LaneListener, LaneMismatch, dial, proof
+from aioreduce.wire import byte_view
+
+pytestmark = pytest.mark.loopback
+
+SECRET = b"lane secret"
+
+
+NONCE = b"n" * 16
+# A wrong secret, a valid proof for another pair of ranks, too few bytes then silence, far too
+# many bytes, and nothing at all.
+HOSTILE: list[bytes | None] = [proof(b"another secret", NONCE, 1, 0), proof(SECRET, NONCE, 2, 0),
+                               b"short", b"x" * (PROOF_BYTES * 100), None]
+
+
+def _intrude(port: int, hostile: list[bytes | None]) -> list[socket.socket]:
+    out = []
+    for payload in hostile:
+        s = socket.create_connection(("127.0.0.1", port))
+        if payload is not None:
+            s.sendall(payload)
+        out.append(s)
+    return out
+
+
+def _pair(hostile: list[bytes | None] | None = None) -> tuple[Lane, Lane]:
+    """A lane from rank 1 to rank 0; ``hostile`` connections (their bytes, None: silent)
+    reach the port first and stay connected. Each may take 20 s to prove itself, as long
+    as the whole opening may: a listener that read them one by one would time out."""
+    listener = LaneListener("127.0.0.1", peer=1)
+    intruders = _intrude(listener.port, hostile or [])
+    got: list[Lane] = []
+    accepting = threading.Thread(target=lambda: got.append(
+        listener.accept(proof(SECRET, NONCE, 1, 0), timeout=20, proof_timeout=20)))
+    accepting.start()
+    sender = dial("127.0.0.1", listener.port, proof(SECRET, NONCE, 1, 0), 0, timeout=20)
+    accepting.join(30)
+    for s in intruders:  # none was answered: closed by the listener (reset if it sent more)
+        s.settimeout(20)
+        with contextlib.suppress(ConnectionResetError):
+            assert s.recv(1) == b""
+        s.close()
+    (receiver,) = got
+    return sender, receiver
+
+
+def test_without_the_secret_no_lane_opens() -> None:
+    listener = LaneListener("127.0.0.1", peer=1)
+    intruders = _intrude(listener.port, HOSTILE)
+    with pytest.raises(PeerLost, match="rank 1 did not open its lane"):
+        listener.accept(proof(SECRET, NONCE, 1, 0), timeout=1.0, proof_timeout=0.5)
+    # Every one was read (at most PROOF_BYTES each) and refused, the silent ones on time.
+    assert listener.refused == len(HOSTILE)
+    for s in intruders:
+        s.close()
+
+
+def test_only_the_secret_opens_a_lane_and_messages_arrive_exact() -> None:
+    sender, receiver = _pair(HOSTILE)
+    try:
+        data = [np.random.default_rng(i).standard_normal(n) for i, n in
+                enumerate([0, 1, 100_000, 3_000_000])]
+        for i, arr in enumerate(data):
+            sender.send(7, i, byte_view(arr))
+        for i, arr in enumerate(data):
+            out = np.empty_like(arr)
+            receiver.recv_into(7, i, byte_view(out))
+            assert (out == arr).all()
+        sender.flush()
+        # The receiver says what it expects: another size is the caller's mismatch, named.
+        sender.send(8, 0, byte_view(np.zeros(5)))
+        with pytest.raises(LaneMismatch) as info:
+            receiver.recv_into(8, 0, byte_view(np.zeros(4)))
+        assert info.value.got == (8, 0, 40) and info.value.want == (8, 0, 32)
+        assert info.value.peer == 1
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_interrupt_releases_a_blocked_receive_and_a_closed_peer_is_named() -> None:
+    sender, receiver = _pair()
+    errors: list[BaseException] = []
+
+    def blocked() -> None:
+        try:
+            receiver.recv_into(0, 0, byte_view(np.zeros(10)))
+        except BaseException as exc:  # checked below
+            errors.append(exc)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    receiver.interrupt()  # from another thread, as a failed step elsewhere does
+    t.join(30)
+    assert not t.is_alive() and isinstance(errors[0], PeerLost)
+    sender.close()
+    receiver.close()
+    sender2, receiver2 = _pair()
+    sender2.close()  # the peer goes away
+    with pytest.raises(PeerLost) as info:
+        receiver2.recv_into(0, 0, byte_view(np.zeros(10)))
+    assert info.value.rank == 1
+    receiver2.close()
+
+
+async def test_two_meshes_open_lanes_each_way_through_their_connection() -> None:
+    meshes = [Mesh(r, 2, SECRET, "job") for r in range(2)]
+    try:
+        addrs = [await m.listen("127.0.0.1") for m in meshes]
+        for m in meshes:
+            m.addresses = {0: addrs[0], 1: addrs[1]}
+        # On two ranks the successor and the predecessor are the same peer: two lanes.
+        (out0, in0), (out1, in1) = await asyncio.gather(meshes[0].open_lanes(1, 1, step=3),
+                                                        meshes[1].open_lanes(0, 0, step=3))
+        a, b = np.arange(1000.0), -np.arange(1000.0)
+        out0.send(3, 0, byte_view(a))
+        out1.send(3, 0, byte_view(b))
+        got0, got1 = np.empty(1000), np.empty(1000)
+        await asyncio.gather(asyncio.to_thread(in0.recv_into, 3, 0, byte_view(got0)),
+                             asyncio.to_thread(in1.recv_into, 3, 0, byte_view(got1)))
+        assert (got0 == b).all() and (got1 == a).all()
+        for lane in (out0, in0, out1, in1):
+            lane.close()
+    finally:
+        for m in meshes:
+            await m.close()

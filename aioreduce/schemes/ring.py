@@ -40,7 +40,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -203,6 +203,7 @@ class RingSession:
         # the predecessor), and the thread the steps run on.
         self._want_lanes = lanes and not bidirectional and comm.world_size > 1
         self._lanes: tuple[Lane, Lane] | None = None
+        self._dropped: tuple[Lane, Lane] | None = None  # a failed step's, closed after the abort
         self._thread: ThreadPoolExecutor | None = None
         self._step = -1
         self._aborted: asyncio.Future[AioreduceError] | None = None
@@ -221,9 +222,10 @@ class RingSession:
         for remove in self._removers:
             remove()
         self._removers.clear()
-        if self._lanes is not None:
-            lanes, self._lanes = self._lanes, None
-            await asyncio.to_thread(_close_lanes, lanes)
+        for lanes in (self._lanes, self._dropped):
+            if lanes is not None:
+                await asyncio.to_thread(_close_lanes, lanes)
+        self._lanes = self._dropped = None
         if self._thread is not None:
             self._thread.shutdown(wait=False)
         if self._sends:
@@ -239,21 +241,33 @@ class RingSession:
                 del self._ahead[max(self._ahead)]
         elif self._aborted is not None and not self._aborted.done():
             self._aborted.set_result(error)
+            if self._lanes is not None:
+                # Pass it on to our lane successor before we close our lanes on it: its
+                # lane thread will see them end, and it must know why (the abort names the
+                # culprit; "lane closed" would name us).
+                nxt = ring_neighbours(self.comm.rank, self.comm.world_size)[1]
+                if nxt != peer and not self.comm.is_lost(nxt):
+                    self._spawn_send(self._send_abort(nxt, header.step, dict(header.meta)))
 
-    def _tell_everyone(self, step: int, exc: BaseException) -> None:
-        """Send every other rank this step's failure (in the background, best effort)."""
+    def _tell_everyone(self, step: int, exc: BaseException) -> list[asyncio.Task[None]]:
+        """Send every other rank this step's failure (in the background, best effort);
+        returns the sends."""
         if isinstance(exc, VectorMismatch):
             meta: dict[str, object] = {"kind": "mismatch", "text": str(exc)[:MAX_TEXT],
                                        "ranks": list(exc.ranks)}
         elif isinstance(exc, PeerLost):
             meta = {"kind": "lost", "rank": exc.rank, "text": exc.reason[:MAX_TEXT]}
         else:
-            return
-        for peer in range(self.comm.world_size):
-            if peer != self.comm.rank and not self.comm.is_lost(peer):
-                task = asyncio.ensure_future(self._send_abort(peer, step, meta))
-                self._sends.add(task)
-                task.add_done_callback(self._sends.discard)
+            return []
+        return [self._spawn_send(self._send_abort(peer, step, meta))
+                for peer in range(self.comm.world_size)
+                if peer != self.comm.rank and not self.comm.is_lost(peer)]
+
+    def _spawn_send(self, send: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(send)
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
+        return task
 
     async def _send_abort(self, peer: int, step: int, meta: dict[str, object]) -> None:
         with contextlib.suppress(Exception):  # a peer that is gone cannot be told
@@ -301,12 +315,16 @@ class RingSession:
             if not work.done() or work.cancelled():
                 with contextlib.suppress(asyncio.CancelledError):
                     await work
+                await self._close_dropped([])
                 raise self._aborted.result()
             exc = work.exception()
             if isinstance(exc, VectorMismatch):
                 exc = _mismatch(step, exc, comm.rank, mine)
             if exc is not None:
-                self._tell_everyone(step, exc)
+                told: list[asyncio.Task[None]] = []
+                if not (self._aborted.done() and exc is self._aborted.result()):
+                    told = self._tell_everyone(step, exc)  # (not an abort heard elsewhere)
+                await self._close_dropped(told)
                 raise exc
         elif into is not None:
             acc = into.reshape(-1)
@@ -364,17 +382,26 @@ class RingSession:
             await asyncio.shield(job)
         except BaseException as exc:
             self._lanes = None
-            for lane in lanes:
-                lane.interrupt()
-            with contextlib.suppress(BaseException):
-                await job
-            await asyncio.to_thread(_close_lanes, lanes)
+            if job.done():
+                # Failed here: the lanes stay up until every rank was sent the abort (see
+                # _close_dropped), so a neighbour learns why before its lane ends.
+                self._dropped = lanes
+            else:  # cancelled: the step failed elsewhere; release the thread now
+                for lane in lanes:
+                    lane.interrupt()
+                with contextlib.suppress(BaseException):
+                    await job
+                await asyncio.to_thread(_close_lanes, lanes)
             if isinstance(exc, PeerLost) and not self.comm.is_lost(exc.rank):
                 # A lane closed under us while the peer's mesh connection is up: the peer
                 # dropped it because its step failed, and its abort (the error every rank
                 # must raise) is on its way over the mesh. Wait for that, or for the peer
                 # to be lost after all.
                 await self._abort_or_loss(exc.rank)
+            if isinstance(exc, PeerLost) and self._aborted is not None and self._aborted.done():
+                # Heard meanwhile: the step failed elsewhere first (a neighbour that exited
+                # after its own abort closes its lanes and its connections too).
+                raise self._aborted.result() from None
             if isinstance(exc, LaneMismatch):
                 if exc.got[:2] == exc.want[:2]:  # the right segment, of another size
                     raise VectorMismatch(f"rank {exc.peer} sent a segment of {exc.got[2]} "
@@ -383,6 +410,15 @@ class RingSession:
                 raise PeerLost(exc.peer, f"lane out of step: {exc}") from None
             raise
 
+
+    async def _close_dropped(self, told: list[asyncio.Task[None]]) -> None:
+        """Close the lanes a failed step left, once the aborts in ``told`` are sent."""
+        lanes, self._dropped = self._dropped, None
+        if lanes is None:
+            return
+        if told:
+            await asyncio.wait(told, timeout=LANE_GRACE_S)
+        await asyncio.to_thread(_close_lanes, lanes)
 
     async def _abort_or_loss(self, peer: int) -> None:
         """Return once this step's abort is heard, ``peer`` is lost, or LANE_GRACE_S."""

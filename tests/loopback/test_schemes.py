@@ -111,6 +111,21 @@ def test_one_killed_child_per_family_later_steps_exact(ranks) -> None:
         assert not set(killed) & set(s["used"])
 
 
+def test_a_killed_rank_in_the_ring_over_lanes_is_named_on_every_rank(ranks) -> None:
+    # Lanes block in a thread: a dead neighbour's lane ends, and the ranks further round
+    # hear it through the mesh (the abort); every survivor raises PeerLost naming rank 2.
+    done = run(ranks, 5, "ring", "--steps", "8", "--dim", "300001", "--die", "2",
+               "--die-step", "3", timeout=120)
+    assert done[2].returncode == -9
+    for rank in (0, 1, 3, 4):
+        got = steps_of(done[rank])
+        assert [s["step"] for s in got] == [0, 1, 2], (rank, got[-1:])
+        assert all(s["exact"] and s["rel_err"] < 1e-6 and s["lanes"] for s in got)
+        assert done[rank].returncode != 0
+        last = done[rank].err.strip().splitlines()[-1]
+        assert last.startswith("aioreduce.errors.PeerLost: rank 2"), (rank, last)
+
+
 def test_gc_killed_worker_later_steps_exact(ranks) -> None:
     done = run(ranks, 7, "gc-frc", "--steps", "20", "--stragglers", "2", "--die", "2,4",
                "--die-step", "5")

@@ -5,6 +5,8 @@ too many dead ranks reported by name, approximate decoding bounded, no frame mix
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
 
 import pytest
@@ -124,6 +126,27 @@ def test_a_killed_rank_in_the_ring_over_lanes_is_named_on_every_rank(ranks) -> N
         assert done[rank].returncode != 0
         last = done[rank].err.strip().splitlines()[-1]
         assert last.startswith("aioreduce.errors.PeerLost: rank 2"), (rank, last)
+
+
+def test_a_paused_rank_in_the_ring_over_lanes_resumes_and_every_step_is_exact(ranks) -> None:
+    # SIGSTOP at step 3 (the others are in step 3 or entering it, and cannot leave it), SIGCONT
+    # once it is stopped: the ring has no deadline, so how long the pause lasts does not change
+    # its path; its lanes survive it and every step is exact, over lanes, on every rank.
+    job: Ranks = ranks(4)
+    job.start_all("ring", "--steps", "8", "--dim", "300001", "--stop", "2", "--die-step", "3",
+                  prog=SCHEMEPROG)
+    try:
+        job.drain()
+        pid = job.procs[2].pid
+        _, status = os.waitpid(pid, os.WUNTRACED)  # returns once rank 2 has stopped itself
+        assert os.WIFSTOPPED(status)
+        assert not any('"step": 3' in job.output(r) for r in range(4))  # nobody got past it
+        os.kill(pid, signal.SIGCONT)
+        done = job.wait(120)
+    finally:
+        job.kill()
+    assert_all_exact(done, 8)
+    assert all(s["lanes"] for d in done.values() for s in steps_of(d))
 
 
 def test_gc_killed_worker_later_steps_exact(ranks) -> None:

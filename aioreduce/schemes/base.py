@@ -27,21 +27,38 @@ OnInsufficient = Literal["raise", "approximate"]
 EarlyHandler = Callable[[Header, memoryview], None]
 
 
+def _through(comm: Comm, name: str) -> Any:
+    """The attribute ``name`` of ``comm`` or of the first comm it wraps (``.inner``) that has
+    one, else None: lanes and their byte counts are not part of the narrow interface."""
+    obj: Any = comm
+    while obj is not None:
+        found = getattr(obj, name, None)
+        if found is not None:
+            return found
+        obj = getattr(obj, "inner", None)
+    return None
+
+
 async def open_lanes(comm: Comm, send_to: int, recv_from: int, step: int
                      ) -> tuple[Lane, Lane]:
     """Blocking lanes to ``send_to`` and from ``recv_from`` (:mod:`aioreduce.transport.lane`)
     through whatever wraps the mesh; ``NotImplementedError`` where there is none (the
     in-memory network of the unit tests). Every rank's comm is built the same way, so every
     rank gets the same answer."""
-    while True:
-        opener = getattr(comm, "open_lanes", None)
-        if opener is not None:
-            lanes: tuple[Lane, Lane] = await opener(send_to, recv_from, step)
-            return lanes
-        inner = getattr(comm, "inner", None)
-        if inner is None:
-            raise NotImplementedError(f"{type(comm).__name__} has no lanes")
-        comm = inner
+    opener = _through(comm, "open_lanes")
+    if opener is None:
+        raise NotImplementedError(f"{type(comm).__name__} has no lanes")
+    lanes: tuple[Lane, Lane] = await opener(send_to, recv_from, step)
+    return lanes
+
+
+def count_lane_bytes(comm: Comm, step: int, sent: int, src: int, received: int,
+                     frames: int) -> None:
+    """Tell step telemetry, if any wraps ``comm``, what a step moved over lanes (which
+    bypass the comm): ``sent`` bytes, and ``received`` bytes in ``frames`` from ``src``."""
+    counter = _through(comm, "lane_bytes")
+    if counter is not None:
+        counter(step, sent, src, received, frames)
 
 
 class Comm(Protocol):

@@ -25,7 +25,7 @@ the sends on the lane's own thread. A frame through the event loop costs tens of
 microseconds of interpreter time; where ranks share cores that is the step's time (13 ranks
 x 8 MiB on 2 cores: see the lane module). Lanes are opened at the first step and again at
 the step after a failed one (a failure drops them on every rank, with the abort below);
-their bytes are not in the step telemetry's counts. Without a mesh (the in-memory network)
+the step telemetry counts their bytes once per step. Without a mesh (the in-memory network)
 the ring runs on the event loop.
 
 The ring waits for every rank: it is the baseline that stragglers hurt. A step that fails on
@@ -51,7 +51,7 @@ from ..errors import AioreduceError, PeerLost, VectorMismatch
 from ..topology import ring_neighbours
 from ..transport.lane import Lane, LaneMismatch
 from ..wire import Header, byte_view
-from .base import Comm, Result, open_lanes
+from .base import Comm, Result, count_lane_bytes, open_lanes
 from .pool import BufferPool
 
 ABORT_TAG = 1 << 30  # above every data tag of a step (those stay below 1 << 21)
@@ -380,6 +380,12 @@ class RingSession:
             n, step, divisor)
         try:
             await asyncio.shield(job)
+            # Every segment but two is sent, every segment but two received (see _lane_ring).
+            pos, total, size = self.comm.rank, acc.size, acc.itemsize
+            sent = 2 * total - _width(seg, pos + 1) - _width(seg, pos + 2)
+            got = 2 * total - _width(seg, pos) - _width(seg, pos + 1)
+            count_lane_bytes(self.comm, step, sent * size,
+                             ring_neighbours(pos, n)[0], got * size, 2 * (n - 1))
         except BaseException as exc:
             self._lanes = None
             if job.done():
@@ -437,6 +443,11 @@ class RingSession:
             await asyncio.wait(waits, timeout=LANE_GRACE_S, return_when=asyncio.FIRST_COMPLETED)
         finally:
             remove()
+
+
+def _width(seg: tuple[tuple[int, int], ...], i: int) -> int:
+    lo, hi = seg[i % len(seg)]
+    return hi - lo
 
 
 def _close_lanes(lanes: tuple[Lane, Lane]) -> None:

@@ -119,13 +119,13 @@ class Tracer:
         if rec is not None:
             rec.sent_bytes += nbytes
 
-    def received(self, src: int, step: int, nbytes: int) -> None:
+    def received(self, src: int, step: int, nbytes: int, frames: int = 1) -> None:
         rec = self._record(step)
         if rec is None:
             return
         peer = rec.recv.setdefault(src, PeerIn())
         peer.bytes += nbytes
-        peer.frames += 1
+        peer.frames += frames
         peer.last_s = self.now(step)
         rec.recv_bytes += nbytes
 
@@ -202,6 +202,11 @@ class TracingComm:
 
         fut.add_done_callback(arrived)
         return fut
+
+    def lane_bytes(self, step: int, sent: int, src: int, received: int, frames: int) -> None:
+        """What a step moved over lanes, which bypass this comm (see schemes.base)."""
+        self.tracer.sent(step, sent)
+        self.tracer.received(src, step, received, frames)
 
     def discard_before(self, step: int, tag: int = 0) -> None:
         self.inner.discard_before(step, tag)

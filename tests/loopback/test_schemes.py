@@ -149,6 +149,35 @@ def test_a_paused_rank_in_the_ring_over_lanes_resumes_and_every_step_is_exact(ra
     assert all(s["lanes"] for d in done.values() for s in steps_of(d))
 
 
+def test_step_telemetry_counts_the_same_bytes_over_lanes_as_over_the_event_loop(
+        ranks, tmp_path) -> None:
+    counted = {}
+    for path in ("lanes", "event-loop"):
+        trace = tmp_path / path
+        options = "{}" if path == "lanes" else '{"lanes": false}'
+        done = run(ranks, 4, "ring", "--steps", "4", "--dim", "1001", "--options", options,
+                   AIOREDUCE_TRACE=str(trace))
+        assert_all_exact(done, 4)
+        assert all(s["lanes"] is (path == "lanes") for d in done.values() for s in steps_of(d))
+        counted[path] = {
+            (rank, rec["step"]): (rec["sent_bytes"], rec["recv_bytes"],
+                                  {src: (v["bytes"], v["frames"])
+                                   for src, v in rec["recv"].items()})
+            for rank in range(4)
+            for rec in map(json.loads, (trace / f"rank.{rank}.jsonl").read_text().splitlines())}
+    lanes, loop = counted["lanes"], counted["event-loop"]
+    assert {k: v for k, v in lanes.items() if k[1] > 0} == {
+        k: v for k, v in loop.items() if k[1] > 0}
+    for rank in range(4):  # step 0 opened the lanes: the successor's offer (an empty frame)
+        sent, got, by_src = lanes[(rank, 0)]  # is counted if it came after the step began
+        assert by_src.pop(str((rank + 1) % 4), None) in (None, (0, 1))
+        assert (sent, got, by_src) == loop[(rank, 0)]
+    # Rank 0 of 4, 1001 float64 in segments of 250, 250, 250, 251: it sends all but two, and
+    # receives 6 frames of all but two from rank 3.
+    assert counted["lanes"][(0, 1)] == (2 * 1001 * 8 - 500 * 8, 2 * 1001 * 8 - 500 * 8,
+                                        {"3": (2 * 1001 * 8 - 500 * 8, 6)})
+
+
 def test_gc_killed_worker_later_steps_exact(ranks) -> None:
     done = run(ranks, 7, "gc-frc", "--steps", "20", "--stragglers", "2", "--die", "2,4",
                "--die-step", "5")

@@ -187,13 +187,7 @@ def encode_data(step: int, tag: int, src: int, payload: np.ndarray,
     """:func:`encode_frame` of a data frame without making its :class:`Header` first (the
     send path of every data frame). ``payload`` must be C-contiguous (:func:`as_payload`)."""
     head = _pack(Kind.DATA, step, tag, src, payload.dtype.str, payload.shape, meta or _NO_META)
-    if len(head) > MAX_HEADER:
-        raise ValueError(f"header of {len(head)} bytes exceeds {MAX_HEADER}")
-    nbytes = payload.nbytes
-    prefix = PREFIX.pack(MAGIC, VERSION, 0, len(head), nbytes)
-    if nbytes == 0:
-        return [prefix + head]
-    return [prefix + head, byte_view(payload)]
+    return _buffers(head, payload)
 
 
 def encode_frame(header: Header, payload: np.ndarray | None = None) -> list[Buffer]:
@@ -208,6 +202,11 @@ def encode_frame(header: Header, payload: np.ndarray | None = None) -> list[Buff
                      payload.shape, header.meta)
     else:
         head = header.to_bytes()
+    return _buffers(head, payload)
+
+
+def _buffers(head: bytes, payload: np.ndarray | None) -> list[Buffer]:
+    """A frame's buffers: prefix and header in one, then the payload's view if it has bytes."""
     if len(head) > MAX_HEADER:
         raise ValueError(f"header of {len(head)} bytes exceeds {MAX_HEADER}")
     nbytes = 0 if payload is None else payload.nbytes

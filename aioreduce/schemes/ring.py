@@ -150,29 +150,37 @@ def _depth(n: int, width_bytes: int) -> int:
 
 
 def _lane_ring(out: Lane, into: Lane, mine: np.ndarray, acc: np.ndarray, scratch: np.ndarray,
-               pos: int, n: int, step: int, divisor: float) -> None:
-    """:func:`_ring` over lanes, on a worker thread: the same segments in the same order,
-    each send queued to ``out``'s thread while this one receives from ``into``. The hazards
-    are those of :func:`_ring`: a segment is written only after the send that reads it was
-    received further round the ring (every byte this rank receives depends on it), and the
-    step returns only once every send is in the kernel (``flush``)."""
-    seg = _segments(acc.size, n)
+               seg: tuple[tuple[int, int], ...], pos: int, step: int, divisor: float
+               ) -> tuple[int, int]:
+    """:func:`_ring` over lanes, on a worker thread: the same segments (``seg``) in the same
+    order, each send queued to ``out``'s thread while this one receives from ``into``. The
+    hazards are those of :func:`_ring`: a segment is written only after the send that reads
+    it was received further round the ring (every byte this rank receives depends on it), and
+    the step returns only once every send is in the kernel (``flush``). Returns the bytes
+    sent and received."""
+    n, sent, got = len(seg), 0, 0
     for i in range(n - 1):  # reduce-scatter
         s_lo, s_hi = seg[(pos - i) % n]
-        out.send(step, i, byte_view((mine if i == 0 else acc)[s_lo:s_hi]))
+        view = byte_view((mine if i == 0 else acc)[s_lo:s_hi])
+        out.send(step, i, view)
         r_lo, r_hi = seg[(pos - i - 1) % n]
-        buf = scratch[: r_hi - r_lo]
-        into.recv_into(step, i, byte_view(buf))
-        np.add(mine[r_lo:r_hi], buf, out=acc[r_lo:r_hi])
+        buf = byte_view(scratch[: r_hi - r_lo])
+        into.recv_into(step, i, buf)
+        np.add(mine[r_lo:r_hi], scratch[: r_hi - r_lo], out=acc[r_lo:r_hi])
+        sent, got = sent + view.nbytes, got + buf.nbytes
     if divisor != 1:
         lo, hi = seg[(pos + 1) % n]
         np.divide(acc[lo:hi], divisor, out=acc[lo:hi])
     for i in range(n - 1):  # all-gather
         s_lo, s_hi = seg[(pos + 1 - i) % n]
-        out.send(step, n + i, byte_view(acc[s_lo:s_hi]))
+        view = byte_view(acc[s_lo:s_hi])
+        out.send(step, n + i, view)
         r_lo, r_hi = seg[(pos - i) % n]
-        into.recv_into(step, n + i, byte_view(acc[r_lo:r_hi]))
+        buf = byte_view(acc[r_lo:r_hi])
+        into.recv_into(step, n + i, buf)
+        sent, got = sent + view.nbytes, got + buf.nbytes
     out.flush()
+    return sent, got
 
 
 @dataclass(frozen=True)
@@ -197,7 +205,7 @@ class Ring:
 class RingSession:
     """A ring keeps nothing across steps but the way to hear that a step failed elsewhere."""
 
-    def __init__(self, comm: Comm, bidirectional: bool, lanes: bool = False) -> None:
+    def __init__(self, comm: Comm, bidirectional: bool, lanes: bool) -> None:
         self.comm, self.bidirectional = comm, bidirectional
         # Lanes: wanted (and not refused by the comm), the open pair (to the successor, from
         # the predecessor), and the thread the steps run on.
@@ -363,29 +371,24 @@ class RingSession:
         else:
             await _ring(comm, mine, acc, self.pool, nxt, prev, rank, step, 0, divisor)
 
-
     async def _lane_exchange(self, lanes: tuple[Lane, Lane], mine: np.ndarray, acc: np.ndarray,
                              step: int, divisor: float) -> None:
         """The step on the session's thread over ``lanes``. If it fails here, or is cancelled
         because it failed elsewhere, the lanes are interrupted (which releases the thread),
         the thread is waited for (it must not touch the vectors after the step), and they are
         dropped: the next step opens new ones, on every rank."""
-        n = self.comm.world_size
+        comm = self.comm
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="aioreduce-ring")
-        seg = _segments(acc.size, n)
+        seg = _segments(acc.size, comm.world_size)
         scratch = self.pool.take(max(hi - lo for lo, hi in seg), acc.dtype)
         job = asyncio.get_running_loop().run_in_executor(
-            self._thread, _lane_ring, lanes[0], lanes[1], mine, acc, scratch, self.comm.rank,
-            n, step, divisor)
+            self._thread, _lane_ring, lanes[0], lanes[1], mine, acc, scratch, seg, comm.rank,
+            step, divisor)
         try:
-            await asyncio.shield(job)
-            # Every segment but two is sent, every segment but two received (see _lane_ring).
-            pos, total, size = self.comm.rank, acc.size, acc.itemsize
-            sent = 2 * total - _width(seg, pos + 1) - _width(seg, pos + 2)
-            got = 2 * total - _width(seg, pos) - _width(seg, pos + 1)
-            count_lane_bytes(self.comm, step, sent * size,
-                             ring_neighbours(pos, n)[0], got * size, 2 * (n - 1))
+            sent, got = await asyncio.shield(job)
+            count_lane_bytes(comm, step, sent, ring_neighbours(comm.rank, comm.world_size)[0],
+                             got, 2 * (comm.world_size - 1))
         except BaseException as exc:
             self._lanes = None
             if job.done():
@@ -416,7 +419,6 @@ class RingSession:
                 raise PeerLost(exc.peer, f"lane out of step: {exc}") from None
             raise
 
-
     async def _close_dropped(self, told: list[asyncio.Task[None]]) -> None:
         """Close the lanes a failed step left, once the aborts in ``told`` are sent."""
         lanes, self._dropped = self._dropped, None
@@ -443,11 +445,6 @@ class RingSession:
             await asyncio.wait(waits, timeout=LANE_GRACE_S, return_when=asyncio.FIRST_COMPLETED)
         finally:
             remove()
-
-
-def _width(seg: tuple[tuple[int, int], ...], i: int) -> int:
-    lo, hi = seg[i % len(seg)]
-    return hi - lo
 
 
 def _close_lanes(lanes: tuple[Lane, Lane]) -> None:

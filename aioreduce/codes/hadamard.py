@@ -8,59 +8,46 @@ losing some of ``y`` becomes a small error spread over many coordinates of ``x``
 linear and orthonormal: the sum of rotated vectors is the rotation of the sum, and
 ``inverse(forward(x)) == x`` up to rounding.
 
-How it is computed, and why. ``H`` here is ``H_a ⊗ H_b`` (a Sylvester Hadamard matrix of size
-``a·b``, the Walsh–Hadamard transform up to the order of rows), applied to the vector viewed as
-an ``(a, L/a)`` matrix (mixing coordinates ``L/a`` apart) and then as rows of ``b`` (mixing
-neighbours): two small matrix products, done one band of columns at a time so that each
-band stays in cache (see :meth:`Rotation._mix`). On this project's 2-core machines a numpy
-butterfly (log2 n passes over the vector) takes 170–200 ms for 16 MiB of float32 while the
-banded products take about 7–9 ms; a contiguous lost run is spread ``L/a`` apart and then
-over its neighbours. The products run on one BLAS thread: they are memory-bound (two threads
-gain little), and several ranks per host each spinning BLAS threads made them 4× slower
-here (4 ranks on 2 cores, 100k floats: 4.5–6.8 ms with threads, 1.2–1.4 ms without).
+How it is computed, and why. ``H`` is the Sylvester Hadamard matrix of size ``a`` (32),
+applied to each part viewed as an ``(a, L/a)`` matrix: it mixes coordinates ``L/a`` apart, so
+a contiguous run of rows lost in transit (what a slow sender loses is a run of whole slices)
+costs every column the same small share of its entries. It is a butterfly (``log2 a`` passes
+of sums and differences, O(L log a)), one band of columns at a time so the band stays in
+cache (see :meth:`Rotation._mix`). Why one factor: until 2026-11-25 a second factor also mixed
+groups of 32 neighbours (``H_32 ⊗ H_32``), but a lost run of whole groups cancels that factor
+exactly (``(M ⊗ I)`` commutes with ``I ⊗ H_b``), so it cost a second matrix product for no
+change in what a loss does (same error to rounding, checked on a lost slice and a lost 1 %
+tail). Why a butterfly and not a matrix product: for 16 MiB of float32 on this project's
+2-core machines the banded butterfly takes about 5 ms, ``H_32`` as a BLAS product 7.5–10 ms
+and the two products 10–11 ms; a butterfly over the whole vector (no bands) went through
+memory once per pass and took 170–200 ms.
 
 In parts. ``Rotation(L, seed, parts=N)`` cuts the vector into ``N`` equal parts and mixes each
 on its own: the transpose scheme's shards, so the owner of shard ``k`` rotates just its
 reduced shard back (:meth:`Rotation.inverse_part`, 1/N of the vector) before it sends it,
 instead of every rank inverting the whole vector after phase 2. What a slow sender loses in
 phase 1 is still spread over its shard. Each part is padded with zeros to a multiple of
-``a·b`` (at most ``a·b - 1`` elements per part: never a doubling of a message longer than
-``N·a·b``).
+``a·b`` (at most ``a - 1`` elements per part: never a doubling of a message longer than
+``N·a``).
 """
 
 from __future__ import annotations
 
-from functools import cache
-
 import numpy as np
-from threadpoolctl import ThreadpoolController
 
-DEFAULT_FACTORS = (32, 32)
-_BAND = 1 << 17  # elements mixed at a time: 512 KiB of float32, well inside a 2 MiB L2
-_BLAS = ThreadpoolController()
-
-
-@cache
-def _sylvester(n: int) -> np.ndarray:
-    """The ``n × n`` Sylvester Hadamard matrix divided by sqrt(n) (orthonormal, symmetric)."""
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"Hadamard factors must be powers of two, not {n}")
-    h = np.ones((1, 1))
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    scaled: np.ndarray = h / np.sqrt(n)
-    scaled.setflags(write=False)
-    return scaled
+MIX = 32  # coordinates each butterfly mixes: a power of two
+# Elements mixed at a time: 1 MiB of float32, so the band's two buffers stay in a 2 MiB L2.
+# Smaller bands cost more numpy calls than they save (16 MiB: 4096 columns, 6.5-8.5 ms;
+# 8192, 5.5-6.6; 16384, 5.0-5.3; the whole part, 14-16).
+_BAND = 1 << 18
 
 
-def _factors_for(length: int, factors: tuple[int, int]) -> tuple[int, int]:
-    """Smaller factors for a vector shorter than one block (so it is not padded up to it)."""
-    a, b = factors
-    if length >= a * b:
-        return a, b
-    block = 1 << max(0, (length - 1).bit_length())
-    small_a = 1 << (block.bit_length() - 1) // 2
-    return small_a, block // small_a
+def _size_for(per_part: int, size: int) -> int:
+    """The butterfly's size for parts of ``per_part`` elements: ``size``, or the power of two
+    at or above a shorter part (so a short vector is not padded up to ``size``)."""
+    if size < 1 or size & (size - 1):
+        raise ValueError(f"the mixing size must be a power of two, not {size}")
+    return min(size, 1 << max(0, (per_part - 1).bit_length()))
 
 
 class Rotation:
@@ -68,21 +55,19 @@ class Rotation:
 
     ``parts`` cuts the padded vector into that many equal parts, each mixed on its own (the
     transpose scheme's shards), so the owner of a part can rotate just that part back
-    (:meth:`inverse_part`). ``signs`` overrides the seeded ±1 diagonal (tests); ``factors``
-    are the two Hadamard sizes (powers of two) whose Kronecker product is the mixing block.
-    One rotation keeps one scratch buffer per dtype: use it from one thread.
+    (:meth:`inverse_part`). ``signs`` overrides the seeded ±1 diagonal (tests); ``size`` is
+    the Hadamard matrix's (a power of two: the coordinates each one mixes). One rotation
+    keeps one scratch buffer per dtype: use it from one thread.
     """
 
     def __init__(self, length: int, seed: int = 0, *, parts: int = 1,
-                 factors: tuple[int, int] = DEFAULT_FACTORS,
-                 signs: np.ndarray | None = None) -> None:
+                 size: int = MIX, signs: np.ndarray | None = None) -> None:
         if length < 0 or parts < 1:
             raise ValueError("length must be non-negative and parts positive")
         self.length, self.parts = length, parts
         per_part = -(-length // parts)
-        self.a, self.b = _factors_for(per_part, factors)
-        block = self.a * self.b
-        self.part = max(block, -(-per_part // block) * block)  # elements in one part
+        self.a = _size_for(per_part, size)
+        self.part = max(self.a, -(-per_part // self.a) * self.a)  # elements in one part
         self.padded = self.part * parts
         if signs is None:
             rng = np.random.default_rng([seed, 0x4AD])
@@ -90,12 +75,23 @@ class Rotation:
         if signs.shape != (self.padded,):
             raise ValueError(f"signs must have {self.padded} entries")
         self._signs = {np.dtype(np.float64): signs.astype(np.float64)}
+        # The same diagonal divided by sqrt(a): H's normalisation, folded into the one pass
+        # over the signs that each direction makes anyway.
+        self._scaled: dict[np.dtype, np.ndarray] = {}
         self._scratch: dict[np.dtype, np.ndarray] = {}
 
     def signs(self, dtype: np.dtype) -> np.ndarray:
+        """The ±1 diagonal ``D`` in ``dtype``."""
         s = self._signs.get(dtype)
         if s is None:
             s = self._signs[dtype] = self._signs[np.dtype(np.float64)].astype(dtype)
+        return s
+
+    def _scaled_signs(self, dtype: np.dtype) -> np.ndarray:
+        s = self._scaled.get(dtype)
+        if s is None:
+            s = self._scaled[dtype] = (self._signs[np.dtype(np.float64)]
+                                       / np.sqrt(self.a)).astype(dtype)
         return s
 
     def forward(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -133,7 +129,7 @@ class Rotation:
     def _forward_part(self, k: int, x: np.ndarray, out: np.ndarray) -> None:
         lo, hi = k * self.part, (k + 1) * self.part
         end = min(hi, self.length)
-        signs, seg = self.signs(x.dtype), out[lo:hi]
+        signs, seg = self._scaled_signs(x.dtype), out[lo:hi]
         if end == hi:  # no padding in this part: the signs are applied as each block is read
             self._mix(x[lo:hi], seg, before=signs[lo:hi])
             return
@@ -145,7 +141,7 @@ class Rotation:
     def inverse(self, y: np.ndarray) -> np.ndarray:
         """The vector whose rotation is ``y`` (``length`` entries; y is left as it is)."""
         z = np.empty(self.padded, y.dtype)
-        self._mix(y.reshape(-1), z, after=self.signs(y.dtype))
+        self._mix(y.reshape(-1), z, after=self._scaled_signs(y.dtype))
         return z[: self.length]
 
     def inverse_part(self, k: int, y: np.ndarray) -> None:
@@ -153,26 +149,21 @@ class Rotation:
         past ``length`` (the padding) come back as about zero."""
         if y.shape != (self.part,) or not 0 <= k < self.parts:
             raise ValueError(f"part {k} of {self.parts} must have {self.part} entries")
-        self._mix(y, y, after=self.signs(y.dtype)[k * self.part:(k + 1) * self.part])
+        self._mix(y, y, after=self._scaled_signs(y.dtype)[k * self.part:(k + 1) * self.part])
 
     def _mix(self, z: np.ndarray, out: np.ndarray, *, before: np.ndarray | None = None,
              after: np.ndarray | None = None) -> None:
-        """``out = after · (H_a ⊗ H_b) · before · z`` on every part of ``z`` (whole parts;
-        ``before`` and ``after`` are optional ±1 diagonals as vectors; ``out`` may be z).
-        Without the signs the map is self-inverse: both factors are symmetric and
-        orthonormal.
+        """``out = after · H · before · z`` on every part of ``z`` (whole parts), with ``H``
+        the Sylvester matrix *not* normalised: the caller's diagonal ``before`` or ``after``
+        (vectors) carries the ``1/sqrt(a)``. ``out`` may be ``z``.
 
-        Each part is an ``(a, part/a)`` matrix; ``H_a`` mixes its rows and ``H_b`` groups of
-        ``b`` neighbours within a row, so a band of columns can be done start to end on its
-        own. Done band by band (``_BAND`` elements, in cache), the vector is read once and
-        written once; done as two whole-vector products (and a whole-vector sign pass), it
-        went through memory three times: 7.3 ms against 12.7 for 16 MiB float32 on an idle
-        core, 16.6 against 24.0 with 4 ranks on 2 cores."""
-        a, b = self.a, self.b
+        Each part is an ``(a, part/a)`` matrix whose rows ``H`` mixes: a band of columns is
+        done start to end on its own, in two scratch buffers (``_BAND`` elements, in cache)
+        that each of the ``log2 a`` passes of the butterfly reads one and writes the
+        other, so the vector is read once and written once."""
+        a = self.a
         cols = self.part // a
-        width = min(cols, max(b, _BAND // a // b * b))  # a multiple of b, as cols is
-        ha = _sylvester(a).astype(z.dtype, copy=False)
-        hb = _sylvester(b).astype(z.dtype, copy=False)
+        width = min(cols, max(1, _BAND // a))
         bufs = self._scratch.get(z.dtype)
         if bufs is None or bufs.shape[1] < a * width:
             bufs = self._scratch[z.dtype] = np.empty((2, a * width), z.dtype)
@@ -180,20 +171,26 @@ class Rotation:
         dst = out.reshape(-1, a, cols)
         pre = None if before is None else before.reshape(-1, a, cols)
         post = None if after is None else after.reshape(-1, a, cols)
-        with _BLAS.limit(limits=1, user_api="blas"):
-            for p in range(src.shape[0]):
-                for c0 in range(0, cols, width):
-                    c1 = min(cols, c0 + width)
-                    n = a * (c1 - c0)
-                    one = bufs[0, :n].reshape(a, c1 - c0)
-                    two = bufs[1, :n].reshape(a, c1 - c0)
-                    band = src[p, :, c0:c1]
-                    if pre is not None:
-                        band = np.multiply(band, pre[p, :, c0:c1], out=one)
-                    np.matmul(ha, band, out=two)
-                    grouped = two.reshape(a, -1, b)
-                    if post is None:
-                        np.matmul(grouped, hb, out=dst[p, :, c0:c1].reshape(a, -1, b))
-                    else:
-                        np.matmul(grouped, hb, out=one.reshape(a, -1, b))
-                        np.multiply(one, post[p, :, c0:c1], out=dst[p, :, c0:c1])
+        for p in range(src.shape[0]):
+            for c0 in range(0, cols, width):
+                c1 = min(cols, c0 + width)
+                k = c1 - c0
+                cur = bufs[0, :a * k].reshape(a, k)
+                nxt = bufs[1, :a * k].reshape(a, k)
+                if pre is None:  # read before anything is written: out may be z
+                    np.copyto(cur, src[p, :, c0:c1])
+                else:
+                    np.multiply(src[p, :, c0:c1], pre[p, :, c0:c1], out=cur)
+                half = a // 2
+                while half:  # rows r and r + half of every block of 2·half: sum, difference
+                    last = half == 1 and post is None
+                    to = dst[p, :, c0:c1] if last else nxt
+                    pairs, into = cur.reshape(-1, 2, half, k), to.reshape(-1, 2, half, k)
+                    np.add(pairs[:, 0], pairs[:, 1], out=into[:, 0])
+                    np.subtract(pairs[:, 0], pairs[:, 1], out=into[:, 1])
+                    cur, nxt = nxt, cur
+                    half //= 2
+                if post is not None:
+                    np.multiply(cur, post[p, :, c0:c1], out=dst[p, :, c0:c1])
+                elif a == 1:  # no pass at all
+                    np.copyto(dst[p, :, c0:c1], cur)

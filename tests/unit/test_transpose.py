@@ -223,6 +223,10 @@ def test_the_clock_waits_during_warm_up_then_bounds_by_headroom_times_p95() -> N
     assert clock.bound == pytest.approx(2.0 * np.percentile(times, 95))
     assert clock.estimate == pytest.approx(np.mean(times))
     assert clock.deviation == pytest.approx(np.abs(np.array(times) - np.mean(times)).mean())
+    # Until a peer's proposal is heard (they come with the first adaptive step's frames),
+    # the ceiling; then the median proposal (its own alone here: one peer, the same).
+    assert clock.deadline() == pytest.approx(clock.bound)
+    clock.heard(1, clock.proposal, clock.bound)
     assert clock.deadline() == pytest.approx(clock.estimate + 4.0 * clock.deviation)
 
 
@@ -249,6 +253,7 @@ def test_the_deadline_stays_within_its_floor_and_ceiling() -> None:
     clock = StageClock(warmup=2, headroom=1.0, min_deadline=0.02)
     clock.observe(0.001, 1.0)
     clock.observe(0.001, 1.0)
+    clock.heard(1, 0.001, 0.001)
     assert clock.deadline() == 0.02  # a fast stage still gets the floor
     for _ in range(50):
         clock.observe(1.0, 0.5)  # much slower than in warm-up: capped at the ceiling

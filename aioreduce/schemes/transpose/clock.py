@@ -12,9 +12,11 @@ time and received fraction, and the proposals its peers piggyback on their frame
   deviation``. A stage cut at 3/4 of its data counts as ``elapsed / 0.75`` (floating point;
   the public OptiReduce code divides integers here). The deadline is the median of every
   rank's proposal, clamped to ``[min_deadline, median of the ceilings]``: the median keeps
-  one slow rank from stretching everyone's deadline. (A mean-based proposal, ``2 ×
-  estimate``, sat below the P90 of stage times when 4 ranks shared 2 cores and cut a fifth
-  of all steps; the deviation term follows the jitter instead.)
+  one slow rank from stretching everyone's deadline. Until a rank has heard a peer's
+  proposal (they ride on the first adaptive step's frames) it uses its ceiling. (A
+  mean-based proposal, ``2 × estimate``, sat below the P90 of stage times when 4 ranks
+  shared 2 cores and cut a fifth of all steps; the deviation term follows the jitter
+  instead.)
 """
 
 from __future__ import annotations
@@ -61,6 +63,13 @@ class StageClock:
         mine = self.proposal
         if self.bound is None or mine is None:
             return None
+        if not self.peers:
+            # The first step after warm-up: the peers' proposals ride on its own frames, so
+            # none is known yet when its bound is set. Alone, one rank whose warm-up stages
+            # were quick would cut the others at its own estimate (4 ranks on 2 cores: a rank
+            # at 35 ms beside others at 40-56 cut a fifth of one rank's data); the ceiling
+            # until then.
+            return max(self.bound, self.min_deadline)
         proposals = [mine] + [p for p, _b in self.peers.values()]
         ceiling = max(statistics.median([self.bound] + [b for _p, b in self.peers.values()]),
                       self.min_deadline)

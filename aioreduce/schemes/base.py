@@ -11,7 +11,7 @@ behind.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -49,6 +49,16 @@ async def open_lanes(comm: Comm, send_to: int, recv_from: int, step: int
     if opener is None:
         raise NotImplementedError(f"{type(comm).__name__} has no lanes")
     lanes: tuple[Lane, Lane] = await opener(send_to, recv_from, step)
+    return lanes
+
+
+async def open_lane_set(comm: Comm, send_to: Sequence[int], recv_from: Sequence[int], step: int
+                        ) -> tuple[dict[int, Lane], dict[int, Lane]]:
+    """:func:`open_lanes` to and from several ranks at once (``Mesh.open_lane_set``)."""
+    opener = _through(comm, "open_lane_set")
+    if opener is None:
+        raise NotImplementedError(f"{type(comm).__name__} has no lanes")
+    lanes: tuple[dict[int, Lane], dict[int, Lane]] = await opener(send_to, recv_from, step)
     return lanes
 
 

@@ -10,9 +10,10 @@ segment and costs no Python beyond the call.
 
 What. A lane is one TCP connection between two ranks of a job, outside the event loop, for one
 direction of a scheme's bulk data (the ring's successor and predecessor). Each message on it
-is a 24-byte header (step, index, payload bytes) and the raw payload: the receiver knows what
-it expects and checks the header against it (a mismatch is the caller's: vectors of another
-shape), so a lane never allocates for a peer. Sending runs on a thread of the lane's own, so a
+is a 32-byte header (step, index, payload bytes, meta bytes), at most :data:`MAX_META` bytes
+of msgpack meta and the raw payload: the receiver knows what it expects and checks the header
+against it (a mismatch is the caller's: vectors of another shape), so a lane never allocates
+for a peer beyond the meta's bound. Sending runs on a thread of the lane's own, so a
 rank can send segment *i* while it receives segment *i - 1*, as the event-loop path does.
 
 Opening one, on the event loop (:func:`open_lanes`): the receiving rank listens on a fresh
@@ -30,6 +31,7 @@ import contextlib
 import hashlib
 import hmac
 import queue
+import select
 import selectors
 import socket
 import struct
@@ -40,7 +42,8 @@ from typing import cast
 from ..errors import AioreduceError, PeerLost
 from .sockopts import tune
 
-HEADER = struct.Struct("<qqq")  # step, index, payload bytes
+HEADER = struct.Struct("<qqqq")  # step, index, payload bytes, meta bytes
+MAX_META = 4096  # a message's meta (msgpack) is small control data: bound what a peer sends
 PROOF_BYTES = 32
 ACCEPT_TIMEOUT_S = 30.0  # the whole opening
 PROOF_TIMEOUT_S = 5.0  # one connection's 32 bytes
@@ -79,37 +82,48 @@ class Lane:
         self._pending = 0
         self._sender: threading.Thread | None = None
         self._head = bytearray(HEADER.size)
+        self.sent = 0  # messages in the kernel (or failed): they leave in the order queued
+        self._poll: select.poll | None = None
+        self._sink: bytearray | None = None
 
     # -- sending (any thread; the bytes go out on the lane's own) --------------------------------
-    def send(self, step: int, index: int, payload: memoryview) -> None:
-        """Queue one message; ``payload`` must stay unchanged until :meth:`flush` returns."""
+    def send(self, step: int, index: int, payload: memoryview, meta: bytes = b"") -> None:
+        """Queue one message (``meta``: at most :data:`MAX_META` bytes of msgpack); ``payload``
+        must stay unchanged until it is sent (:meth:`flush`, or :attr:`sent` counts it)."""
         self._raise_if_failed()
+        if len(meta) > MAX_META:
+            raise ValueError(f"lane meta of {len(meta)} bytes, at most {MAX_META}")
         if self._sender is None:
             self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                             name=f"aioreduce-lane-to-{self.peer}")
             self._sender.start()
         with self._idle:
             self._pending += 1
-        self._queue.put((HEADER.pack(step, index, payload.nbytes), payload))
+        self._queue.put((HEADER.pack(step, index, payload.nbytes, len(meta)) + meta, payload))
 
-    def flush(self) -> None:
-        """Block until every queued message is in the kernel (or raise the send's error)."""
+    def flush(self, timeout: float | None = None) -> bool:
+        """Block until every queued message is in the kernel (or raise the send's error);
+        False if ``timeout`` seconds passed first."""
         with self._idle:
-            while self._pending and self._error is None:
-                self._idle.wait()
+            done = self._idle.wait_for(lambda: not self._pending or self._error is not None,
+                                       timeout)
         self._raise_if_failed()
+        return done
 
     def _send_loop(self) -> None:
         while (item := self._queue.get()) is not None:
             head, payload = item
+            del item  # no reference left once sent: the payload's array may be reused then
             try:
                 if self._error is None:
                     self.sock.sendall(head)
                     self.sock.sendall(payload)
             except OSError as exc:
                 self._error = exc
+            del payload
             with self._idle:
                 self._pending -= 1
+                self.sent += 1
                 self._idle.notify_all()
 
     def _raise_if_failed(self) -> None:
@@ -118,15 +132,62 @@ class Lane:
 
     # -- receiving (the caller's thread) ---------------------------------------------------------
     def recv_into(self, step: int, index: int, out: memoryview) -> None:
-        """Receive the message (step, index) of exactly ``out.nbytes`` bytes into ``out``."""
-        self._read_exactly(memoryview(self._head))
-        got = HEADER.unpack(self._head)
-        want = (step, index, out.nbytes)
-        if got != want:
+        """Receive the message (step, index) of exactly ``out.nbytes`` bytes and no meta into
+        ``out``."""
+        got_step, got_index, nbytes, meta = self.read_head()
+        got, want = (got_step, got_index, nbytes), (step, index, out.nbytes)
+        if got != want or meta:
             raise LaneMismatch(self.peer, got, want)
         self._read_exactly(out)
         if self.latency > 0:
             time.sleep(self.latency)
+
+    def read_head(self) -> tuple[int, int, int, int]:
+        """The next message's (step, index, payload bytes, meta bytes); a peer announcing more
+        meta than :data:`MAX_META` or a negative size is lost (it is not one of ours)."""
+        self._read_exactly(memoryview(self._head))
+        step, index, nbytes, meta = HEADER.unpack(self._head)
+        if nbytes < 0 or not 0 <= meta <= MAX_META:
+            raise PeerLost(self.peer, f"lane from rank {self.peer}: malformed header")
+        return step, index, nbytes, meta
+
+    def read_meta(self, nbytes: int) -> bytes:
+        """The message's meta (after :meth:`read_head`; ``nbytes`` <= MAX_META)."""
+        buf = bytearray(nbytes)
+        self._read_exactly(memoryview(buf))
+        return bytes(buf)
+
+    def wait_readable(self) -> None:
+        """Block until the lane has bytes to read (or has ended: the read then says so)."""
+        if self._poll is None:
+            self._poll = select.poll()
+            self._poll.register(self.sock, select.POLLIN)
+        self._poll.poll()
+
+    def recv_now(self, view: memoryview) -> int:
+        """Read what the lane has, at most ``view.nbytes``, into ``view`` without blocking
+        (0 if nothing after all). With :meth:`wait_readable` before it, a caller knows when
+        bytes are being written into its buffer and when not, and can take the buffer away
+        in between (the transpose's lanes do)."""
+        try:
+            n = self.sock.recv_into(view, view.nbytes, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            raise PeerLost(self.peer, f"lane from rank {self.peer}: {exc}") from None
+        if n == 0 and view.nbytes:
+            raise PeerLost(self.peer, f"lane from rank {self.peer} closed")
+        return n
+
+    def skip(self, nbytes: int) -> None:
+        """Read and drop the next ``nbytes`` (a message nobody wants any more)."""
+        if self._sink is None:
+            self._sink = bytearray(1 << 18)
+        sink = memoryview(self._sink)
+        while nbytes > 0:
+            n = min(nbytes, sink.nbytes)
+            self._read_exactly(sink[:n])
+            nbytes -= n
 
     def _read_exactly(self, view: memoryview) -> None:
         got, total = 0, view.nbytes

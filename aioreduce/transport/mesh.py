@@ -14,7 +14,8 @@ import contextlib
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -409,33 +410,63 @@ class Mesh:
         """A lane to ``send_to`` and one from ``recv_from`` (see :mod:`.lane`), opened with
         both peers at their step ``step``: each rank tells the rank it receives from where to
         connect and which nonce to prove, over this mesh."""
-        self._check_rank(send_to)
-        self._check_rank(recv_from)
-        listener = LaneListener(self.host, recv_from)
-        nonce = os.urandom(16)
+        outs, ins = await self.open_lane_set([send_to], [recv_from], step, timeout)
+        return outs[send_to], ins[recv_from]
+
+    async def open_lane_set(self, send_to: Sequence[int], recv_from: Sequence[int], step: int,
+                            timeout: float = ACCEPT_TIMEOUT_S
+                            ) -> tuple[dict[int, Lane], dict[int, Lane]]:
+        """Lanes to every rank of ``send_to`` and from every rank of ``recv_from`` at once
+        (what :meth:`open_lanes` does for one of each); every peer must open its side at the
+        same ``step``. All or nothing: if one fails, the others are closed and its error
+        raised."""
+        for rank in (*send_to, *recv_from):
+            self._check_rank(rank)
+        listeners: dict[int, LaneListener] = {}
+        loop = asyncio.get_running_loop()
         try:
-            told = self.post_recv(send_to, _NOTHING, step=step, tag=LANE_TAG)
-            await self.send(recv_from, _NOTHING, step=step, tag=LANE_TAG,
-                            meta={"port": listener.port, "nonce": nonce.hex()})
-            header = await asyncio.wait_for(told, timeout)
-            port, theirs = header.meta.get("port"), header.meta.get("nonce")
-            if type(port) is not int or type(theirs) is not str or len(theirs) != 32:
-                raise PeerLost(send_to, f"rank {send_to} sent a malformed lane offer")
-            host = self.addresses.get(send_to, (self.host, 0))[0]
-            token = proof(self._secret, bytes.fromhex(theirs), self.rank, send_to)
-            expect = proof(self._secret, nonce, recv_from, self.rank)
-            out, into = await asyncio.gather(
-                asyncio.to_thread(dial, host, port, token, send_to, timeout),
-                asyncio.to_thread(listener.accept, expect, timeout), return_exceptions=True)
+            for src in recv_from:
+                listeners[src] = LaneListener(self.host, src)
+            nonces = {src: os.urandom(16) for src in recv_from}
+            told = {dst: self.post_recv(dst, _NOTHING, step=step, tag=LANE_TAG) for dst in send_to}
+            await asyncio.gather(*(
+                self.send(src, _NOTHING, step=step, tag=LANE_TAG,
+                          meta={"port": listeners[src].port, "nonce": nonces[src].hex()})
+                for src in recv_from))
+            offers: dict[int, tuple[int, str]] = {}
+            for dst, fut in told.items():
+                header = await asyncio.wait_for(fut, timeout)
+                port, theirs = header.meta.get("port"), header.meta.get("nonce")
+                if type(port) is not int or type(theirs) is not str or len(theirs) != 32:
+                    raise PeerLost(dst, f"rank {dst} sent a malformed lane offer")
+                offers[dst] = (port, theirs)
+            # Every dial and accept blocks a thread until its peer does its part: one thread
+            # each, not the shared default executor (a few workers, which all ranks' accepts
+            # could fill while the dials they wait for queue behind them).
+            with ThreadPoolExecutor(max_workers=len(send_to) + len(recv_from),
+                                    thread_name_prefix="aioreduce-lane-open") as pool:
+                dials = [loop.run_in_executor(
+                    pool, dial, self.addresses.get(dst, (self.host, 0))[0], offers[dst][0],
+                    proof(self._secret, bytes.fromhex(offers[dst][1]), self.rank, dst), dst,
+                    timeout) for dst in send_to]
+                accepts = [loop.run_in_executor(
+                    pool, listeners[src].accept, proof(self._secret, nonces[src], src, self.rank),
+                    timeout) for src in recv_from]
+                opened = await asyncio.gather(*dials, *accepts, return_exceptions=True)
         finally:
-            listener.close()
-        if isinstance(out, BaseException) or isinstance(into, BaseException):
-            for lane in (out, into):
+            for listener in listeners.values():
+                listener.close()
+        failed = [r for r in opened if isinstance(r, BaseException)]
+        if failed:
+            for lane in opened:
                 if isinstance(lane, Lane):
                     lane.close()
-            raise out if isinstance(out, BaseException) else cast(BaseException, into)
-        into.latency = self.options.latency
-        return out, into
+            raise failed[0]
+        lanes = cast(list[Lane], opened)
+        for lane in lanes[len(send_to):]:
+            lane.latency = self.options.latency
+        return (dict(zip(send_to, lanes[:len(send_to)], strict=True)),
+                dict(zip(recv_from, lanes[len(send_to):], strict=True)))
 
     # -- control messages (rendezvous, barriers) ----------------------------------------------
     async def send_control(self, rank: int, meta: dict[str, object]) -> None:

@@ -29,9 +29,12 @@ FIXED = json.dumps({"deadline": 30.0})  # nothing is cut: the sums must be exact
 def test_exact_sums_on_real_processes(ranks, n: int) -> None:
     # In place, the result lands in each rank's own vector (slices in the rotation's padding
     # beside it).
-    for dtype, hadamard, tol, place in [("float64", False, 1e-9, []), ("float32", True, 1e-6, []),
-                                        ("float32", True, 1e-6, ["--in-place"])]:
-        options = json.dumps({"deadline": 30.0, "hadamard": hadamard, "slice_bytes": 4096})
+    # Over lanes (the default), and once through the comm's event loop (lanes off).
+    for dtype, hadamard, tol, place, lanes in [
+            ("float64", False, 1e-9, [], True), ("float32", True, 1e-6, [], True),
+            ("float32", True, 1e-6, ["--in-place"], True), ("float32", True, 1e-6, [], False)]:
+        options = json.dumps({"deadline": 30.0, "hadamard": hadamard, "slice_bytes": 4096,
+                              "lanes": lanes})
         done = run(ranks, n, "transpose", "--steps", "12", "--dim", "30011", "--dtype", dtype,
                    "--options", options, *place)
         for rank, d in done.items():
@@ -41,6 +44,7 @@ def test_exact_sums_on_real_processes(ranks, n: int) -> None:
             for s in got:
                 assert s["exact"] and s["received"] == 1.0 and s["rel_err"] < tol, (rank, s)
                 assert s["into_own"] == bool(place), (rank, s)  # where the result landed
+                assert s["lanes"] is lanes, (rank, s)  # the path under test
 
 
 def _stopped(pid: int) -> bool:
@@ -83,7 +87,14 @@ def test_a_rank_stopped_for_5_s_costs_the_others_only_their_bounds_and_rejoins(
         for s in got[stop_at - 10:]:
             assert s["seconds"] <= s["deadline"] + 0.05, (rank, s)
     back = steps_of(done[2])
-    assert any(s.get("error") == "behind" for s in back), "rank 2 did not jump ahead"
+    # Rank 2 catches up one of two ways. Frames its peers sent while it was stopped are read
+    # in order: over lanes, what the lanes still hold is run through at once (each of those
+    # steps ends with the data already there, refused as the peers refused it); once it
+    # meets a step `behind_steps` ahead of its own (the peers skipped it for a while), or
+    # through the comm, where the mesh reads every frame at once, it jumps (FellBehind).
+    jumped = [s for s in back if s.get("error") == "behind"]
+    caught_up = [s["step"] for s in back[stop_at:]] == list(range(stop_at, steps))
+    assert jumped or caught_up, [(s["step"], s.get("error")) for s in back[stop_at:stop_at + 40]]
     assert back[-1]["step"] == steps - 1
     # Rank 2 has rejoined: in the last 100 steps its contribution is in nearly every result
     # and almost every result is exact, on rank 2 too. (Not every one: on a busy 2-core

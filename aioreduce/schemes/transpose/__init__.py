@@ -47,6 +47,9 @@ class Transpose:
       :class:`~aioreduce.FellBehind` and jumps to their step (after a pause).
     * ``inject_loss``: for experiments, drop this fraction of slices on arrival (seeded),
       as an unreliable network would; never during warm-up.
+    * ``lanes``: move the slices over a blocking lane to and from every peer, off the event
+      loop (on by default; see ``transpose/lanes.py``); without a mesh (the in-memory
+      network) they go through the comm.
     """
 
     hadamard: bool = True
@@ -66,6 +69,7 @@ class Transpose:
     backlog_steps: int = 8
     inject_loss: float = 0.0
     max_wait: float = 600.0  # a reliable (warm-up or "wait") stage gives up after this
+    lanes: bool = True
     coded: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:

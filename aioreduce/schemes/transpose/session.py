@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...codes.hadamard import Rotation
-from ...wire import Header
-from ..base import Comm, FellBehind, Result, StragglerError
-from ..outbox import Outbox
+from ..base import Comm, FellBehind, Result, StragglerError, open_lane_set
 from ..pool import BufferPool
 from .clock import StageClock
+from .lanes import LaneLinks
 from .layout import PHASE2_TAG, Layout
+from .links import CommLinks, Links
 from .stage import Slot, Stage
 
 if TYPE_CHECKING:
@@ -55,29 +55,46 @@ class TransposeSession:
                                        headroom=opts.headroom,
                                        min_deadline=opts.min_deadline, fixed=fixed)
                             for _stage in range(2))
-        self.outbox = Outbox(comm, opts.backlog_steps)
+        # Through the comm until the first step opens lanes to every peer (if the comm has
+        # them: not the in-memory network); see links.py and lanes.py.
+        self.links: Links = CommLinks(comm, opts.backlog_steps)
+        self._want_lanes = opts.lanes and comm.world_size > 1
         # A step's rotated vector, phase-1 scratch and result: reused once nothing holds them
         # (a send still queued for a slow peer, a result the caller kept), as fresh 16 MiB
         # arrays cost page faults every step.
         self.pool = BufferPool(spare=4)
-        self.newest = -1  # the newest step any peer's frame was for
         self.drifted: set[int] = set()  # ranks known to have used stand-ins since a re-sync
         self.last_deadline = 0.0
         self._rotation: Rotation | None = None
-        self._removers: list[Callable[[], None]] = [
-            comm.on_early(p, 0, self._heard) for p in range(comm.world_size) if p != comm.rank]
 
-    def _heard(self, header: Header, _payload: memoryview) -> None:
-        self.newest = max(self.newest, header.step)
+    @property
+    def newest(self) -> int:
+        """The newest step any peer sent a slice of."""
+        return self.links.newest
+
+    @property
+    def lanes_open(self) -> bool:
+        """Whether the slices travel over lanes (opened by the first step)."""
+        return isinstance(self.links, LaneLinks)
 
     def known(self, step: int) -> bool:
         return False  # every step needs this rank's own vector
 
     async def close(self, timeout: float) -> None:
-        for remove in self._removers:
-            remove()
-        self._removers.clear()
-        await self.outbox.close(timeout)
+        await self.links.close(timeout)
+
+    async def _open_lanes(self, step: int) -> None:
+        """Lanes to and from every peer, at the first step (every rank's comm is built the
+        same way, so every rank makes the same choice)."""
+        self._want_lanes = False
+        peers = [p for p in range(self.comm.world_size) if p != self.comm.rank]
+        try:
+            outs, ins = await open_lane_set(self.comm, peers, peers, step)
+        except NotImplementedError:
+            return  # no mesh under this comm: the event loop's way
+        old = self.links
+        self.links = LaneLinks(self.comm, outs, ins, self.opts.backlog_steps, old.newest)
+        await old.close(0)
 
     def _rotation_for(self, length: int) -> Rotation:
         n = self.comm.world_size
@@ -100,10 +117,14 @@ class TransposeSession:
         comm, opts = self.comm, self.opts
         n, me = comm.world_size, comm.rank
         t0 = time.perf_counter()
+        links = self.links
         if self.newest >= step + opts.behind_steps:
-            comm.discard_before(self.newest)
+            links.discard_before(self.newest)
             raise FellBehind(me, step, self.newest)
-        comm.discard_before(step)
+        links.discard_before(step)
+        if self._want_lanes:
+            await self._open_lanes(step)
+            links = self.links
         rot = self._rotation_for(like.size) if opts.hadamard and like.size else None
         if rot is not None and like.dtype.kind != "f":
             raise TypeError(f"rank {me}: Transpose(hadamard=True) needs floating-point "
@@ -156,7 +177,7 @@ class TransposeSession:
                 log.info("rank %d step %d: stage 1 ended (%s) after %.1f ms of %.1f ms with "
                          "%.1f%% of its data", me, step, stage1.reason, stage1.elapsed * 1e3,
                          (d1 or 0) * 1e3, stage1.fraction * 100)
-            comm.discard_before(step, PHASE2_TAG)
+            links.discard_before(step, PHASE2_TAG)
             self._drop_injected(step, 1, phase1)
             shard_fraction, missing = self._reduce(y, scratch, layout, phase1)
             if rot is not None:  # the layout's shards are the rotation's parts
@@ -174,11 +195,15 @@ class TransposeSession:
                 log.info("rank %d step %d: stage 2 ended (%s) after %.1f ms of %.1f ms with "
                          "%.1f%% of its data", me, step, stage2.reason, stage2.elapsed * 1e3,
                          (left or 0) * 1e3, stage2.fraction * 100)
-            comm.discard_before(step + 1)
+            links.discard_before(step + 1)
             self._drop_injected(step, 2, phase2)
         finally:
             for slot in phase1 + phase2:
                 slot.future.cancel()
+            # Whatever ended the step, no receive of it writes into our buffers any more
+            # (the caller's vector among them) once it is over.
+            links.discard_before(step + 1)
+            links.end_step(step)
         self.clocks[0].observe(stage1.elapsed, stage1.fraction)
         self.clocks[1].observe(stage2.elapsed, stage2.fraction)
         tail.land(out, phase2, layout)
@@ -195,19 +220,19 @@ class TransposeSession:
         tail = layout.tail_index(owner)
         slots = []
         for src in srcs:
-            if self.comm.is_lost(src):
+            if self.links.is_lost(src):
                 continue
             for i, (a, b) in enumerate(slices):
-                fut = self.comm.post_recv(src, where(src, a, b), step=step, tag=tag0 + i)
+                fut = self.links.post(src, where(src, a, b), step, tag0 + i)
                 slots.append(Slot(src, i, b - a, fut, tail=i >= tail))
         return slots
 
     def _send_shard(self, step: int, layout: Layout, y: np.ndarray, owner: int,
                     meta: dict[str, Any]) -> None:
         """Our copy of ``owner``'s shard to its owner, slice by slice (phase 1)."""
-        if not self.comm.is_lost(owner):
+        if not self.links.is_lost(owner):
             for i, (a, b) in enumerate(layout.slices_of(owner)):
-                self.outbox.send(owner, y[a:b], step=step, tag=i, meta=meta)
+                self.links.send(owner, y[a:b], step, i, meta)
 
     def _reduce(self, y: np.ndarray, scratch: np.ndarray, layout: Layout,
                 phase1: list[Slot]) -> tuple[float, list[int]]:
@@ -251,10 +276,10 @@ class TransposeSession:
         """Our reduced shard to every rank, interleaved, with what it lacks."""
         me = self.comm.rank
         meta = {"f": fraction, "m": missing}
-        peers = [k for k in range(self.comm.world_size) if k != me and not self.comm.is_lost(k)]
+        peers = [k for k in range(self.comm.world_size) if k != me and not self.links.is_lost(k)]
         for i, (a, b) in enumerate(layout.slices_of(me)):
             for k in peers:
-                self.outbox.send(k, out[a:b], step=step, tag=PHASE2_TAG + i, meta=meta)
+                self.links.send(k, out[a:b], step, PHASE2_TAG + i, meta)
 
     # -- accounting -------------------------------------------------------------------------
     def _finish(self, step: int, like: np.ndarray, own: _OwnContribution, out: np.ndarray,

@@ -1,0 +1,86 @@
+"""How a transpose session's slices travel: the narrow interface, and its comm version.
+
+A step posts receives, sends slices, raises a floor under which slices are dropped on
+arrival (and never written anywhere), and asks which step its peers are at.
+:class:`CommLinks` does that through the scheme's comm: frames on the event loop, and the
+in-memory network of the unit tests. :class:`~.lanes.LaneLinks` does it over a blocking
+lane to and from every peer, off the event loop (real meshes; the default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from ...wire import Header
+from ..base import Comm
+from ..outbox import Outbox
+
+
+class Links(Protocol):
+    """What a transpose step needs from the network (see the module docstring)."""
+
+    @property
+    def newest(self) -> int:
+        """The newest step any peer sent a slice of (-1: none yet)."""
+
+    def post(self, src: int, out: np.ndarray, step: int, tag: int) -> asyncio.Future[Header]:
+        """Receive slice ``tag`` of ``step`` from ``src`` into ``out``; the future ends with
+        its header (meta included) once every byte is in, or with ``PeerLost``."""
+
+    def send(self, peer: int, array: np.ndarray, step: int, tag: int,
+             meta: dict[str, Any]) -> None:
+        """Send in the background; ``array`` must stay unchanged until it is sent (a peer
+        that is not reading is skipped once it has many steps unsent)."""
+
+    def discard_before(self, step: int, tag: int = 0) -> None:
+        """Drop slices below ``(step, tag)`` on arrival; a posted receive below it is
+        withdrawn, and its buffer is not written again once this returns."""
+
+    def is_lost(self, rank: int) -> bool:
+        """Whether ``rank`` can no longer send to or receive from this rank."""
+
+    def end_step(self, step: int) -> None:
+        """The step is over (step telemetry counts what it moved, if it bypassed the comm)."""
+
+    async def close(self, timeout: float) -> None:
+        """Let queued sends finish for up to ``timeout`` seconds, then stop."""
+
+
+class CommLinks:
+    """:class:`Links` through the scheme's comm, the sends through an :class:`Outbox`."""
+
+    def __init__(self, comm: Comm, backlog_steps: int) -> None:
+        self.comm = comm
+        self.outbox = Outbox(comm, backlog_steps)
+        self.newest = -1
+        self._removers: list[Callable[[], None]] = [
+            comm.on_early(p, 0, self._heard) for p in range(comm.world_size) if p != comm.rank]
+
+    def _heard(self, header: Header, _payload: memoryview) -> None:
+        self.newest = max(self.newest, header.step)
+
+    def post(self, src: int, out: np.ndarray, step: int, tag: int) -> asyncio.Future[Header]:
+        return self.comm.post_recv(src, out, step=step, tag=tag)
+
+    def send(self, peer: int, array: np.ndarray, step: int, tag: int,
+             meta: dict[str, Any]) -> None:
+        self.outbox.send(peer, array, step=step, tag=tag, meta=meta)
+
+    def discard_before(self, step: int, tag: int = 0) -> None:
+        self.comm.discard_before(step, tag)
+
+    def is_lost(self, rank: int) -> bool:
+        return self.comm.is_lost(rank)
+
+    def end_step(self, step: int) -> None:
+        pass  # the comm's frames are counted as they pass
+
+    async def close(self, timeout: float) -> None:
+        for remove in self._removers:
+            remove()
+        self._removers.clear()
+        await self.outbox.close(timeout)

@@ -1,0 +1,115 @@
+"""The transpose's lanes (``schemes/transpose/lanes.py``) on real socket pairs: a withdrawn
+receive is never written again, even when its sender delivers the rest later; a message ahead
+of its receive waits for it; one below the floor is dropped and the stream stays in step; a
+wrong size is a mismatch; a lane that ends fails its receives naming the peer.
+
+The bytes cross real sockets; only the comm beside them (rank, floor, losses) is a stub, as
+these links use it for nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+
+from aioreduce.errors import PeerLost
+from aioreduce.schemes.transpose.lanes import LaneLinks
+from aioreduce.transport.lane import HEADER, Lane, LaneMismatch
+from aioreduce.wire import Header, Kind
+
+PEER = 1
+
+
+class _Comm:
+    rank, world_size = 0, 2
+
+    def discard_before(self, step: int, tag: int = 0) -> None:
+        pass
+
+    def is_lost(self, rank: int) -> bool:
+        return False
+
+
+def _message(step: int, tag: int, payload: np.ndarray, meta: dict[str, object]) -> bytes:
+    head = Header(Kind.DATA, step, tag, PEER, meta=meta).to_bytes()
+    return HEADER.pack(step, tag, payload.nbytes, len(head)) + head + payload.tobytes()
+
+
+@pytest.fixture
+async def wired() -> AsyncIterator[tuple[LaneLinks, socket.socket]]:
+    """Links on rank 0 whose lane from rank 1 is fed by the test through ``peer``."""
+    ours, peer = socket.socketpair()
+    out_ours, out_peer = socket.socketpair()
+    links = LaneLinks(_Comm(), {PEER: Lane(out_ours, PEER)},  # type: ignore[arg-type]
+                      {PEER: Lane(ours, PEER)}, backlog_steps=8)
+    try:
+        yield links, peer
+    finally:
+        await links.close(1.0)
+        peer.close()
+        out_peer.close()
+
+
+async def _until(done: object, timeout: float = 10.0) -> None:
+    """Wait (turning the loop) until ``done()`` is true: the reader thread's progress."""
+    limit = time.monotonic() + timeout
+    while not done():  # type: ignore[operator]
+        assert time.monotonic() < limit, "the lane reader did not get there"
+        await asyncio.sleep(0.001)
+
+
+async def test_a_withdrawn_receive_is_never_written_even_when_the_rest_comes(wired) -> None:
+    links, peer = wired
+    buf = np.full(1 << 16, -1.0)
+    fut = links.post(PEER, buf, 0, 0)
+    data = np.arange(buf.size, dtype=float)
+    wire = _message(0, 0, data, {"i": 0})
+    half = len(wire) - data.nbytes // 2  # header, meta and the first half of the payload
+    peer.sendall(wire[:half])
+    await _until(lambda: buf[buf.size // 2 - 1] == data[buf.size // 2 - 1])
+    links.discard_before(1)  # the stage ended: the post is withdrawn
+    fut.cancel()
+    nxt = np.zeros(4)
+    fut2 = links.post(PEER, nxt, 1, 0)
+    peer.sendall(wire[half:] + _message(1, 0, np.array([1.0, 2, 3, 4]), {"i": 1}))
+    header = await asyncio.wait_for(fut2, 10)
+    # The rest of step 0's slice was read and dropped (the stream stayed in step), and
+    # none of it reached the withdrawn buffer.
+    assert header.meta == {"i": 1} and nxt.tolist() == [1, 2, 3, 4]
+    np.testing.assert_array_equal(buf[: buf.size // 2], data[: buf.size // 2])
+    assert (buf[buf.size // 2:] == -1).all()
+
+
+async def test_ahead_waits_for_its_receive_and_below_the_floor_is_dropped(wired) -> None:
+    links, peer = wired
+    links.discard_before(3)
+    stale = np.array([9.0, 9, 9])
+    peer.sendall(_message(2, 0, stale, {}) + _message(5, 1, np.array([5.0, 6, 7]), {"x": 1}))
+    await _until(lambda: links.newest == 5)  # read up to the step-5 header, waiting there
+    early = np.zeros(3)
+    got = await asyncio.wait_for(links.post(PEER, early, 5, 1), 10)
+    assert got.step == 5 and got.tag == 1 and got.src == PEER and got.meta == {"x": 1}
+    assert early.tolist() == [5, 6, 7]
+
+
+async def test_a_wrong_size_is_a_mismatch_and_a_lane_that_ends_fails_its_receives(
+        wired) -> None:
+    links, peer = wired
+    small = np.zeros(2)
+    fut = links.post(PEER, small, 0, 0)
+    peer.sendall(_message(0, 0, np.ones(3), {}))
+    with pytest.raises(LaneMismatch, match="expected"):
+        await asyncio.wait_for(fut, 10)
+    assert small.tolist() == [0, 0]
+    waiting = links.post(PEER, np.zeros(2), 0, 1)
+    peer.close()  # rank 1 is gone
+    with pytest.raises(PeerLost) as lost:
+        await asyncio.wait_for(waiting, 10)
+    assert lost.value.rank == PEER and links.is_lost(PEER)
+    with pytest.raises(PeerLost):  # a receive posted later fails at once
+        await asyncio.wait_for(links.post(PEER, np.zeros(2), 1, 0), 10)

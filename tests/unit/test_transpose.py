@@ -10,6 +10,7 @@ bound (``D`` per step); the results do not depend on how long that takes.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from aioreduce.codes.hadamard import Rotation
 from aioreduce.schemes import FellBehind, Result, StragglerError, Transpose
 from aioreduce.schemes.transpose.clock import StageClock
 from aioreduce.schemes.transpose.layout import PHASE2_TAG, Layout
+from aioreduce.schemes.transpose.stage import Slot, Stage
 from aioreduce.transport.memory import MemoryNetwork
 
 D = 0.5  # a fixed step bound (0.25 s a stage): generous for one loop on a busy machine
@@ -383,3 +385,35 @@ async def test_integer_vectors_with_the_rotation_are_refused_naming_the_rank() -
     plain = [Transpose(hadamard=False, deadline=D).open(c) for c in net.comms]
     for res in await run_step(net, plain, 1, ints):  # the corrected retry works
         assert isinstance(res, Result) and res.value.tolist() == (np.arange(6) * 6).tolist()
+
+
+# -- a stage past its deadline -------------------------------------------------------------
+async def test_a_stage_waits_past_its_deadline_while_its_missing_sender_delivers() -> None:
+    loop = asyncio.get_running_loop()
+    done, late = loop.create_future(), loop.create_future()
+    done.set_result(None)
+    stage = Stage([Slot(1, 0, 10, done), Slot(1, 1, 10, late, tail=True)], 20)
+    asked: list[int] = []
+
+    def heard(src: int) -> float:  # asked only once the deadline has passed
+        asked.append(src)
+        if not late.done():  # rank 1's last slice lands while the stage waits on
+            loop.call_soon(late.set_result, None)
+        return time.perf_counter()  # its bytes are flowing right now
+
+    await stage.run(0.01, idle=60.0, grace=1000.0, heard=heard)
+    assert asked == [1] and stage.extended and stage.reason == "complete"
+    assert stage.fraction == 1.0
+
+
+async def test_a_silent_or_unstarted_sender_gets_no_grace() -> None:
+    loop = asyncio.get_running_loop()
+    for delivered_before in (True, False):
+        first, last = loop.create_future(), loop.create_future()
+        slots = [Slot(2, 0, 10, first), Slot(2, 1, 10, last, tail=True)]
+        if delivered_before:  # it sent one slice at the start of the stage, then nothing
+            first.set_result(None)
+        stage = Stage(slots if delivered_before else slots[1:], 20 if delivered_before else 10)
+        await stage.run(0.01, idle=0.001, grace=1000.0, heard=lambda _src: 0.0)
+        assert stage.reason == "deadline" and not stage.extended, delivered_before
+        assert not last.done() or last.cancelled()

@@ -37,7 +37,10 @@ class Transpose:
       ``headroom`` × their P95; then each rank proposes its EWMA completion estimate plus
       ``slack`` × its EWMA deviation (as TCP's retransmission timeout) and the stage takes
       the median proposal over ranks (at least ``min_deadline``, at most that ceiling).
-      ``Result.deadline`` is the step's bound: both stages' together.
+      A stage whose missing senders are all still delivering at its bound (bytes within
+      ``idle_fraction`` of the estimate) waits on while they do, up to ``flowing_grace``
+      (0.25) × the bound more; a sender that has not started or has stopped gets nothing.
+      ``Result.deadline`` is the step's bound: both stages' together, grace included.
     * ``max_loss``, ``on_excess_loss``: the safety valve. A step whose missing fraction
       exceeds ``max_loss`` raises :class:`~aioreduce.StragglerError` (``"raise"``) or waits
       past the deadline for the data (``"wait"``); it never silently degrades further.
@@ -61,6 +64,7 @@ class Transpose:
     headroom: float = 2.0  # the ceiling is this many times the warm-up's P95
     min_deadline: float = 0.005  # a floor under the adaptive bound of each stage
     idle_fraction: float = 0.1  # early close after this fraction of the estimate is quiet
+    flowing_grace: float = 0.25  # past its bound, a stage whose senders deliver waits this x more
     max_loss: float = 0.05
     on_excess_loss: OnExcessLoss = "raise"
     slice_bytes: int = 1 << 20  # 256 KiB slices cost 1.7x ring at 16 MiB (per-frame work)
@@ -79,6 +83,8 @@ class Transpose:
             raise ValueError("on_excess_loss must be 'raise' or 'wait'")
         if self.deadline is not None and self.deadline <= 0:
             raise ValueError("deadline must be positive (or None to adapt)")
+        if not 0 <= self.flowing_grace <= 10:
+            raise ValueError("flowing_grace must be in [0, 10]")
         if not 0 <= self.max_loss <= 1 or not 0 <= self.inject_loss < 1:
             raise ValueError("max_loss must be in [0, 1] and inject_loss in [0, 1)")
         if min(self.warmup, self.slack, self.headroom, self.slice_bytes, self.behind_steps) <= 0:

@@ -67,6 +67,7 @@ class LaneLinks:
         self._floor = (-1, 0)
         self._closed = False
         self._gone: dict[int, PeerLost] = {}  # peer -> why its lane (either way) ended
+        self._heard_at: dict[int, float] = {}  # peer -> perf_counter of its last bytes
         self.newest = newest
         # Per peer, the step of every message queued on its lane, oldest first; the lane
         # counts what it sent, in the same order.
@@ -133,6 +134,9 @@ class LaneLinks:
 
     def is_lost(self, rank: int) -> bool:
         return rank in self._gone or self.comm.is_lost(rank)
+
+    def heard_at(self, src: int) -> float:
+        return self._heard_at.get(src, 0.0)
 
     def end_step(self, step: int) -> None:
         sent = self._sent.pop(step, 0)
@@ -213,6 +217,7 @@ class LaneLinks:
                 post.writing = True
             try:
                 got += lane.recv_now(post.view[got:])
+                self._heard_at[lane.peer] = time.perf_counter()
             finally:
                 with self._cond:
                     post.writing = False

@@ -43,6 +43,10 @@ class Links(Protocol):
     def is_lost(self, rank: int) -> bool:
         """Whether ``rank`` can no longer send to or receive from this rank."""
 
+    def heard_at(self, src: int) -> float:
+        """``time.perf_counter()`` when bytes last came from ``src`` (0: not known finer than
+        whole slices, which the stage itself times)."""
+
     def end_step(self, step: int) -> None:
         """The step is over (step telemetry counts what it moved, if it bypassed the comm)."""
 
@@ -75,6 +79,9 @@ class CommLinks:
 
     def is_lost(self, rank: int) -> bool:
         return self.comm.is_lost(rank)
+
+    def heard_at(self, src: int) -> float:
+        return 0.0  # frames complete whole: the stage times them
 
     def end_step(self, step: int) -> None:
         pass  # the comm's frames are counted as they pass

@@ -170,9 +170,14 @@ class TransposeSession:
                       for s in self._post(step, layout, k, [k], PHASE2_TAG,
                                           lambda _src, a, b: tail.view(out, a, b))]
             d1, d2 = (clock.deadline() for clock in self.clocks)
-            self.last_deadline = d1 + d2 if d1 is not None and d2 is not None else 0.0
+            # The step's bound: both stages', each with the grace it may take past its
+            # deadline while every sender it lacks is still delivering.
+            grace = opts.flowing_grace
+            self.last_deadline = ((d1 + d2) * (1 + grace) if d1 is not None and d2 is not None
+                                  else 0.0)
             stage1 = Stage(phase1, (n - 1) * (hi - lo))
-            await stage1.run(d1, self._idle(0), self._need(), opts.max_wait, since=ready)
+            await stage1.run(d1, self._idle(0), self._need(), opts.max_wait, since=ready,
+                             grace=grace, heard=links.heard_at)
             if stage1.reason != "complete":
                 log.info("rank %d step %d: stage 1 ended (%s) after %.1f ms of %.1f ms with "
                          "%.1f%% of its data", me, step, stage1.reason, stage1.elapsed * 1e3,
@@ -190,7 +195,8 @@ class TransposeSession:
             # Stage 2 ends both bounds after stage 1 began, not one bound after it ended
             # here: an owner whose stage 1 ran to its deadline sends only then.
             left = None if d1 is None or d2 is None else max(d2, d1 + d2 - stage1.elapsed)
-            await stage2.run(left, self._idle(1), self._need(), opts.max_wait)
+            await stage2.run(left, self._idle(1), self._need(), opts.max_wait, grace=grace,
+                             heard=links.heard_at)
             if stage2.reason != "complete":
                 log.info("rank %d step %d: stage 2 ended (%s) after %.1f ms of %.1f ms with "
                          "%.1f%% of its data", me, step, stage2.reason, stage2.elapsed * 1e3,

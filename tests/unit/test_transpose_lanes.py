@@ -113,3 +113,36 @@ async def test_a_wrong_size_is_a_mismatch_and_a_lane_that_ends_fails_its_receive
     assert lost.value.rank == PEER and links.is_lost(PEER)
     with pytest.raises(PeerLost):  # a receive posted later fails at once
         await asyncio.wait_for(links.post(PEER, np.zeros(2), 1, 0), 10)
+
+
+async def test_a_peer_that_does_not_read_is_skipped_after_backlog_steps(caplog) -> None:
+    """A stopped peer holds at most ``backlog_steps`` steps of our arrays; once it reads
+    again it gets what was queued and then the current step, not the skipped ones."""
+    ours, theirs = socket.socketpair()
+    in_ours, in_theirs = socket.socketpair()
+    out = Lane(ours, PEER)
+    links = LaneLinks(_Comm(), {PEER: out}, {PEER: Lane(in_ours, PEER)},  # type: ignore[arg-type]
+                      backlog_steps=2)
+    try:
+        big = np.zeros(1 << 18)  # 2 MiB a message: more than a socket pair holds
+        for step in range(5):
+            links.send(PEER, big, step, 0, {"s": step})
+        assert "is not reading" in caplog.text
+        peer = Lane(theirs, 0)
+
+        def read_one() -> int:
+            step, _tag, nbytes, meta = peer.read_head()
+            peer.read_meta(meta)
+            peer.skip(nbytes)
+            return step
+
+        got = [await asyncio.to_thread(read_one) for _ in range(2)]
+        await asyncio.to_thread(out.flush, 10.0)  # both are out of our queue now
+        links.send(PEER, big, 5, 0, {"s": 5})
+        got.append(await asyncio.to_thread(read_one))
+        assert got == [0, 1, 5]  # steps 2-4 were never queued
+        assert "reads again" in caplog.text
+    finally:
+        await links.close(1.0)
+        theirs.close()
+        in_theirs.close()

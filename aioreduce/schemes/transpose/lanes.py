@@ -100,9 +100,10 @@ class LaneLinks:
         if self.is_lost(peer):
             return
         lane, queued = self._outs[peer], self._queued[peer]
-        for _done in range(lane.sent - self._forgotten[peer]):
+        sent = lane.sent  # once: the lane's thread may count more meanwhile
+        for _done in range(sent - self._forgotten[peer]):
             queued.popleft()
-        self._forgotten[peer] = lane.sent
+        self._forgotten[peer] = sent
         if len(set(queued) - {step}) >= self._backlog:
             if peer not in self._skipping:
                 self._skipping.add(peer)

@@ -108,6 +108,29 @@ def test_a_rank_stopped_for_5_s_costs_the_others_only_their_bounds_and_rejoins(
         assert all(s["rel_err"] < 1e-9 for s in exact), rank
 
 
+def test_a_killed_rank_costs_the_others_only_their_bounds(ranks) -> None:
+    """Rank 2 is SIGKILLed at step 20: its lanes end, every receive from it fails at once, and
+    the others go on (max_loss 1: accepting what arrived), each step naming rank 2, within
+    its bound, over lanes."""
+    steps, die_at = 50, 20
+    done = run(ranks, 4, "transpose", "--steps", str(steps), "--dim", "20000", "--die", "2",
+               "--die-step", str(die_at), "--deadline", "0", "--options",
+               json.dumps({"deadline": None, "max_loss": 1.0}))
+    assert done[2].returncode == -signal.SIGKILL
+    for rank in (0, 1, 3):
+        d = done[rank]
+        assert d.returncode == 0, (rank, d.err[-3000:])
+        got = steps_of(d)
+        assert [s["step"] for s in got] == list(range(steps)), rank
+        after = got[die_at + 2:]
+        assert all(s["lanes"] is True for s in got), rank  # the path under test
+        assert all(2 in s["late"] and not s["exact"] for s in after), rank
+        assert all(s["seconds"] <= s["deadline"] + 0.05 for s in after), rank
+        # Rank 2's quarter of every shard is missing, nothing more (a stand-in for its own
+        # shard: its reduced slices never come).
+        assert all(0.5 <= s["received"] < 1 for s in after), rank
+
+
 async def test_use_keep_resumes_a_kept_session_with_its_learned_state() -> None:
     # A one-rank job: Node.use(keep=True) parks the transpose session (and its clocks)
     # while another scheme runs, and an equal scheme resumes that very session.

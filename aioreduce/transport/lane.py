@@ -40,7 +40,7 @@ import time
 from typing import cast
 
 from ..errors import AioreduceError, PeerLost
-from .sockopts import tune
+from .sockopts import send_queue_bytes, tune
 
 HEADER = struct.Struct("<qqqq")  # step, index, payload bytes, meta bytes
 MAX_META = 4096  # a message's meta (msgpack) is small control data: bound what a peer sends
@@ -83,6 +83,7 @@ class Lane:
         self._sender: threading.Thread | None = None
         self._head = bytearray(HEADER.size)
         self.sent = 0  # messages in the kernel (or failed): they leave in the order queued
+        self._unsent = 0  # bytes queued here, not yet handed to the kernel
         self._poll: select.poll | None = None
         self._sink: bytearray | None = None
 
@@ -97,9 +98,11 @@ class Lane:
             self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                             name=f"aioreduce-lane-to-{self.peer}")
             self._sender.start()
+        head = HEADER.pack(step, index, payload.nbytes, len(meta)) + meta
         with self._idle:
             self._pending += 1
-        self._queue.put((HEADER.pack(step, index, payload.nbytes, len(meta)) + meta, payload))
+            self._unsent += len(head) + payload.nbytes
+        self._queue.put((head, payload))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Block until every queued message is in the kernel (or raise the send's error);
@@ -114,6 +117,7 @@ class Lane:
         while (item := self._queue.get()) is not None:
             head, payload = item
             del item  # no reference left once sent: the payload's array may be reused then
+            nbytes = len(head) + payload.nbytes
             try:
                 if self._error is None:
                     self.sock.sendall(head)
@@ -123,8 +127,19 @@ class Lane:
             del payload
             with self._idle:
                 self._pending -= 1
+                self._unsent -= nbytes
                 self.sent += 1
                 self._idle.notify_all()
+
+    def unacked(self) -> int:
+        """Bytes queued on this lane that the peer's kernel has not acknowledged yet (what the
+        sender thread holds plus the socket's send queue); 0 once the lane is closed."""
+        if self._closed or self._error is not None:
+            return 0
+        try:
+            return self._unsent + send_queue_bytes(self.sock.fileno())
+        except (OSError, ValueError):  # closed meanwhile: nothing of ours is on its way
+            return 0
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

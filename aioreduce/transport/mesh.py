@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -90,6 +91,9 @@ class Mesh:
         self._dial_locks: dict[int, asyncio.Lock] = {}
         self._server: asyncio.Server | None = None
         self._conns: set[FrameProtocol] = set()
+        # Lanes this mesh opened to its peers (their owners close them), for unacked():
+        # weakly, so a closed and dropped lane is forgotten.
+        self._lanes: weakref.WeakSet[Lane] = weakref.WeakSet()
         self._tasks: set[asyncio.Task[None]] = set()
         self.refused = 0  # connections that failed the handshake (for tests and logs)
         self._unauthenticated: OrderedDict[FrameProtocol, str] = OrderedDict()  # -> host
@@ -465,6 +469,7 @@ class Mesh:
         lanes = cast(list[Lane], opened)
         for lane in lanes[len(send_to):]:
             lane.latency = self.options.latency
+        self._lanes.update(lanes[:len(send_to)])
         return (dict(zip(send_to, lanes[:len(send_to)], strict=True)),
                 dict(zip(recv_from, lanes[len(send_to):], strict=True)))
 
@@ -485,9 +490,10 @@ class Mesh:
 
     # -- teardown -----------------------------------------------------------------------------
     def unacked(self) -> int:
-        """Bytes this rank has sent that no peer's kernel has acknowledged yet (see
-        :meth:`FrameProtocol.unacked`)."""
-        return sum(conn.unacked() for conn in self._conns)
+        """Bytes this rank has sent that no peer's kernel has acknowledged yet, on its
+        connections and on the lanes it opened (see :meth:`FrameProtocol.unacked`)."""
+        return (sum(conn.unacked() for conn in self._conns)
+                + sum(lane.unacked() for lane in list(self._lanes)))
 
     async def drained(self, timeout: float) -> bool:
         """Wait until the peers' kernels have every byte this rank sent, or ``timeout``

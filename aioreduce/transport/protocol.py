@@ -23,11 +23,8 @@ there payloads are written in bounded slices.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
 import socket
-import struct
-import termios
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, cast
 
@@ -37,7 +34,7 @@ from ..wire.decoder import NO_FRAMES, Destination
 from ..wire.frame import Buffer
 from .loop import is_uvloop
 from .ratelog import RateLimitedLog
-from .sockopts import tune
+from .sockopts import send_queue_bytes, tune
 
 log = logging.getLogger("aioreduce.transport")
 
@@ -255,8 +252,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         nbytes = transport.get_write_buffer_size()
         if self._fd >= 0:
             try:
-                queued = fcntl.ioctl(self._fd, termios.TIOCOUTQ, b"\0\0\0\0")
-                nbytes += struct.unpack("i", queued)[0]
+                nbytes += send_queue_bytes(self._fd)
             except OSError:  # closed meanwhile: nothing of ours is on its way any more
                 self._fd = -1
         return nbytes

@@ -9,8 +9,11 @@ setting SO_RCVBUF/SO_SNDBUF disables it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import resource
 import socket
+import struct
+import termios
 
 KEEPALIVE_IDLE_S = 10
 KEEPALIVE_INTERVAL_S = 5
@@ -45,3 +48,11 @@ def raise_fd_limit() -> int:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def send_queue_bytes(fd: int) -> int:
+    """Bytes in a TCP socket's send queue (TIOCOUTQ: not sent yet, or sent and not yet
+    acknowledged by the peer's kernel); ``OSError`` if ``fd`` is closed."""
+    queued = fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0")
+    nbytes: int = struct.unpack("i", queued)[0]
+    return nbytes

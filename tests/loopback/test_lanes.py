@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -143,3 +144,24 @@ async def test_two_meshes_open_lanes_each_way_through_their_connection() -> None
     finally:
         for m in meshes:
             await m.close()
+
+
+def test_unacked_counts_what_the_peer_has_not_taken_until_it_does() -> None:
+    """What ``Mesh.drained`` waits for over lanes: bytes our sender thread holds or the kernel
+    has not had acknowledged, 0 once the receiver read them all."""
+    sender, receiver = _pair()
+    try:
+        assert sender.unacked() == 0
+        big = np.arange(4 << 20, dtype=np.uint8)  # more than a loopback socket buffers
+        sender.send(0, 0, byte_view(big))
+        assert sender.unacked() > 0  # nobody reads yet: queued here or in the kernel
+        out = np.empty_like(big)
+        receiver.recv_into(0, 0, byte_view(out))
+        assert sender.flush(30) and (out == big).all()
+        limit = time.monotonic() + 30  # the last acknowledgement may be delayed a little
+        while sender.unacked():
+            assert time.monotonic() < limit, sender.unacked()
+            time.sleep(0.001)
+    finally:
+        sender.close()
+        receiver.close()

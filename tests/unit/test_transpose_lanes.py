@@ -19,6 +19,7 @@ import pytest
 
 from aioreduce.errors import PeerLost
 from aioreduce.schemes.transpose.lanes import LaneLinks
+from aioreduce.schemes.transpose.layout import NOTICE_TAG
 from aioreduce.transport.lane import HEADER, Lane, LaneMismatch
 from aioreduce.wire import Header, Kind
 
@@ -28,11 +29,20 @@ PEER = 1
 class _Comm:
     rank, world_size = 0, 2
 
+    def __init__(self) -> None:
+        self.told: list[tuple[int, int, int]] = []  # (peer, step, tag) sent over the "mesh"
+
     def discard_before(self, step: int, tag: int = 0) -> None:
         pass
 
     def is_lost(self, rank: int) -> bool:
         return False
+
+    def on_early(self, rank: int, min_tag: int, handler: object) -> object:
+        return lambda: None
+
+    async def send(self, rank: int, array: np.ndarray, *, step: int, tag: int = 0) -> None:
+        self.told.append((rank, step, tag))
 
 
 def _message(step: int, tag: int, payload: np.ndarray, meta: dict[str, object]) -> bytes:
@@ -121,13 +131,18 @@ async def test_a_peer_that_does_not_read_is_skipped_after_backlog_steps(caplog) 
     ours, theirs = socket.socketpair()
     in_ours, in_theirs = socket.socketpair()
     out = Lane(ours, PEER)
-    links = LaneLinks(_Comm(), {PEER: out}, {PEER: Lane(in_ours, PEER)},  # type: ignore[arg-type]
+    comm = _Comm()
+    links = LaneLinks(comm, {PEER: out}, {PEER: Lane(in_ours, PEER)},  # type: ignore[arg-type]
                       backlog_steps=2)
     try:
         big = np.zeros(1 << 18)  # 2 MiB a message: more than a socket pair holds
         for step in range(5):
             links.send(PEER, big, step, 0, {"s": step})
         assert "is not reading" in caplog.text
+        await asyncio.sleep(0)  # the notices go out in the background
+        # Over the mesh, the skipped peer is told each step we are at (it reads those at once
+        # when it runs again, and knows how far behind it is).
+        assert comm.told == [(PEER, 2, NOTICE_TAG), (PEER, 3, NOTICE_TAG), (PEER, 4, NOTICE_TAG)]
         peer = Lane(theirs, 0)
 
         def read_one() -> int:

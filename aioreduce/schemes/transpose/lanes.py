@@ -16,7 +16,10 @@ it is: :meth:`LaneLinks.discard_before` withdraws a post between two chunks (wai
 for one chunk's copy), so once it returns the buffer is never written again, even if the peer
 sends the rest later. Sends go to the lane's own sender thread; a peer with
 ``backlog_steps`` steps unsent is skipped, so a stopped peer holds at most that many steps
-of our arrays.
+of our arrays. While we skip it we tell it, over the mesh (whose frames it reads all at once
+when it runs again), which step we are at: a stopped rank that resumes learns at once how far
+behind it is and jumps (``FellBehind``), instead of first running through every step its
+lanes still hold while its peers keep skipping it because those lanes are full.
 """
 
 from __future__ import annotations
@@ -37,8 +40,10 @@ from ...transport.lane import Lane, LaneMismatch
 from ...wire import Header, Kind, byte_view
 from ...wire.frame import ProtocolError
 from ..base import Comm, count_lane_bytes
+from .layout import NOTICE_TAG
 
 log = logging.getLogger("aioreduce.schemes")
+_NOTHING = np.empty(0, np.uint8)
 
 
 @dataclass(eq=False)
@@ -76,6 +81,8 @@ class LaneLinks:
         self._skipping: set[int] = set()
         self._sent: dict[int, int] = {}  # step -> bytes queued
         self._got: dict[int, dict[int, list[int]]] = {}  # step -> src -> [bytes, messages]
+        self._told: dict[int, int] = {}  # peer -> the step we last told it we are at
+        self._removers = [comm.on_early(p, 0, self._heard) for p in ins]
         self._readers = [threading.Thread(target=self._read, args=(src, lane), daemon=True,
                                           name=f"aioreduce-transpose-from-{src}")
                          for src, lane in ins.items()]
@@ -105,6 +112,7 @@ class LaneLinks:
             queued.popleft()
         self._forgotten[peer] = sent
         if len(set(queued) - {step}) >= self._backlog:
+            self._tell(peer, step)
             if peer not in self._skipping:
                 self._skipping.add(peer)
                 log.warning("rank %d: rank %d is not reading (%d messages unsent); skipping "
@@ -121,6 +129,19 @@ class LaneLinks:
             return
         queued.append(step)
         self._sent[step] = self._sent.get(step, 0) + array.nbytes
+
+    def _tell(self, peer: int, step: int) -> None:
+        """Tell a peer we skip that we are at ``step`` (once a step, in the background)."""
+        if self._told.get(peer, -1) >= step:
+            return
+        self._told[peer] = step
+        sending = asyncio.ensure_future(self.comm.send(peer, _NOTHING, step=step, tag=NOTICE_TAG))
+        sending.add_done_callback(lambda f: f.cancelled() or f.exception())  # lost: no matter
+
+    def _heard(self, header: Header, _payload: memoryview) -> None:
+        if header.step > self.newest:
+            with self._cond:
+                self.newest = max(self.newest, header.step)
 
     def discard_before(self, step: int, tag: int = 0) -> None:
         self.comm.discard_before(step, tag)
@@ -151,6 +172,9 @@ class LaneLinks:
             del self._sent[old]
 
     async def close(self, timeout: float) -> None:
+        for remove in self._removers:
+            remove()
+        self._removers.clear()
         with self._cond:
             self._closed = True
             self._cond.notify_all()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 PHASE2_TAG = 1 << 20  # phase-2 slice i travels on tag PHASE2_TAG + i; phase 1 on tag i
+NOTICE_TAG = 1 << 21  # over the mesh, to a peer whose lane is full: the step we are at
 TAIL = 0.99  # a slice at or past this fraction of its shard is a "tail" slice
 
 

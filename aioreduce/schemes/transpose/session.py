@@ -201,7 +201,6 @@ class TransposeSession:
                 log.info("rank %d step %d: stage 2 ended (%s) after %.1f ms of %.1f ms with "
                          "%.1f%% of its data", me, step, stage2.reason, stage2.elapsed * 1e3,
                          (left or 0) * 1e3, stage2.fraction * 100)
-            links.discard_before(step + 1)
             self._drop_injected(step, 2, phase2)
         finally:
             for slot in phase1 + phase2:

@@ -14,7 +14,11 @@ is a 32-byte header (step, index, payload bytes, meta bytes), at most :data:`MAX
 of msgpack meta and the raw payload: the receiver knows what it expects and checks the header
 against it (a mismatch is the caller's: vectors of another shape), so a lane never allocates
 for a peer beyond the meta's bound. Sending runs on a thread of the lane's own, so a
-rank can send segment *i* while it receives segment *i - 1*, as the event-loop path does.
+rank can send segment *i* while it receives segment *i - 1*, as the event-loop path does;
+a small message (up to :data:`INLINE_BYTES`) on an idle lane goes to the kernel from the
+caller's thread instead, without blocking: waking the sender thread cost a small transpose
+step more than the copy (4 ranks x 160 KB on 2 cores: 6.6 ms a step, 12 steps cut in 100;
+inline, 4.5 ms and none; the ring over lanes 2.9 -> 2.1 ms).
 
 Opening one, on the event loop (:func:`open_lanes`): the receiving rank listens on a fresh
 port and tells the sender, over the authenticated mesh, the port and a random nonce; the
@@ -48,6 +52,9 @@ PROOF_BYTES = 32
 ACCEPT_TIMEOUT_S = 30.0  # the whole opening
 PROOF_TIMEOUT_S = 5.0  # one connection's 32 bytes
 MAX_PENDING = 64  # connections read at once while a lane opens
+# A message this small goes to the kernel from the caller's thread when the lane is idle:
+# waking the sender thread for it cost more than the copy (see Lane.send).
+INLINE_BYTES = 256 << 10
 
 
 class LaneMismatch(AioreduceError):
@@ -67,7 +74,8 @@ def proof(secret: bytes, nonce: bytes, src: int, dst: int) -> bytes:
 
 class Lane:
     """One direction of bulk data to or from ``peer`` over a blocking socket (see the module
-    docstring). Sends are queued to the lane's sender thread; receives block the caller."""
+    docstring). Sends go to the lane's sender thread (small ones on an idle lane straight to
+    the kernel); receives block the caller."""
 
     def __init__(self, sock: socket.socket, peer: int, latency: float = 0.0) -> None:
         sock.setblocking(True)
@@ -94,15 +102,35 @@ class Lane:
         self._raise_if_failed()
         if len(meta) > MAX_META:
             raise ValueError(f"lane meta of {len(meta)} bytes, at most {MAX_META}")
+        head = HEADER.pack(step, index, payload.nbytes, len(meta)) + meta
+        with self._idle:
+            if (not self._pending and self._error is None
+                    and len(head) + payload.nbytes <= INLINE_BYTES):
+                head, payload = self._send_now(head, payload)
+                if not head and not payload.nbytes:
+                    self.sent += 1
+                    return
+            self._pending += 1
+            self._unsent += len(head) + payload.nbytes
         if self._sender is None:
             self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                             name=f"aioreduce-lane-to-{self.peer}")
             self._sender.start()
-        head = HEADER.pack(step, index, payload.nbytes, len(meta)) + meta
-        with self._idle:
-            self._pending += 1
-            self._unsent += len(head) + payload.nbytes
         self._queue.put((head, payload))
+
+    def _send_now(self, head: bytes, payload: memoryview) -> tuple[bytes, memoryview]:
+        """Hand what the kernel takes at once to it from the caller's thread (the sender
+        thread is idle: nothing is queued before it); returns what is left."""
+        flat = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
+        try:
+            n = self.sock.sendmsg([head, flat], [], socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError as exc:  # the sender thread's way: the next send raises
+            self._error = exc
+            return b"", flat[:0]
+        cut = min(n, len(head))
+        return head[cut:], flat[n - cut:]
 
     def flush(self, timeout: float | None = None) -> bool:
         """Block until every queued message is in the kernel (or raise the send's error);

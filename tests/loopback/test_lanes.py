@@ -165,3 +165,33 @@ def test_unacked_counts_what_the_peer_has_not_taken_until_it_does() -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_small_message_goes_from_the_callers_thread_and_its_rest_keeps_the_order() -> None:
+    """An idle lane hands a small message to the kernel at once (no sender thread is woken);
+    what the kernel cannot take goes to the sender thread, ahead of what is queued next."""
+    sender, receiver = _pair()
+    try:
+        small = [np.full(1000, i, np.float64) for i in range(3)]
+        for i, arr in enumerate(small):
+            sender.send(1, i, byte_view(arr))
+        assert sender._sender is None and sender.sent == 3  # the path under test: inline
+        # Buffers far smaller than the message: the kernel takes part of it, the rest queues.
+        sender.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        receiver.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        for i, arr in enumerate(small):
+            out = np.empty_like(arr)
+            receiver.recv_into(1, i, byte_view(out))
+            assert (out == arr).all()
+        parts = [np.random.default_rng(i).standard_normal(25_000) for i in range(3)]  # 200 KB
+        for i, arr in enumerate(parts):
+            sender.send(2, i, byte_view(arr))
+        assert sender._sender is not None  # the rest of the first went to the thread
+        for i, arr in enumerate(parts):
+            out = np.empty_like(arr)
+            receiver.recv_into(2, i, byte_view(out))
+            assert (out == arr).all()
+        assert sender.flush(30) and sender.sent == 6
+    finally:
+        sender.close()
+        receiver.close()

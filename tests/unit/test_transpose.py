@@ -232,6 +232,17 @@ def test_the_clock_waits_during_warm_up_then_bounds_by_headroom_times_p95() -> N
     assert clock.deadline() == pytest.approx(clock.estimate + 4.0 * clock.deviation)
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 10, 37])
+def test_the_ceiling_is_numpys_p95_of_unsorted_samples(n: int) -> None:
+    # Computed without numpy (its percentile's first call took 7 ms, at the end of the last
+    # warm-up step on every rank), interpolated as numpy's default is.
+    times = list(np.random.default_rng(n).exponential(0.01, n))
+    clock = StageClock(warmup=n, headroom=3.0)
+    for t in times:
+        clock.observe(t, 1.0)
+    assert clock.bound == pytest.approx(3.0 * np.percentile(times, 95), rel=1e-12)
+
+
 def test_a_cut_stage_counts_as_needing_more_time_float_ratio() -> None:
     clock = StageClock(warmup=1, gain=1.0, deviation_gain=1.0, min_deadline=0.0)
     clock.observe(0.010, 1.0)

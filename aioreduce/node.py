@@ -33,6 +33,7 @@ from .schemes.base import Comm, DecodeTimed, SumsInPlace, WritesInto
 from .schemes.broadcast import broadcast
 from .schemes.dormant import GatedComm
 from .schemes.gather import allgather
+from .stepgc import StepGC
 from .straggle import StraggleModel, parse_straggle
 from .telemetry import Tracer, TracingComm, trace_path
 from .transport import Mesh, MeshOptions, barrier, rendezvous
@@ -78,7 +79,8 @@ class Node:
                  straggle: StraggleModel | str | None = None,
                  options: MeshOptions | None = None, close_timeout: float = 10.0,
                  trace: str | None = None,
-                 on_listen: Callable[[str, int], None] | None = None) -> None:
+                 on_listen: Callable[[str, int], None] | None = None,
+                 gc_every: int = 0) -> None:
         self.env = env
         # Rank 0: called with the rendezvous (address, port) once it listens, before waiting
         # for the others (the torch backend publishes it in torch's store).
@@ -111,6 +113,11 @@ class Node:
         self._started = False
         # Step telemetry: one JSON line per step (see aioreduce.telemetry).
         self.tracer = Tracer(env.rank, trace_path(trace, env.rank)) if trace else None
+        # gc_every=N: Python's collector runs after every N-th step, the same on every rank
+        # (see aioreduce.stepgc); 0 leaves it alone.
+        if gc_every < 0:
+            raise ValueError(f"rank {env.rank}: gc_every must be >= 0, not {gc_every}")
+        self.stepgc = StepGC(gc_every) if gc_every else None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, *,
@@ -123,7 +130,9 @@ class Node:
         ``straggle`` argument is given; ``AIOREDUCE_LATENCY=SECONDS`` adds that one-way latency
         to every data frame received (an emulated link's, see ``MeshOptions.latency``) unless
         ``options`` are given; ``AIOREDUCE_TRACE=DIR`` writes step telemetry to
-        ``DIR/rank.N.jsonl`` unless a ``trace`` argument is given.
+        ``DIR/rank.N.jsonl`` unless a ``trace`` argument is given; ``AIOREDUCE_GC_EVERY=N``
+        moves Python's garbage collection to after every N-th step (see
+        :mod:`aioreduce.stepgc`) unless a ``gc_every`` argument is given.
         """
         env_map = os.environ if environ is None else environ
         env = discover(environ)
@@ -140,6 +149,12 @@ class Node:
                 options = dataclasses.replace(options, max_payload=env.max_frame)
         if "trace" not in kwargs and env_map.get("AIOREDUCE_TRACE"):
             kwargs["trace"] = env_map["AIOREDUCE_TRACE"]
+        if "gc_every" not in kwargs and env_map.get("AIOREDUCE_GC_EVERY"):
+            value = env_map["AIOREDUCE_GC_EVERY"]
+            if not value.isdigit():
+                raise ConfigError(f"AIOREDUCE_GC_EVERY={value!r}: give a number of steps "
+                                  "(0: leave Python's collector alone)")
+            kwargs["gc_every"] = int(value)
         if "straggle" not in kwargs and env_map.get("AIOREDUCE_STRAGGLE"):
             kwargs["straggle"] = parse_straggle(env_map["AIOREDUCE_STRAGGLE"],
                                                 int(env_map.get("AIOREDUCE_STRAGGLE_SEED", 0)))
@@ -172,6 +187,8 @@ class Node:
         await self._preconnect()
         if self.scheme is not None:
             self._session = self.scheme.open(self._gated())
+        if self.stepgc is not None:  # last: nothing after it can fail and leave it on
+            self.stepgc.start()
         log.debug("rank %d joined job %s (%d ranks)", env.rank, env.job, env.world_size)
 
     async def _preconnect(self) -> None:
@@ -203,6 +220,8 @@ class Node:
             await session.close(self.close_timeout)
         self._started = False
         await self.mesh.close()
+        if self.stepgc is not None:
+            self.stepgc.stop()
         if self.tracer is not None:
             self.tracer.close()
 
@@ -577,6 +596,8 @@ class Node:
             raise
         finally:
             own.cancel()
+            if self.stepgc is not None:
+                self.stepgc.after(step)
             self._last_return = time.perf_counter()
             if tracer is not None:
                 decode = session.decode_seconds(step) if isinstance(session, DecodeTimed) else 0

@@ -77,6 +77,7 @@ class Config:
     latency: float = 0.0  # emulated one-way latency per frame, s (our transport only:
     # Gloo's sockets are its own, so it runs without it)
     in_place: bool = False  # uncoded schemes sum in place into a fresh copy, as Gloo does
+    gc_every: int = 0  # Python's collector after every N-th step on every rank (0: its own)
     seed: int = field(default=0)
     options: dict[str, Any] = field(default_factory=dict)  # more scheme options (by name)
 
@@ -166,7 +167,7 @@ async def _worker(cfg: Config) -> None:
     # sees the same delays at the same iteration (the node would draw them by its own step
     # number, which differs between the alternating schemes).
     model = parse_straggle(cfg.straggle, int(os.environ.get("AIOREDUCE_STRAGGLE_SEED", 0)))
-    node = Node.from_env(close_timeout=30.0, straggle=StraggleModel())
+    node = Node.from_env(close_timeout=30.0, straggle=StraggleModel(), gc_every=cfg.gc_every)
     async with node:
         rank, world = node.rank, node.world_size
         schemes = {name: build_scheme(name, cfg) for name in cfg.schemes}

@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(AIOREDUCE_LATENCY; not applied to Gloo)")
     ar.add_argument("--background", type=int, default=0, metavar="FLOWS",
                     help="with --netns: bulk TCP flows between hosts, as other tenants")
+    ar.add_argument("--gc-every", type=int, default=0, metavar="N",
+                    help="Python's garbage collection after every N-th step, on every rank "
+                         "at once (Node(gc_every=N), see aioreduce.stepgc); 0: left alone")
     ar.add_argument("--json", action="store_true", help="JSON lines; the last is the summary")
     ar.add_argument("--options", type=json.loads, default={}, metavar="JSON",
                     help='more scheme options, e.g. \'{"slack": 1.3, "max_loss": 1}\'')
@@ -275,7 +278,8 @@ def _allreduce(opts: argparse.Namespace) -> list[dict[str, Any]]:
                  model_bandwidth=(opts.link_mbit * 1e6 / 8 if opts.link_mbit
                                   else opts.model_bandwidth),
                  netns=opts.netns, link_mbit=opts.link_mbit, options=opts.options,
-                 background=opts.background, latency=opts.latency, in_place=opts.in_place)
+                 background=opts.background, latency=opts.latency, in_place=opts.in_place,
+                 gc_every=opts.gc_every)
     results = run_allreduce(cfg)
     gloo = next((r for r in results if r["scheme"] == "gloo"), None)
     rows = [r for r in results if r["scheme"] != "gloo"]

@@ -136,28 +136,11 @@ class Node:
         """
         env_map = os.environ if environ is None else environ
         env = discover(environ)
-        if options is None and env_map.get("AIOREDUCE_LATENCY"):
-            try:
-                latency = float(env_map["AIOREDUCE_LATENCY"])
-            except ValueError:
-                latency = -1.0
-            if not 0 <= latency < 60:
-                raise ConfigError(f"AIOREDUCE_LATENCY={env_map['AIOREDUCE_LATENCY']!r}: give "
-                                  "the emulated one-way latency in seconds (e.g. 0.0001)")
-            options = MeshOptions(latency=latency)
-            if env.max_frame is not None:
-                options = dataclasses.replace(options, max_payload=env.max_frame)
-        if "trace" not in kwargs and env_map.get("AIOREDUCE_TRACE"):
-            kwargs["trace"] = env_map["AIOREDUCE_TRACE"]
-        if "gc_every" not in kwargs and env_map.get("AIOREDUCE_GC_EVERY"):
-            value = env_map["AIOREDUCE_GC_EVERY"]
-            if not value.isdigit():
-                raise ConfigError(f"AIOREDUCE_GC_EVERY={value!r}: give a number of steps "
-                                  "(0: leave Python's collector alone)")
-            kwargs["gc_every"] = int(value)
-        if "straggle" not in kwargs and env_map.get("AIOREDUCE_STRAGGLE"):
-            kwargs["straggle"] = parse_straggle(env_map["AIOREDUCE_STRAGGLE"],
-                                                int(env_map.get("AIOREDUCE_STRAGGLE_SEED", 0)))
+        for key, value in env_extras(env_map, env.max_frame).items():
+            if key == "options":
+                options = value if options is None else options
+            else:
+                kwargs.setdefault(key, value)
         return cls(env, scheme=scheme, options=options, **kwargs)
 
     @property
@@ -613,6 +596,38 @@ class Node:
         if delay > 0:
             await asyncio.sleep(delay)
         return vec
+
+
+def env_extras(env_map: Mapping[str, str], max_frame: int | None = None) -> dict[str, Any]:
+    """The :class:`Node` arguments that ``AIOREDUCE_*`` variables set besides the job itself
+    (see :meth:`Node.from_env`): ``options`` (``AIOREDUCE_LATENCY``), ``trace``,
+    ``gc_every`` and ``straggle``, each only if its variable is set; a malformed value is a
+    :class:`ConfigError` naming the variable. Shared with the torch backend."""
+    extras: dict[str, Any] = {}
+    if env_map.get("AIOREDUCE_LATENCY"):
+        try:
+            latency = float(env_map["AIOREDUCE_LATENCY"])
+        except ValueError:
+            latency = -1.0
+        if not 0 <= latency < 60:
+            raise ConfigError(f"AIOREDUCE_LATENCY={env_map['AIOREDUCE_LATENCY']!r}: give "
+                              "the emulated one-way latency in seconds (e.g. 0.0001)")
+        options = MeshOptions(latency=latency)
+        if max_frame is not None:
+            options = dataclasses.replace(options, max_payload=max_frame)
+        extras["options"] = options
+    if env_map.get("AIOREDUCE_TRACE"):
+        extras["trace"] = env_map["AIOREDUCE_TRACE"]
+    if env_map.get("AIOREDUCE_GC_EVERY"):
+        value = env_map["AIOREDUCE_GC_EVERY"]
+        if not value.isdigit():
+            raise ConfigError(f"AIOREDUCE_GC_EVERY={value!r}: give a number of steps "
+                              "(0: leave Python's collector alone)")
+        extras["gc_every"] = int(value)
+    if env_map.get("AIOREDUCE_STRAGGLE"):
+        extras["straggle"] = parse_straggle(env_map["AIOREDUCE_STRAGGLE"],
+                                            int(env_map.get("AIOREDUCE_STRAGGLE_SEED", 0)))
+    return extras
 
 
 def _bind_for(master_addr: str) -> str:

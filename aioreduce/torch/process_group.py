@@ -38,10 +38,9 @@ from torch._C._distributed_c10d import _create_work_from_future as _work_of  # t
 
 from ..env import NodeEnv
 from ..errors import ConfigError
-from ..node import Node
+from ..node import Node, env_extras
 from ..schemes import Result, Scheme, Transpose
 from ..schemes.registry import by_name
-from ..straggle import parse_straggle
 from ..sync import SyncNode
 from .tensors import to_numpy
 
@@ -369,10 +368,8 @@ def _node_from_store(store: Store, rank: int, world_size: int, timeout: timedelt
     ``AIOREDUCE_STRAGGLE`` injects stragglers as for any node."""
     env = os.environ
     host = env.get("AIOREDUCE_MASTER_ADDR") or env.get("MASTER_ADDR") or "127.0.0.1"
-    extra: dict[str, Any] = {}
-    if env.get("AIOREDUCE_STRAGGLE"):
-        extra["straggle"] = parse_straggle(env["AIOREDUCE_STRAGGLE"],
-                                           int(env.get("AIOREDUCE_STRAGGLE_SEED", 0)))
+    # AIOREDUCE_STRAGGLE, _LATENCY, _TRACE, _GC_EVERY: as Node.from_env reads them.
+    extra: dict[str, Any] = env_extras(env)
     if rank == 0:
         secret = env.get("AIOREDUCE_SECRET") or secrets.token_hex(32)
         job = env.get("AIOREDUCE_JOB") or secrets.token_hex(8)

@@ -14,7 +14,7 @@ import pytest
 from aioreduce.env import NodeEnv
 from aioreduce.errors import ConfigError
 from aioreduce.jobplan import free_port
-from aioreduce.node import Node
+from aioreduce.node import Node, env_extras
 from aioreduce.schemes import Ring
 from aioreduce.stepgc import StepGC
 
@@ -82,6 +82,9 @@ def test_the_environment_sets_gc_every_and_a_bad_value_is_named() -> None:
     assert Node.from_env(ENV).stepgc is None
     with pytest.raises(ConfigError, match="AIOREDUCE_GC_EVERY='often'"):
         Node.from_env({**ENV, "AIOREDUCE_GC_EVERY": "often"})
+    # The torch backend builds its Node from the same reading of the environment.
+    assert env_extras({"AIOREDUCE_GC_EVERY": "7", "AIOREDUCE_TRACE": "/tmp/t"}) == {
+        "gc_every": 7, "trace": "/tmp/t"}
     with pytest.raises(ValueError, match="rank 0: gc_every must be >= 0"):
         Node(NodeEnv(0, 1, "127.0.0.1", free_port(), b"k" * 32), gc_every=-1)
 

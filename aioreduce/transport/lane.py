@@ -57,6 +57,11 @@ MAX_PENDING = 64  # connections read at once while a lane opens
 INLINE_BYTES = 256 << 10
 
 
+def _flat(view: memoryview) -> memoryview:
+    """``view`` as one-dimensional bytes (what socket calls slice by byte offsets)."""
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
 class LaneMismatch(AioreduceError):
     """A lane message is not the one expected: ``got`` and ``want`` are (step, index, bytes)."""
 
@@ -121,7 +126,7 @@ class Lane:
     def _send_now(self, head: bytes, payload: memoryview) -> tuple[bytes, memoryview]:
         """Hand what the kernel takes at once to it from the caller's thread (the sender
         thread is idle: nothing is queued before it); returns what is left."""
-        flat = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
+        flat = _flat(payload)
         try:
             n = self.sock.sendmsg([head, flat], [], socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
@@ -234,7 +239,7 @@ class Lane:
 
     def _read_exactly(self, view: memoryview) -> None:
         got, total = 0, view.nbytes
-        flat = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        flat = _flat(view)
         while got < total:
             try:
                 n = self.sock.recv_into(flat[got:])

@@ -27,7 +27,6 @@ The collector is the process's: give ``gc_every`` to one node per process.
 from __future__ import annotations
 
 import gc
-import time
 from dataclasses import dataclass, field
 
 
@@ -37,7 +36,6 @@ class StepGC:
 
     every: int
     collections: int = 0  # full collections run so far
-    seconds: float = 0.0  # and the time they took
     _epoch: int = field(default=0, init=False)  # steps // every at the last collection
     _frozen: bool = field(default=False, init=False)
     _was_enabled: bool | None = field(default=None, init=False)
@@ -68,12 +66,10 @@ class StepGC:
         if self._frozen and epoch <= self._epoch:
             return
         self._epoch = epoch
-        t = time.perf_counter()
         gc.collect()
         if not self._frozen:  # what survives the first step lives as long as the trainer
             gc.freeze()
             self._frozen = True
-        self.seconds += time.perf_counter() - t
         self.collections += 1
 
     def stop(self) -> None:

@@ -600,10 +600,12 @@ class Node:
 
 def env_extras(env_map: Mapping[str, str], max_frame: int | None = None) -> dict[str, Any]:
     """The :class:`Node` arguments that ``AIOREDUCE_*`` variables set besides the job itself
-    (see :meth:`Node.from_env`): ``options`` (``AIOREDUCE_LATENCY``), ``trace``,
-    ``gc_every`` and ``straggle``, each only if its variable is set; a malformed value is a
-    :class:`ConfigError` naming the variable. Shared with the torch backend."""
+    (see :meth:`Node.from_env`): ``options`` (``AIOREDUCE_LATENCY``,
+    ``AIOREDUCE_LOCAL_LANES``), ``trace``, ``gc_every`` and ``straggle``, each only if its
+    variable is set; a malformed value is a :class:`ConfigError` naming the variable. Shared
+    with the torch backend."""
     extras: dict[str, Any] = {}
+    mesh: dict[str, Any] = {}
     if env_map.get("AIOREDUCE_LATENCY"):
         try:
             latency = float(env_map["AIOREDUCE_LATENCY"])
@@ -612,10 +614,17 @@ def env_extras(env_map: Mapping[str, str], max_frame: int | None = None) -> dict
         if not 0 <= latency < 60:
             raise ConfigError(f"AIOREDUCE_LATENCY={env_map['AIOREDUCE_LATENCY']!r}: give "
                               "the emulated one-way latency in seconds (e.g. 0.0001)")
-        options = MeshOptions(latency=latency)
+        mesh["latency"] = latency
+    if env_map.get("AIOREDUCE_LOCAL_LANES"):
+        value = env_map["AIOREDUCE_LOCAL_LANES"]
+        if value not in ("0", "1"):
+            raise ConfigError(f"AIOREDUCE_LOCAL_LANES={value!r}: give 1 (lanes between ranks "
+                              "on one host are Unix sockets, the default) or 0 (TCP always)")
+        mesh["local_lanes"] = value == "1"
+    if mesh:
         if max_frame is not None:
-            options = dataclasses.replace(options, max_payload=max_frame)
-        extras["options"] = options
+            mesh["max_payload"] = max_frame
+        extras["options"] = MeshOptions(**mesh)
     if env_map.get("AIOREDUCE_TRACE"):
         extras["trace"] = env_map["AIOREDUCE_TRACE"]
     if env_map.get("AIOREDUCE_GC_EVERY"):

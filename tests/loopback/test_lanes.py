@@ -2,6 +2,8 @@
 sockets on 127.0.0.1: only a peer that proves the secret gets one, whatever else connects
 first; messages arrive exact and are checked against what the receiver expects; a blocked
 receive is released by an interrupt from another thread; two meshes open a pair each way.
+Lanes between ranks on one host are Unix sockets (abstract names) unless the mesh says not;
+a sender that finds no such name (another host or network namespace) dials TCP.
 The ring over lanes between processes is tested with the ring (its default) in test_schemes,
 callerprog (vector mismatches) and the torch tests."""
 
@@ -17,8 +19,17 @@ import numpy as np
 import pytest
 
 from aioreduce.errors import PeerLost
-from aioreduce.transport import Mesh
-from aioreduce.transport.lane import PROOF_BYTES, Lane, LaneListener, LaneMismatch, dial, proof
+from aioreduce.transport import Mesh, MeshOptions
+from aioreduce.transport.lane import (
+    LOCAL_PREFIX,
+    PROOF_BYTES,
+    Lane,
+    LaneListener,
+    LaneMismatch,
+    dial,
+    local_name,
+    proof,
+)
 from aioreduce.wire import byte_view
 
 pytestmark = pytest.mark.loopback
@@ -33,27 +44,34 @@ HOSTILE: list[bytes | None] = [proof(b"another secret", NONCE, 1, 0), proof(SECR
                                b"short", b"x" * (PROOF_BYTES * 100), None]
 
 
-def _intrude(port: int, hostile: list[bytes | None]) -> list[socket.socket]:
+def _intrude(listener: LaneListener, hostile: list[bytes | None]) -> list[socket.socket]:
+    """Connect ``hostile`` to the listener, alternating its TCP port and its Unix name."""
     out = []
-    for payload in hostile:
-        s = socket.create_connection(("127.0.0.1", port))
+    for i, payload in enumerate(hostile):
+        if listener.unix is not None and i % 2:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(b"\0" + listener.unix.encode())
+        else:
+            s = socket.create_connection(("127.0.0.1", listener.port))
         if payload is not None:
             s.sendall(payload)
         out.append(s)
     return out
 
 
-def _pair(hostile: list[bytes | None] | None = None) -> tuple[Lane, Lane]:
-    """A lane from rank 1 to rank 0; ``hostile`` connections (their bytes, None: silent)
-    reach the port first and stay connected. Each may take 20 s to prove itself, as long
-    as the whole opening may: a listener that read them one by one would time out."""
-    listener = LaneListener("127.0.0.1", peer=1)
-    intruders = _intrude(listener.port, hostile or [])
+def _pair(hostile: list[bytes | None] | None = None, local: bool = False) -> tuple[Lane, Lane]:
+    """A lane from rank 1 to rank 0 (a Unix socket if ``local``); ``hostile`` connections
+    (their bytes, None: silent) reach the listener first and stay connected. Each may take
+    20 s to prove itself, as long as the whole opening may: a listener that read them one by
+    one would time out."""
+    listener = LaneListener("127.0.0.1", peer=1, local=local)
+    intruders = _intrude(listener, hostile or [])
     got: list[Lane] = []
     accepting = threading.Thread(target=lambda: got.append(
         listener.accept(proof(SECRET, NONCE, 1, 0), timeout=20, proof_timeout=20)))
     accepting.start()
-    sender = dial("127.0.0.1", listener.port, proof(SECRET, NONCE, 1, 0), 0, timeout=20)
+    sender = dial("127.0.0.1", listener.port, proof(SECRET, NONCE, 1, 0), 0, timeout=20,
+                  unix=listener.unix)
     accepting.join(30)
     for s in intruders:  # none was answered: closed by the listener (reset if it sent more)
         s.settimeout(20)
@@ -61,12 +79,14 @@ def _pair(hostile: list[bytes | None] | None = None) -> tuple[Lane, Lane]:
             assert s.recv(1) == b""
         s.close()
     (receiver,) = got
+    assert sender.local == receiver.local == local  # the path meant
     return sender, receiver
 
 
-def test_without_the_secret_no_lane_opens() -> None:
-    listener = LaneListener("127.0.0.1", peer=1)
-    intruders = _intrude(listener.port, HOSTILE)
+@pytest.mark.parametrize("local", [False, True], ids=["tcp", "unix"])
+def test_without_the_secret_no_lane_opens(local: bool) -> None:
+    listener = LaneListener("127.0.0.1", peer=1, local=local)
+    intruders = _intrude(listener, HOSTILE)
     with pytest.raises(PeerLost, match="rank 1 did not open its lane"):
         listener.accept(proof(SECRET, NONCE, 1, 0), timeout=1.0, proof_timeout=0.5)
     # Every one was read (at most PROOF_BYTES each) and refused, the silent ones on time.
@@ -75,8 +95,9 @@ def test_without_the_secret_no_lane_opens() -> None:
         s.close()
 
 
-def test_only_the_secret_opens_a_lane_and_messages_arrive_exact() -> None:
-    sender, receiver = _pair(HOSTILE)
+@pytest.mark.parametrize("local", [False, True], ids=["tcp", "unix"])
+def test_only_the_secret_opens_a_lane_and_messages_arrive_exact(local: bool) -> None:
+    sender, receiver = _pair(HOSTILE, local)
     try:
         data = [np.random.default_rng(i).standard_normal(n) for i, n in
                 enumerate([0, 1, 100_000, 3_000_000])]
@@ -123,8 +144,9 @@ def test_interrupt_releases_a_blocked_receive_and_a_closed_peer_is_named() -> No
     receiver2.close()
 
 
-async def test_two_meshes_open_lanes_each_way_through_their_connection() -> None:
-    meshes = [Mesh(r, 2, SECRET, "job") for r in range(2)]
+@pytest.mark.parametrize("local", [False, True], ids=["tcp", "unix"])
+async def test_two_meshes_open_lanes_each_way_through_their_connection(local: bool) -> None:
+    meshes = [Mesh(r, 2, SECRET, "job", MeshOptions(local_lanes=local)) for r in range(2)]
     try:
         addrs = [await m.listen("127.0.0.1") for m in meshes]
         for m in meshes:
@@ -139,6 +161,7 @@ async def test_two_meshes_open_lanes_each_way_through_their_connection() -> None
         await asyncio.gather(asyncio.to_thread(in0.recv_into, 3, 0, byte_view(got0)),
                              asyncio.to_thread(in1.recv_into, 3, 0, byte_view(got1)))
         assert (got0 == b).all() and (got1 == a).all()
+        assert [lane.local for lane in (out0, in0, out1, in1)] == [local] * 4
         for lane in (out0, in0, out1, in1):
             lane.close()
     finally:
@@ -146,10 +169,11 @@ async def test_two_meshes_open_lanes_each_way_through_their_connection() -> None
             await m.close()
 
 
-def test_unacked_counts_what_the_peer_has_not_taken_until_it_does() -> None:
+@pytest.mark.parametrize("local", [False, True], ids=["tcp", "unix"])
+def test_unacked_counts_what_the_peer_has_not_taken_until_it_does(local: bool) -> None:
     """What ``Mesh.drained`` waits for over lanes: bytes our sender thread holds or the kernel
     has not had acknowledged, 0 once the receiver read them all."""
-    sender, receiver = _pair()
+    sender, receiver = _pair(local=local)
     try:
         assert sender.unacked() == 0
         big = np.arange(4 << 20, dtype=np.uint8)  # more than a loopback socket buffers
@@ -167,10 +191,12 @@ def test_unacked_counts_what_the_peer_has_not_taken_until_it_does() -> None:
         receiver.close()
 
 
-def test_a_small_message_goes_from_the_callers_thread_and_its_rest_keeps_the_order() -> None:
+@pytest.mark.parametrize("local", [False, True], ids=["tcp", "unix"])
+def test_a_small_message_goes_from_the_callers_thread_and_its_rest_keeps_the_order(
+        local: bool) -> None:
     """An idle lane hands a small message to the kernel at once (no sender thread is woken);
     what the kernel cannot take goes to the sender thread, ahead of what is queued next."""
-    sender, receiver = _pair()
+    sender, receiver = _pair(local=local)
     try:
         small = [np.full(1000, i, np.float64) for i in range(3)]
         for i, arr in enumerate(small):
@@ -195,3 +221,37 @@ def test_a_small_message_goes_from_the_callers_thread_and_its_rest_keeps_the_ord
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_name_that_is_not_here_means_tcp() -> None:
+    """A peer on another host (or in another network namespace) offers a name that does not
+    exist here: the sender dials the TCP port instead, and the lane works."""
+    listener = LaneListener("127.0.0.1", peer=1)  # no Unix side: its name is nowhere
+    absent = LOCAL_PREFIX + "0" * 32
+    got: list[Lane] = []
+    accepting = threading.Thread(target=lambda: got.append(
+        listener.accept(proof(SECRET, NONCE, 1, 0), timeout=20)))
+    accepting.start()
+    sender = dial("127.0.0.1", listener.port, proof(SECRET, NONCE, 1, 0), 0, timeout=20,
+                  unix=absent)
+    accepting.join(30)
+    (receiver,) = got
+    try:
+        assert not sender.local and not receiver.local
+        arr = np.arange(10.0)
+        sender.send(0, 0, byte_view(arr))
+        out = np.empty_like(arr)
+        receiver.recv_into(0, 0, byte_view(out))
+        assert (out == arr).all()
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("offer", [None, 5, "", LOCAL_PREFIX, LOCAL_PREFIX + "g" * 32,
+                                   LOCAL_PREFIX + "0" * 31, "other-" + "0" * 32,
+                                   LOCAL_PREFIX + "0" * 32 + "\0x"])
+def test_an_offered_name_of_another_shape_is_refused(offer: object) -> None:
+    assert local_name(offer) is None
+    assert local_name(LOCAL_PREFIX + "0123456789abcdef" * 2) is not None
+

@@ -66,21 +66,27 @@ def from_sweep(rows: Iterable[dict[str, Any]]) -> list[Measured]:
 def emulation_start(link_mbit: float = 1000.0, cores: int = 2) -> Platform:
     """Where the fit starts: a plausible Python runtime and a C++ one on shaped links."""
     bandwidth = link_mbit * 1e6 / 8
-    return Platform(Costs(50e-6, bandwidth, msg_cpu=100e-6, byte_cpu=1e-9, decode_cpu=50e-6,
-                          step_cpu=200e-6, cores=cores),
+    ours = Costs(50e-6, bandwidth, msg_cpu=100e-6, byte_cpu=1e-9, decode_cpu=50e-6,
+                 step_cpu=200e-6, cores=cores)
+    return Platform(ours,
                     Costs(50e-6, bandwidth, msg_cpu=30e-6, byte_cpu=0.5e-9, step_cpu=200e-6,
-                          cores=cores))
+                          cores=cores),
+                    replace(ours, msg_cpu=30e-6, decode_cpu=0.0))
 
 
-# (which side, field) the fit moves; bandwidth stays the shaped rate, cores the machine's
-FREE = (("ours", "msg_cpu"), ("ours", "byte_cpu"), ("gloo", "msg_cpu"), ("gloo", "byte_cpu"),
-        ("ours", "decode_cpu"), ("ours", "step_cpu"), ("gloo", "step_cpu"), ("both", "alpha"),
-        ("both", "shared_port"))
+# (which side, field) the fit moves; bandwidth stays the shaped rate, cores the machine's.
+# "both": the wire's, shared by every side. The lanes' side keeps the node's own step cost
+# (``ours``): it is the same node, only the ring's messages take another path.
+FREE = (("ours", "msg_cpu"), ("ours", "byte_cpu"), ("lanes", "msg_cpu"), ("lanes", "byte_cpu"),
+        ("gloo", "msg_cpu"), ("gloo", "byte_cpu"), ("ours", "decode_cpu"), ("ours", "step_cpu"),
+        ("gloo", "step_cpu"), ("both", "alpha"), ("both", "shared_port"))
 CEILING = {"shared_port": 1.0}  # a fraction of the link: never more than all of it
+_SCHEMES_OF = {"ours": ("tree", "coded-tree", "gc"), "lanes": ("ring",), "gloo": ("gloo",)}
 
 
 def _get(p: Platform, side: str, name: str) -> float:
-    value: float = getattr(p.ours if side in ("ours", "both") else p.gloo, name)
+    costs = {"ours": p.ours, "both": p.ours, "lanes": p.ring, "gloo": p.gloo}[side]
+    value: float = getattr(costs, name)
     return value
 
 
@@ -88,7 +94,12 @@ def _set(p: Platform, side: str, name: str, value: float) -> Platform:
     changes: dict[str, Any] = {name: min(value, CEILING.get(name, math.inf))}
     ours = replace(p.ours, **changes) if side in ("ours", "both") else p.ours
     gloo = replace(p.gloo, **changes) if side in ("gloo", "both") else p.gloo
-    return Platform(ours, gloo)
+    lanes = p.ring
+    if side in ("lanes", "both"):
+        lanes = replace(lanes, **changes)
+    if name == "step_cpu" and side == "ours":
+        lanes = replace(lanes, step_cpu=ours.step_cpu)
+    return Platform(ours, gloo, lanes)
 
 
 def compare(measured: Iterable[Measured], platform: Platform, steps: int | None = None
@@ -110,8 +121,8 @@ def fit(measured: list[Measured], start: Platform, rounds: int = 6,
     best = start
     best_loss = loss(compare(measured, best))
     factor = 4.0
-    free = [(side, name) for side, name in FREE
-            if side != "gloo" or any(m.scheme == "gloo" for m in measured)]
+    free = [(side, name) for side, name in FREE  # a side that nothing measured stays put
+            if side == "both" or any(m.scheme in _SCHEMES_OF[side] for m in measured)]
     for r in range(rounds):
         for side, name in free:
             for f in (factor, 1 / factor):
@@ -127,8 +138,8 @@ def fit(measured: list[Measured], start: Platform, rounds: int = 6,
     return best
 
 
-def costs_table(platform: Platform) -> list[tuple[str, str, str]]:
-    """(field, ours, Gloo) rows to print the fitted costs."""
+def costs_table(platform: Platform) -> list[tuple[str, str, str, str]]:
+    """(field, ours, ours over lanes, Gloo) rows to print the fitted costs."""
     units = {"alpha": 1e6, "msg_cpu": 1e6, "byte_cpu": 1e9, "decode_cpu": 1e6,
              "step_cpu": 1e6, "bandwidth": 8e-6, "shared_port": 1.0}
     names = {"alpha": "alpha (us)", "msg_cpu": "CPU per message (us)",
@@ -139,6 +150,7 @@ def costs_table(platform: Platform) -> list[tuple[str, str, str]]:
     out = []
     for f in fields(Costs):
         if f.name in units:
-            out.append((names[f.name], f"{getattr(platform.ours, f.name) * units[f.name]:.3g}",
-                        f"{getattr(platform.gloo, f.name) * units[f.name]:.3g}"))
+            ours, lanes, gloo = (f"{getattr(c, f.name) * units[f.name]:.3g}"
+                                 for c in (platform.ours, platform.ring, platform.gloo))
+            out.append((names[f.name], ours, lanes, gloo))
     return out

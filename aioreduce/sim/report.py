@@ -20,14 +20,18 @@ WITHIN = 0.10  # the advisor is right if its pick is within this of the fastest 
 
 
 def save_platforms(platforms: dict[int, Platform], path: Path) -> None:
-    """``{ranks: {"ours": costs, "gloo": costs}}`` as JSON."""
-    path.write_text(json.dumps({str(n): {"ours": asdict(p.ours), "gloo": asdict(p.gloo)}
+    """``{ranks: {"ours": costs, "lanes": costs, "gloo": costs}}`` as JSON."""
+    path.write_text(json.dumps({str(n): {"ours": asdict(p.ours), "lanes": asdict(p.ring),
+                                         "gloo": asdict(p.gloo)}
                                 for n, p in platforms.items()}, indent=1) + "\n")
 
 
 def load_platforms(path: Path) -> dict[int, Platform]:
+    """What :func:`save_platforms` wrote (a file without ``lanes``: the ring costs ``ours``)."""
     raw = json.loads(path.read_text())
-    return {int(n): Platform(Costs(**p["ours"]), Costs(**p["gloo"])) for n, p in raw.items()}
+    return {int(n): Platform(Costs(**p["ours"]), Costs(**p["gloo"]),
+                             Costs(**p["lanes"]) if "lanes" in p else None)
+            for n, p in raw.items()}
 
 
 def advisor_hits(checks: list[Check]) -> list[tuple[str, str, str, bool]]:
@@ -72,8 +76,9 @@ def write(out: Path, rows: list[dict[str, Any]],
              "check on conditions the fit did not see. Medians in ms; error = simulated / "
              "measured - 1.", "", "## Fitted costs", ""]
     for n, platform in platforms.items():
-        lines += [f"{n} ranks:", "", "| cost | ours | Gloo |", "|---|---|---|"]
-        lines += [f"| {a} | {b} | {c} |" for a, b, c in costs_table(platform)]
+        lines += [f"{n} ranks:", "", "| cost | ours (event loop: trees, gc) | ours over "
+                  "lanes (ring) | Gloo |", "|---|---|---|---|"]
+        lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in costs_table(platform)]
         lines.append("")
     lines += ["## Worst cells", ""]
     held = [c for c in checks if c.measured.straggler != "none"]
@@ -82,7 +87,7 @@ def write(out: Path, rows: list[dict[str, Any]],
         if group:
             w = max(group, key=lambda c: abs(c.error))
             inside = sum(abs(c.error) <= 0.25 for c in group)
-            lines.append(f"- {name}: worst {_label(w)} {w.error:+.0%}; {inside} of "
+            lines.append(f"- {name}: worst {_label(w)} {w.error:+.1%}; {inside} of "
                          f"{len(group)} within 25 %")
     right = sum(h[3] for h in hits)
     lines += ["", f"Advisor: right in **{right} of {len(hits)}** cells ({right / len(hits):.0%})"

@@ -4,6 +4,7 @@ closed forms where there is one, and the straggler draws shared with the benchma
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -174,6 +175,41 @@ def test_fit_recovers_the_costs_it_was_made_with() -> None:
     fitted = fit(measured, emulation_start(), rounds=5)
     worst = max(abs(c.error) for c in compare(measured, fitted))
     assert worst < 0.1
+
+
+def test_the_ring_over_lanes_has_costs_of_its_own() -> None:
+    """Our ring moves its segments over lanes, the trees through the event loop: a message
+    costs them differently, and the fit finds both (a single cost for both missed the 40-rank
+    cells of the sweep by up to half)."""
+    ours = Costs(alpha=1e-3, bandwidth=1.25e8, msg_cpu=300e-6, byte_cpu=1e-9,
+                 decode_cpu=100e-6, cores=2)
+    truth = Platform(ours, Costs(alpha=1e-3, bandwidth=1.25e8, msg_cpu=50e-6,
+                                 byte_cpu=0.1e-9, cores=2),
+                     replace(ours, msg_cpu=20e-6))
+    cfg = _cfg(nodes=7, fanout=2, size_bytes=40_000)
+    assert (np.median(simulate("ring", cfg, truth))
+            < np.median(simulate("ring", cfg, replace(truth, lanes=None))))  # the path taken
+    cells = [_cfg(nodes=7, fanout=2, size_bytes=s) for s in (40_000, 4_000_000)]
+    measured = [Measured(name, c, float(np.median(simulate(name, c, truth))))
+                for c in cells for name in ("ring", "tree", "coded-tree", "gc", "gloo")]
+    fitted = fit(measured, emulation_start(), rounds=5)
+    assert max(abs(c.error) for c in compare(measured, fitted)) < 0.1
+    assert fitted.ring.msg_cpu < fitted.ours.msg_cpu
+
+
+def test_costs_saved_before_lanes_were_fitted_apart_still_load(tmp_path) -> None:
+    import json
+    from dataclasses import asdict
+
+    from aioreduce.sim.report import load_platforms, save_platforms
+
+    plat = emulation_start()
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"13": {"ours": asdict(plat.ours), "gloo": asdict(plat.gloo)}}))
+    loaded = load_platforms(old)[13]
+    assert loaded.lanes is None and loaded.ring == plat.ours
+    save_platforms({13: plat}, tmp_path / "new.json")
+    assert load_platforms(tmp_path / "new.json")[13] == plat
 
 
 def test_unknown_scheme_is_named() -> None:

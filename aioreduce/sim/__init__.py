@@ -98,7 +98,7 @@ def simulate(name: str, cfg: Config, platform: Platform, steps: int | None = Non
         it = first + i
         compute = [share + model.extra_delay(r, it, share, world) for r in range(world)]
         if children is None:
-            graph, done = ring(costs, compute, cfg.size_bytes)
+            graph, done = ring(costs, compute, cfg.size_bytes, lockstep=name == "gloo")
         else:
             graph, done = tree(costs, compute, cfg.size_bytes, children, tolerance,
                                root_computes, m)

@@ -8,7 +8,8 @@ longer than ``chunk_bytes`` travel as several frames (at most ``MAX_CHUNKS``, as
 each paying the per-message cost.
 
 * **ring** (ours and Gloo's): reduce-scatter then all-gather, 2(N-1) steps of V/N bytes; a
-  rank forwards step k once it has received step k-1 (and, at step 0, computed).
+  rank forwards step k once it has received step k-1 (and, at step 0, computed); Gloo's in
+  lockstep with its neighbours (see :func:`ring`).
 * **tree / coded-tree**: up the tree chunk by chunk (a parent forwards chunk c once it has
   chunk c of all its children, or of the first ``fanout - stragglers`` for the coded tree,
   and has computed itself), then the result down, chunk by chunk, each parent sending to its
@@ -88,13 +89,23 @@ class _Builder:
         return self.g.add("delay", rank, 0.0, after=after, need=need)
 
 
-def ring(costs: Costs, compute: Sequence[float], vector_bytes: float) -> tuple[Graph, list[Op]]:
+def ring(costs: Costs, compute: Sequence[float], vector_bytes: float,
+         lockstep: bool = False) -> tuple[Graph, list[Op]]:
+    """Ours (``lockstep`` False): a rank sends step k once it has received step k-1; its
+    successor's receive of it is posted ahead. Gloo's (``lockstep``): a send also waits until
+    its receiver is at that step (Gloo's unbound buffers send once the receiver has posted
+    the receive), and a rank begins step k+1 only once its send and receive of step k are
+    done, so ranks cannot run ahead of a paused neighbour's chain."""
     n = len(compute)
     b = _Builder(costs)
     seg = vector_bytes / n
     have = [b.compute(r, compute[r]) for r in range(n)]  # what rank r can send next after
     for _ in range(2 * (n - 1)):
-        have = [b.message((r - 1) % n, r, seg, [have[(r - 1) % n]]) for r in range(n)]
+        if not lockstep:
+            have = [b.message((r - 1) % n, r, seg, [have[(r - 1) % n]]) for r in range(n)]
+            continue
+        got = [b.message((r - 1) % n, r, seg, [have[(r - 1) % n], have[r]]) for r in range(n)]
+        have = [b.join(r, [got[r], got[(r + 1) % n]]) for r in range(n)]
     return b.g, have
 
 

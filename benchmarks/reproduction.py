@@ -61,7 +61,7 @@ def verdict(claim: float, emulated: float | None, simulated: list[float]) -> str
             else "**not reproduced**")
 
 
-def ring_note(platform: Platform, simulated: list[float]) -> str:
+def ring_note(platform: Platform, ranks: int, simulated: list[float]) -> str:
     """Why the simulator at the paper's size may put the ring ahead, in the fitted costs."""
     if max(simulated) >= 1:
         return ""
@@ -69,7 +69,7 @@ def ring_note(platform: Platform, simulated: list[float]) -> str:
             f"with a host per rank, a hop of our ring over lanes costs what the fit found "
             f"({platform.ring.msg_cpu * 1e6:.0f} us of CPU a message) and a tree's message "
             f"the event loop's ({platform.ours.msg_cpu * 1e6:.0f} us), and a parent of 12 "
-            "children pays it 12 times. Both were fitted with 40 ranks sharing 2 cores, "
+            f"children pays it 12 times. Both were fitted with {ranks} ranks sharing 2 cores, "
             "where waiting for a core is most of a message's cost: how they carry over to a "
             "host per rank is not measured.")
 
@@ -147,7 +147,7 @@ def main() -> None:
         "latency-bound steps and waits for the slow rank; the tree makes 2L. It fails for "
         f"large vectors: at {label(large)} on {large_n} ranks the ring is bandwidth-optimal "
         f"(measured {ratio(e_large.get('ring'), e_large.get('coded-tree'))}, slow3)."
-        f"{ring_note(platforms[big], speedup('ring')[1])} |")
+        f"{ring_note(platforms[big], big, speedup('ring')[1])} |")
     lines.append(
         "| CodedReduce vs gradient coding | up to 27.2x (EC2) | "
         f"{ratio(e.get('gc'), e.get('coded-tree'))} (40K, slow3) | {cr_cell('gc', 'slow3')} | "

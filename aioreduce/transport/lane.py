@@ -325,10 +325,10 @@ def _connect_local(name: str, timeout: float) -> socket.socket | None:
 def local_name(text: object) -> str | None:
     """``text`` if it has the shape of a lane's abstract name (what :class:`LaneListener`
     makes; a peer's offer is checked before anything connects to it), else None."""
-    digits = text[len(LOCAL_PREFIX):] if isinstance(text, str) else ""
-    if (isinstance(text, str) and text.startswith(LOCAL_PREFIX)
-            and len(digits) == 2 * LOCAL_NONCE_BYTES
-            and all(c in "0123456789abcdef" for c in digits)):
+    if not isinstance(text, str) or not text.startswith(LOCAL_PREFIX):
+        return None
+    digits = text[len(LOCAL_PREFIX):]
+    if len(digits) == 2 * LOCAL_NONCE_BYTES and all(c in "0123456789abcdef" for c in digits):
         return text
     return None
 

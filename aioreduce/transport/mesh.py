@@ -447,13 +447,13 @@ class Mesh:
             for dst, fut in told.items():
                 header = await asyncio.wait_for(fut, timeout)
                 port, theirs = header.meta.get("port"), header.meta.get("nonce")
-                unix = header.meta.get("unix")
+                offered = header.meta.get("unix")
+                unix = local_name(offered)
                 if (type(port) is not int or type(theirs) is not str or len(theirs) != 32
-                        or (unix is not None and local_name(unix) is None)):
+                        or (offered is not None and unix is None)):
                     raise PeerLost(dst, f"rank {dst} sent a malformed lane offer")
                 # Our own option decides too: local_lanes=False never dials a Unix socket.
-                offers[dst] = (port, theirs, local_name(unix) if self.options.local_lanes
-                               else None)
+                offers[dst] = (port, theirs, unix if self.options.local_lanes else None)
             # Every dial and accept blocks a thread until its peer does its part: one thread
             # each, not the shared default executor (a few workers, which all ranks' accepts
             # could fill while the dials they wait for queue behind them).

@@ -601,7 +601,7 @@ class Node:
 def env_extras(env_map: Mapping[str, str], max_frame: int | None = None) -> dict[str, Any]:
     """The :class:`Node` arguments that ``AIOREDUCE_*`` variables set besides the job itself
     (see :meth:`Node.from_env`): ``options`` (``AIOREDUCE_LATENCY``,
-    ``AIOREDUCE_LOCAL_LANES``), ``trace``, ``gc_every`` and ``straggle``, each only if its
+    ``AIOREDUCE_LOCAL_UNIX``), ``trace``, ``gc_every`` and ``straggle``, each only if its
     variable is set; a malformed value is a :class:`ConfigError` naming the variable. Shared
     with the torch backend."""
     extras: dict[str, Any] = {}
@@ -615,12 +615,12 @@ def env_extras(env_map: Mapping[str, str], max_frame: int | None = None) -> dict
             raise ConfigError(f"AIOREDUCE_LATENCY={env_map['AIOREDUCE_LATENCY']!r}: give "
                               "the emulated one-way latency in seconds (e.g. 0.0001)")
         mesh["latency"] = latency
-    if env_map.get("AIOREDUCE_LOCAL_LANES"):
-        value = env_map["AIOREDUCE_LOCAL_LANES"]
+    if env_map.get("AIOREDUCE_LOCAL_UNIX"):
+        value = env_map["AIOREDUCE_LOCAL_UNIX"]
         if value not in ("0", "1"):
-            raise ConfigError(f"AIOREDUCE_LOCAL_LANES={value!r}: give 1 (lanes between ranks "
-                              "on one host are Unix sockets, the default) or 0 (TCP always)")
-        mesh["local_lanes"] = value == "1"
+            raise ConfigError(f"AIOREDUCE_LOCAL_UNIX={value!r}: give 1 (ranks on one host "
+                              "talk over Unix sockets, the default) or 0 (TCP always)")
+        mesh["local_unix"] = value == "1"
     if mesh:
         if max_frame is not None:
             mesh["max_payload"] = max_frame

@@ -33,7 +33,7 @@ that name first: abstract names belong to a network namespace, so the connect su
 on the same host (and namespace) and elsewhere fails at once (no such name), and the sender
 dials the TCP port instead. The proof is the same either way. Why: a Unix stream skips TCP's
 segments, acknowledgements and loopback device, so the kernel spends less per byte (see
-``MeshOptions.local_lanes`` for what it saved). :meth:`Lane.interrupt` (from any thread) makes a
+``MeshOptions.local_unix`` for what it saved). :meth:`Lane.interrupt` (from any thread) makes a
 blocked send or receive fail at once: a failed step elsewhere releases the lane's thread.
 """
 

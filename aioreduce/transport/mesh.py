@@ -5,14 +5,26 @@ and then serves both directions; receives match on (source rank, step, tag), so 
 matter which connection a frame comes in on. Each connection starts with the mutual handshake of
 :mod:`aioreduce.wire.handshake`; a peer that fails it is logged with its address and dropped,
 and the listener keeps serving.
+
+Ranks on one host. Beside its port a node listens on an abstract Unix socket whose name
+follows from the job, its rank and its port (:func:`local_mesh_name`), so a peer can derive it
+from the address table. A dialer tries that name first: abstract names belong to a network
+namespace, so only a rank on the same host (and namespace) finds it, and elsewhere the connect
+is refused at once and the dialer uses TCP. The name is predictable, so another local process
+could take it first: the handshake still needs the secret, and a dialer whose handshake over
+the Unix socket fails falls back to TCP. Why: the trees and gradient coding send through these
+connections, and a Unix stream costs the kernel less per byte than loopback TCP (see
+``MeshOptions.local_unix``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
+import socket
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
@@ -68,12 +80,13 @@ class MeshOptions:
     # While a payload lands, wake up once this many of its bytes are readable (or its rest),
     # not on every TCP segment (SO_RCVLOWAT; see protocol.py). 0 or 1: every segment.
     recv_lowat: int = 1 << 20
-    # Lanes between ranks on one host go over Unix sockets instead of TCP (see lane.py):
-    # the kernel copies the same bytes at less cost. Our ring over lanes, 4 ranks on one
-    # 2-core host, in place, 3 runs each (2026-11-25): 16 MiB 19.5-25.6 ms against TCP's
-    # 27.5-27.7, 64 MiB 75-83 against 92-99; at 1 MiB 3.5-4.0 against 3.0-3.3 (a little
-    # slower there). False: TCP always (AIOREDUCE_LOCAL_LANES=0).
-    local_lanes: bool = True
+    # Ranks on one host talk over Unix sockets instead of TCP, both the mesh's connections
+    # (see Mesh.listen) and the lanes (see lane.py): the kernel copies the same bytes at less
+    # cost. Our ring over lanes, 4 ranks on one 2-core host, in place, 3 runs each
+    # (2026-11-25): 16 MiB 19.5-25.6 ms against TCP's 27.5-27.7, 64 MiB 75-83 against 92-99;
+    # at 1 MiB 3.5-4.0 against 3.0-3.3 (a little slower there). False: TCP always
+    # (AIOREDUCE_LOCAL_UNIX=0).
+    local_unix: bool = True
 
 
 class Mesh:
@@ -96,6 +109,7 @@ class Mesh:
                        for r in range(world_size)}
         self._dial_locks: dict[int, asyncio.Lock] = {}
         self._server: asyncio.Server | None = None
+        self._local_server: asyncio.AbstractServer | None = None  # the Unix socket beside it
         self._conns: set[FrameProtocol] = set()
         # Lanes this mesh opened to its peers (their owners close them), for unacked():
         # weakly, so a closed and dropped lane is forgotten.
@@ -124,12 +138,30 @@ class Mesh:
                                                 reuse_address=True)
         sockname = self._server.sockets[0].getsockname()
         self.host = sockname[0]
+        if self.options.local_unix:
+            await self._listen_local(sockname[1])
         return sockname[0], sockname[1]
+
+    async def _listen_local(self, port: int) -> None:
+        """Listen on our abstract Unix name too (see the module docstring), if we can."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(local_mesh_name(self.job, self.rank, port))
+            sock.listen(1024)
+            sock.setblocking(False)
+        except OSError as exc:  # taken, or no abstract sockets here: peers dial TCP
+            sock.close()
+            log.info("rank %d: no local Unix socket (%s); ranks on this host dial TCP",
+                     self.rank, exc)
+            return
+        loop = asyncio.get_running_loop()
+        self._local_server = await loop.create_unix_server(self._incoming, sock=sock)
 
     def stop_listening(self) -> None:
         """Accept no new connections; established ones stay up."""
-        if self._server is not None:
-            self._server.close()
+        for server in (self._server, self._local_server):
+            if server is not None:
+                server.close()
 
     def _new_protocol(self) -> FrameProtocol:
         conn = FrameProtocol(self.options.max_payload, self.options.user_timeout,
@@ -319,14 +351,38 @@ class Mesh:
         return None
 
     async def _dial(self, rank: int, addr: tuple[str, int]) -> FrameProtocol:
+        if self.options.local_unix:
+            conn = await self._open_local(rank, addr[1])
+            if conn is not None:
+                try:
+                    return await self._handshake(conn, rank, f"rank {rank} (local socket)")
+                except AuthError as exc:  # someone else holds the name: see the docstring
+                    self._refusals.warn("rank %d: %s; dialing TCP instead", self.rank, exc)
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.options.connect_timeout):
                 _t, conn = await loop.create_connection(self._new_protocol, addr[0], addr[1])
         except (OSError, TimeoutError) as exc:
             raise PeerLost(rank, f"cannot connect to {addr[0]}:{addr[1]}: {exc}") from None
+        return await self._handshake(conn, rank, f"rank {rank} at {addr[0]}:{addr[1]}")
+
+    async def _open_local(self, rank: int, port: int) -> FrameProtocol | None:
+        """A connection to ``rank``'s abstract Unix socket, or None if it is not on this host."""
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            async with asyncio.timeout(self.options.connect_timeout):
+                await loop.sock_connect(sock, local_mesh_name(self.job, rank, port))
+                _t, conn = await loop.create_unix_connection(self._new_protocol, sock=sock)
+        except (OSError, TimeoutError):  # no such name in this namespace: TCP
+            sock.close()
+            return None
+        return conn
+
+    async def _handshake(self, conn: FrameProtocol, rank: int, where: str) -> FrameProtocol:
+        """Connector side of the handshake on a fresh connection to ``rank``."""
         hs = ConnectorHandshake(self._secret, self.job, self.rank, rank)
-        where = f"rank {rank} at {addr[0]}:{addr[1]}"
         try:
             await conn.send(encode_frame(hs.start()))
             while True:
@@ -436,7 +492,7 @@ class Mesh:
         loop = asyncio.get_running_loop()
         try:
             for src in recv_from:
-                listeners[src] = LaneListener(self.host, src, local=self.options.local_lanes)
+                listeners[src] = LaneListener(self.host, src, local=self.options.local_unix)
             nonces = {src: os.urandom(16) for src in recv_from}
             told = {dst: self.post_recv(dst, _NOTHING, step=step, tag=LANE_TAG) for dst in send_to}
             await asyncio.gather(*(
@@ -452,8 +508,8 @@ class Mesh:
                 if (type(port) is not int or type(theirs) is not str or len(theirs) != 32
                         or (offered is not None and unix is None)):
                     raise PeerLost(dst, f"rank {dst} sent a malformed lane offer")
-                # Our own option decides too: local_lanes=False never dials a Unix socket.
-                offers[dst] = (port, theirs, unix if self.options.local_lanes else None)
+                # Our own option decides too: local_unix=False never dials a Unix socket.
+                offers[dst] = (port, theirs, unix if self.options.local_unix else None)
             # Every dial and accept blocks a thread until its peer does its part: one thread
             # each, not the shared default executor (a few workers, which all ranks' accepts
             # could fill while the dials they wait for queue behind them).
@@ -522,8 +578,7 @@ class Mesh:
 
     async def close(self) -> None:
         """Stop listening and close every connection (pending data is flushed by the kernel)."""
-        if self._server is not None:
-            self._server.close()
+        self.stop_listening()
         for task in list(self._tasks):
             task.cancel()
         # Protocols whose dial failed never got a transport and never close: skip them.
@@ -536,14 +591,22 @@ class Mesh:
         for conn in open_conns:
             if not conn.closed.done():
                 conn.abort("closing: peer not reading")
-        if self._server is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+        for server in (self._server, self._local_server):
+            if server is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(server.wait_closed(), 2.0)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size or rank == self.rank:
             raise ValueError(f"rank {rank} is not a peer of rank {self.rank} "
                              f"(world size {self.world_size})")
+
+
+def local_mesh_name(job: str, rank: int, port: int) -> bytes:
+    """The abstract Unix address where ``rank`` of ``job``, listening on TCP ``port``, also
+    listens: its rank in it, so a rank of the same job never answers for another one."""
+    digest = hashlib.sha256(job.encode()).hexdigest()[:16]
+    return f"\0aioreduce-mesh-{digest}-{rank}-{port}".encode("ascii")
 
 
 def _lane_offer(listener: LaneListener, nonce: bytes) -> dict[str, object]:

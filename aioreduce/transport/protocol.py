@@ -1,4 +1,5 @@
-"""One TCP connection as an ``asyncio.BufferedProtocol`` speaking aioreduce frames.
+"""One connection (TCP, or Unix between ranks on one host) as an ``asyncio.BufferedProtocol``
+speaking aioreduce frames.
 
 Receiving: ``get_buffer`` hands out whatever view the :class:`FrameDecoder` asks for, which for a
 payload is a slice of the destination numpy array: the kernel copies straight into it.
@@ -71,6 +72,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.peer: int | None = None  # rank, once authenticated
         self.router: Router | None = None
         self.peername = "?"
+        self.local = False  # a Unix socket (to a rank on this host) rather than TCP
         # Called once the connection is made (its peer address known): a listener starts
         # the handshake then, so it counts the connection against the right host.
         self.on_made: Callable[[FrameProtocol], None] | None = None
@@ -97,7 +99,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 if self._recv_lowat > 1:
                     self._sock = sock
         peer = transport.get_extra_info("peername")
-        self.peername = f"{peer[0]}:{peer[1]}" if peer else "?"
+        if sock is not None and sock.family == socket.AF_UNIX:
+            self.local = True
+            self.peername = "local:unix"  # a process on this host; Unix peers have no address
+        else:
+            self.peername = f"{peer[0]}:{peer[1]}" if peer else "?"
         if self.on_made is not None:
             self.on_made(self)
 

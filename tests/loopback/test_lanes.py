@@ -146,7 +146,7 @@ def test_interrupt_releases_a_blocked_receive_and_a_closed_peer_is_named() -> No
 
 @pytest.mark.parametrize("local", [False, True], ids=["tcp", "unix"])
 async def test_two_meshes_open_lanes_each_way_through_their_connection(local: bool) -> None:
-    meshes = [Mesh(r, 2, SECRET, "job", MeshOptions(local_lanes=local)) for r in range(2)]
+    meshes = [Mesh(r, 2, SECRET, "job", MeshOptions(local_unix=local)) for r in range(2)]
     try:
         addrs = [await m.listen("127.0.0.1") for m in meshes]
         for m in meshes:

@@ -1,8 +1,8 @@
-"""SO_RCVLOWAT while a payload lands: the socket asks the kernel to wake the receiver only once
-``recv_lowat`` bytes of the payload (or its rest) are there, and every byte still arrives (real
-sockets on 127.0.0.1; the sender runs its own event loop in a thread, so bytes arrive while
-the receiver's loop waits, as between processes; delivery of every dtype and shape between
-processes is in test_mesh). What it saves is measured by the benchmarks, not here."""
+"""SO_RCVLOWAT while a payload lands on a TCP connection: the socket asks the kernel to wake the
+receiver only once ``recv_lowat`` bytes of the payload (or its rest) are there, and every byte
+still arrives (real sockets on 127.0.0.1; the sender runs its own event loop in a thread, so
+bytes arrive while the receiver's loop waits, as between processes; delivery of every dtype and
+shape between processes is in test_mesh). What it saves is measured by the benchmarks."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ async def _receive(lowat: int, monkeypatch: pytest.MonkeyPatch
 
     Returns, for every read that landed payload bytes, (the payload's rest before it, the
     socket's SO_RCVLOWAT then), and the SO_RCVLOWAT after the last frame."""
-    opts = MeshOptions(recv_lowat=lowat)
+    opts = MeshOptions(recv_lowat=lowat, local_unix=False)  # the mark is set on TCP only
     a = Mesh(0, 2, b"s", "job", opts)
     errors: list[BaseException] = []
     reads: list[tuple[int, int]] = []

@@ -168,15 +168,15 @@ def test_a_latency_that_makes_no_sense_is_refused_by_name(value: str) -> None:
         Node.from_env({**ENV, "AIOREDUCE_LATENCY": value})
 
 
-def test_the_environment_can_keep_lanes_on_tcp() -> None:
-    """``AIOREDUCE_LOCAL_LANES=0``: lanes between ranks on one host stay TCP (for comparing,
+def test_the_environment_can_keep_ranks_on_one_host_on_tcp() -> None:
+    """``AIOREDUCE_LOCAL_UNIX=0``: ranks on one host talk over TCP (for comparing,
     or a host without abstract Unix sockets); a value other than 0 or 1 is named."""
     async def body(loop: ClockLoop) -> None:
-        assert Node.from_env(ENV).mesh.options.local_lanes
-        node = Node.from_env({**ENV, "AIOREDUCE_LOCAL_LANES": "0"})
-        assert not node.mesh.options.local_lanes
+        assert Node.from_env(ENV).mesh.options.local_unix
+        node = Node.from_env({**ENV, "AIOREDUCE_LOCAL_UNIX": "0"})
+        assert not node.mesh.options.local_unix
         assert node.mesh.options.max_payload == 4096
-        with pytest.raises(ConfigError, match="AIOREDUCE_LOCAL_LANES='no'"):
-            Node.from_env({**ENV, "AIOREDUCE_LOCAL_LANES": "no"})
+        with pytest.raises(ConfigError, match="AIOREDUCE_LOCAL_UNIX='no'"):
+            Node.from_env({**ENV, "AIOREDUCE_LOCAL_UNIX": "no"})
 
     run(body)

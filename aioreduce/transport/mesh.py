@@ -83,9 +83,10 @@ class MeshOptions:
     # Ranks on one host talk over Unix sockets instead of TCP, both the mesh's connections
     # (see Mesh.listen) and the lanes (see lane.py): the kernel copies the same bytes at less
     # cost. Our ring over lanes, 4 ranks on one 2-core host, in place, 3 runs each
-    # (2026-11-25): 16 MiB 19.5-25.6 ms against TCP's 27.5-27.7, 64 MiB 75-83 against 92-99;
-    # at 1 MiB 3.5-4.0 against 3.0-3.3 (a little slower there). False: TCP always
-    # (AIOREDUCE_LOCAL_UNIX=0).
+    # (2026-11-25): 16 MiB 19.5-25.6 ms against TCP's 27.5-27.7, 64 MiB 75-83 against 92-99.
+    # At 1 MiB lanes alone on Unix were slower (3.5-4.0 against 3.0-3.3); with the mesh on
+    # Unix too, 2.7 against 3.1-3.5 (2026-11-26). A binary tree of 7 ranks at 64 MiB:
+    # 171-184 ms against 197-205. False: TCP always (AIOREDUCE_LOCAL_UNIX=0).
     local_unix: bool = True
 
 

@@ -22,7 +22,7 @@ USER_TIMEOUT_S = 30.0
 # A Unix stream has no autotuning: its send buffer stays at net.core.wmem_default (208 KiB).
 # Our ring over Unix lanes, 4 ranks on one 2-core host, in place: with 2 MiB, 16 MiB steps
 # took 19.5-21.1 ms (2 runs) against 21.3-25.6 without (3 runs); at 1 MiB 3.5-3.6 against
-# 3.7-4.0, still slower than TCP's 3.0-3.3 (why is not known).
+# 3.7-4.0 (TCP: 3.0-3.3; with the mesh on Unix sockets too, 2.7).
 UNIX_SNDBUF = 2 << 20
 
 

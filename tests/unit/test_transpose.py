@@ -428,3 +428,35 @@ async def test_a_silent_or_unstarted_sender_gets_no_grace() -> None:
         await stage.run(0.01, idle=0.001, grace=1000.0, heard=lambda _src: 0.0)
         assert stage.reason == "deadline" and not stage.extended, delivered_before
         assert not last.done() or last.cancelled()
+
+
+# -- early close --------------------------------------------------------------------------
+async def test_a_stage_closes_early_once_the_tails_come_in_and_the_senders_go_quiet() -> None:
+    """Rank 1 skipped slice 0 (it will not send it now) and its tail lands while the stage
+    waits: the stage ends early, long before its deadline, without slice 0."""
+    loop = asyncio.get_running_loop()
+    skipped, tail = loop.create_future(), loop.create_future()
+    stage = Stage([Slot(1, 0, 10, skipped), Slot(1, 1, 10, tail, tail=True)], 20)
+    loop.call_soon(tail.set_result, None)
+    await asyncio.wait_for(stage.run(600.0, idle=0.001), 60)
+    assert stage.reason == "early" and stage.fraction == 0.5
+    assert skipped.cancelled()  # withdrawn: its buffer is not written any more
+
+
+async def test_an_optional_sender_is_not_waited_for_and_a_silent_one_is_named() -> None:
+    """Stage 2 lists the owners that sent nothing in stage 1 as optional: once the others'
+    tails are in and they go quiet, the stage closes early without the optional one."""
+    loop = asyncio.get_running_loop()
+    first = Stage([Slot(1, 0, 10, loop.create_future(), tail=True),
+                   Slot(2, 0, 10, loop.create_future(), tail=True)], 20)
+    first.slots[0].future.set_result(None)
+    await first.run(0.001, idle=600.0)
+    assert first.reason == "deadline" and first.silent() == {2}
+    # Bytes heard from rank 2 since the stage began: it runs, only slowly; not silent.
+    assert first.silent(lambda _src: time.perf_counter()) == frozenset()
+    from1, from2 = loop.create_future(), loop.create_future()
+    second = Stage([Slot(1, 0, 10, from1, tail=True), Slot(2, 0, 10, from2, tail=True)], 20,
+                   optional=first.silent())
+    loop.call_soon(from1.set_result, None)
+    await asyncio.wait_for(second.run(600.0, idle=0.001), 60)
+    assert second.reason == "early" and second.fraction == 0.5 and from2.cancelled()

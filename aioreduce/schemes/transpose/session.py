@@ -13,7 +13,8 @@ A step, on rank ``r`` of ``N``:
 4. rotate the reduced shard back (its owner inverts just 1/N of the vector, not every rank
    all of it), send it to every rank, with its received fraction and the ranks missing from
    it; stage 2 ends ``D1 + D2`` after stage 1 began (an owner that waited its whole ``D1``
-   still has ``D2`` to deliver);
+   still has ``D2`` to deliver), and its early close does not wait for owners that sent
+   nothing in stage 1;
 5. a reduced slice that did not come gets the stand-in; account for every slice, apply the
    safety valve, update the clocks (one per stage, as their times differ: stage 1 absorbs
    the ranks' skew).
@@ -191,7 +192,12 @@ class TransposeSession:
             end = min(hi, like.size)
             if lo < end:
                 out[lo:end] = y[lo:end]
-            stage2 = Stage(phase2, length - (hi - lo))
+            # An owner that sent us nothing in stage 1 was not running then (a pause, a GC,
+            # a preempted VM): its reduced shard comes only after it wakes, so stage 2 closes
+            # early without it instead of waiting out its bound (the stand-in covers it, as
+            # at a deadline). The README's tail row, 3 runs each: P99/P50 1.17-1.19 with
+            # 0.89-0.90 % lost, against 1.27-1.34 with 0.77-0.82 % when stage 2 waited.
+            stage2 = Stage(phase2, length - (hi - lo), optional=stage1.silent(links.heard_at))
             # Stage 2 ends both bounds after stage 1 began, not one bound after it ended
             # here: an owner whose stage 1 ran to its deadline sends only then.
             left = None if d1 is None or d2 is None else max(d2, d1 + d2 - stage1.elapsed)

@@ -4,7 +4,9 @@ A stage ends on the first of:
 
 * **full receipt**: every posted slice arrived (or its sender's connection broke);
 * **early close**: every sender's tail slice is in, and nothing arrived for ``idle`` seconds
-  (a sender that skipped slices will not send them now);
+  (a sender that skipped slices will not send them now). Senders in ``optional`` are not
+  waited for here: stage 2 names the owners that sent us nothing in stage 1 (see
+  :meth:`Stage.silent`), whose reduced shards would come only after they wake up;
 * **the deadline** (pause-aware, see :class:`~aioreduce.schemes.deadline.Deadline`), unless
   every sender it still lacks is delivering: each has sent bytes within the last ``idle``
   seconds. Then it waits on while they do, up to ``grace`` × the deadline more, and ends once
@@ -55,7 +57,12 @@ class Stage:
     received: int = 0
     elapsed: float = 0.0
     extended: bool = False  # it ran past its deadline while its missing senders delivered
+    # Senders whose tail slices early close does not wait for (see the module docstring).
+    optional: frozenset[int] = frozenset()
     _last: float = field(default=0.0)
+    _t0: float = field(default=0.0)
+    _idle: float = field(default=0.0)
+    _idle_timer: asyncio.TimerHandle | None = None
     _heard: dict[int, float] = field(default_factory=dict)  # sender -> its last slice's time
     _open: int = 0
     _tails: int = 0
@@ -75,11 +82,11 @@ class Stage:
         ``heard(src)`` is when bytes last came from ``src`` (finer than whole slices)."""
         loop = asyncio.get_running_loop()
         now = self._last = time.perf_counter()
-        t0 = min(now, since) if since is not None else now
+        t0 = self._t0 = min(now, since) if since is not None else now
         self._ended = loop.create_future()
         self._open = len(self.slots)
-        self._tails = sum(1 for s in self.slots if s.tail)
-        idle_timer: asyncio.TimerHandle | None = None
+        self._tails = sum(1 for s in self.slots if s.tail and s.src not in self.optional)
+        self._idle = idle
         for slot in self.slots:
             slot.future.add_done_callback(functools.partial(self._done, slot))
         if not self._open:
@@ -88,8 +95,7 @@ class Stage:
         try:
             while True:
                 waits: set[asyncio.Future[object]] = {self._ended, timer.fired}  # type: ignore
-                if self._tails == 0 and self._open and idle_timer is None:
-                    idle_timer = loop.call_later(idle, self._check_idle, idle)
+                self._watch_idle()
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 if self._ended.done():
                     self.reason = self._ended.result()
@@ -112,12 +118,20 @@ class Stage:
                 break
         finally:
             timer.cancel()
-            if idle_timer is not None:
-                idle_timer.cancel()
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
             for slot in self.slots:
                 if not slot.future.done():
                     slot.future.cancel()
             self.elapsed = time.perf_counter() - t0
+
+    def silent(self, heard: Callable[[int], float] | None = None) -> frozenset[int]:
+        """After :meth:`run`: the senders of which not one slice arrived, and (``heard``, see
+        :meth:`run`) not one byte since the stage began: paused, or too late to matter."""
+        got = {slot.src for slot in self.slots if slot.arrived}
+        return frozenset(
+            src for src in {slot.src for slot in self.slots} - got
+            if heard is None or heard(src) < self._t0)
 
     def _flowing_until(self, t0: float, idle: float, heard: Callable[[int], float] | None,
                        limit: float) -> float | None:
@@ -145,17 +159,27 @@ class Stage:
         elif not isinstance(exc, PeerLost):  # a mismatch or a bug: the step fails
             self._end_with(exc)
             return
-        if slot.tail:
+        if slot.tail and slot.src not in self.optional:
             self._tails -= 1
         if self._open == 0:
             self._end("complete")
+        else:
+            self._watch_idle()  # the last tail may be in now: the early close starts counting
+
+    def _watch_idle(self) -> None:
+        """Once every awaited tail is in, check for quiet (early close), once."""
+        if (self._tails == 0 and self._open and self._idle_timer is None
+                and self._ended is not None and not self._ended.done()):
+            self._idle_timer = asyncio.get_running_loop().call_later(
+                self._idle, self._check_idle, self._idle)
 
     def _check_idle(self, idle: float) -> None:
         quiet = time.perf_counter() - self._last
         if quiet >= idle:
             self._end("early")
         else:
-            asyncio.get_running_loop().call_later(idle - quiet, self._check_idle, idle)
+            self._idle_timer = asyncio.get_running_loop().call_later(
+                idle - quiet, self._check_idle, idle)
 
     def _end(self, reason: str) -> None:
         if self._ended is not None and not self._ended.done():

@@ -112,6 +112,44 @@ class Comm(Protocol):
         the handler existed and are still unclaimed: soon after the call, once each."""
 
 
+class CommWrapper:
+    """A :class:`Comm` that passes every call on to the comm it wraps (``inner``): the base of
+    wrappers that change a few calls (a session's gate, step telemetry) and keep the rest.
+    Lanes are reached through ``inner`` (see :func:`open_lanes`)."""
+
+    def __init__(self, inner: Comm) -> None:
+        self.inner = inner
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+    async def send(self, rank: int, array: np.ndarray, *, step: int, tag: int = 0,
+                   meta: dict[str, Any] | None = None) -> None:
+        await self.inner.send(rank, array, step=step, tag=tag, meta=meta)
+
+    def post_recv(self, rank: int, out: np.ndarray, *, step: int,
+                  tag: int = 0) -> asyncio.Future[Header]:
+        return self.inner.post_recv(rank, out, step=step, tag=tag)
+
+    def discard_before(self, step: int, tag: int = 0) -> None:
+        self.inner.discard_before(step, tag)
+
+    def is_lost(self, rank: int) -> bool:
+        return self.inner.is_lost(rank)
+
+    def on_peer_lost(self, listener: Callable[[int], None]) -> Callable[[], None]:
+        return self.inner.on_peer_lost(listener)
+
+    def on_early(self, rank: int, min_tag: int, handler: EarlyHandler, *,
+                 since: int | None = None) -> Callable[[], None]:
+        return self.inner.on_early(rank, min_tag, handler, since=since)
+
+
 @dataclass(frozen=True)
 class Result:
     """The outcome of one aggregation step; identical on every rank.

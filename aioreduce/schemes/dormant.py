@@ -22,14 +22,10 @@ when it opens and when it wakes.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
-from typing import Any
-
-import numpy as np
 
 from ..wire import Header
-from .base import Comm, EarlyHandler
+from .base import Comm, CommWrapper, EarlyHandler
 
 
 class _Registration:
@@ -44,14 +40,14 @@ def _nothing() -> None:
     pass
 
 
-class GatedComm:
+class GatedComm(CommWrapper):
     """A session's :class:`~.base.Comm`: its early handlers hear the steps from
     ``first_step`` on (frames already staged for those included, as peers may have started
     them before this rank opened the session) until the session is put to sleep, and again
     from the step it wakes at."""
 
     def __init__(self, inner: Comm, first_step: int | None = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.first_step = first_step
         # Steps from this one on are not this session's (None: it is the running session).
         self.dormant_from: int | None = None
@@ -75,31 +71,6 @@ class GatedComm:
                 reg.handler(header, payload)
 
         return self.inner.on_early(reg.rank, reg.min_tag, gated, since=since)
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.inner.world_size
-
-    async def send(self, rank: int, array: np.ndarray, *, step: int, tag: int = 0,
-                   meta: dict[str, Any] | None = None) -> None:
-        await self.inner.send(rank, array, step=step, tag=tag, meta=meta)
-
-    def post_recv(self, rank: int, out: np.ndarray, *, step: int,
-                  tag: int = 0) -> asyncio.Future[Header]:
-        return self.inner.post_recv(rank, out, step=step, tag=tag)
-
-    def discard_before(self, step: int, tag: int = 0) -> None:
-        self.inner.discard_before(step, tag)
-
-    def is_lost(self, rank: int) -> bool:
-        return self.inner.is_lost(rank)
-
-    def on_peer_lost(self, listener: Callable[[int], None]) -> Callable[[], None]:
-        return self.inner.on_peer_lost(listener)
 
     def on_early(self, rank: int, min_tag: int, handler: EarlyHandler, *,
                  since: int | None = None) -> Callable[[], None]:

@@ -23,7 +23,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from ..schemes.base import Comm, EarlyHandler, Result
+from ..schemes.base import Comm, CommWrapper, EarlyHandler, Result
 from ..wire import Header
 
 #: Steps whose counters are kept while they have not been written (frames far ahead of us).
@@ -170,20 +170,12 @@ class Tracer:
             self._file = None
 
 
-class TracingComm:
+class TracingComm(CommWrapper):
     """A :class:`~aioreduce.schemes.base.Comm` that counts what passes through it."""
 
     def __init__(self, inner: Comm, tracer: Tracer) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.tracer = tracer
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.inner.world_size
 
     async def send(self, rank: int, array: np.ndarray, *, step: int, tag: int = 0,
                    meta: dict[str, Any] | None = None) -> None:
@@ -207,15 +199,6 @@ class TracingComm:
         """What a step moved over lanes, which bypass this comm (see schemes.base)."""
         self.tracer.sent(step, sent)
         self.tracer.received(src, step, received, frames)
-
-    def discard_before(self, step: int, tag: int = 0) -> None:
-        self.inner.discard_before(step, tag)
-
-    def is_lost(self, rank: int) -> bool:
-        return self.inner.is_lost(rank)
-
-    def on_peer_lost(self, listener: Callable[[int], None]) -> Callable[[], None]:
-        return self.inner.on_peer_lost(listener)
 
     def on_early(self, rank: int, min_tag: int, handler: EarlyHandler, *,
                  since: int | None = None) -> Callable[[], None]:

@@ -12,9 +12,10 @@ from the address table. A dialer tries that name first: abstract names belong to
 namespace, so only a rank on the same host (and namespace) finds it, and elsewhere the connect
 is refused at once and the dialer uses TCP. The name is predictable, so another local process
 could take it first: the handshake still needs the secret, and a dialer whose handshake over
-the Unix socket fails falls back to TCP. Why: the trees and gradient coding send through these
-connections, and a Unix stream costs the kernel less per byte than loopback TCP (see
-``MeshOptions.local_unix``).
+the Unix socket fails before the peer proved the secret falls back to TCP (a rank of the job
+that proved it and then refused us means it: this rank was started twice). Why: the trees
+and gradient coding send through these connections, and a Unix stream costs the kernel less
+per byte than loopback TCP (see ``MeshOptions.local_unix``).
 """
 
 from __future__ import annotations
@@ -357,7 +358,7 @@ class Mesh:
             if conn is not None:
                 try:
                     return await self._handshake(conn, rank, f"rank {rank} (local socket)")
-                except AuthError as exc:  # someone else holds the name: see the docstring
+                except _Unproven as exc:  # someone else holds the name: see the docstring
                     self._refusals.warn("rank %d: %s; dialing TCP instead", self.rank, exc)
         loop = asyncio.get_running_loop()
         try:
@@ -382,8 +383,11 @@ class Mesh:
         return conn
 
     async def _handshake(self, conn: FrameProtocol, rank: int, where: str) -> FrameProtocol:
-        """Connector side of the handshake on a fresh connection to ``rank``."""
+        """Connector side of the handshake on a fresh connection to ``rank``. Fails with
+        :class:`AuthError`; with its subclass ``_Unproven`` if the peer never proved the
+        secret (not a rank of this job: a squatter on a Unix name, or a wrong secret)."""
         hs = ConnectorHandshake(self._secret, self.job, self.rank, rank)
+        proved = False
         try:
             await conn.send(encode_frame(hs.start()))
             while True:
@@ -391,21 +395,24 @@ class Mesh:
                 if isinstance(event, Refused):
                     raise AuthError(f"{where}: {event.reason}")
                 if isinstance(event, Proved):
+                    proved = True
                     conn.arm(rank, self._inbox[rank])  # WELCOME may carry data behind it
                 for header in out:
                     await conn.send(encode_frame(header))
                 if isinstance(event, Accepted):
                     break
-        except PeerLost:
+        except (PeerLost, AuthError, TimeoutError) as exc:
             conn.abort("handshake failed")
-            raise AuthError(f"{where} refused our handshake (wrong secret or job id, or is "
-                            f"rank {self.rank} started twice?)") from None
-        except AuthError:
-            conn.abort("handshake failed")
-            raise
-        except TimeoutError as exc:
-            conn.abort("handshake failed")
-            raise AuthError(f"handshake with {where}: {exc}") from None
+            if isinstance(exc, PeerLost):
+                text = (f"{where} refused our handshake (wrong secret or job id, or is rank "
+                        f"{self.rank} started twice?)")
+            elif isinstance(exc, TimeoutError):
+                text = f"handshake with {where}: {exc}"
+            else:
+                text = str(exc)
+            # A rank of this job that proved the secret and then refused us (this rank was
+            # started twice, or for another job id) means it: no second try over TCP.
+            raise (AuthError if proved else _Unproven)(text) from None
         self._inbox[rank].connection_added(conn)
         return conn
 
@@ -601,6 +608,10 @@ class Mesh:
         if not 0 <= rank < self.world_size or rank == self.rank:
             raise ValueError(f"rank {rank} is not a peer of rank {self.rank} "
                              f"(world size {self.world_size})")
+
+
+class _Unproven(AuthError):
+    """A handshake failed before the peer proved the job secret."""
 
 
 def local_mesh_name(job: str, rank: int, port: int) -> bytes:

@@ -106,3 +106,22 @@ async def test_the_unix_socket_refuses_a_peer_without_the_secret(
         await intruder.close()
         for m in meshes:
             await m.close()
+
+
+async def test_a_rank_that_proves_the_secret_and_refuses_us_is_not_dialed_again(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A second process claiming rank 1 is refused by rank 0 after both proved the secret:
+    that refusal is meant (the job is misconfigured), so the dialer raises at once instead of
+    trying TCP too (which kept a duplicate rank waiting for a job that had stopped)."""
+    meshes = await _pair(True)
+    twin = Mesh(1, 2, SECRET, "job")
+    try:
+        assert (await meshes[1].connect(0)).local  # the real rank 1, connected first
+        twin.addresses = dict(meshes[0].addresses)
+        with pytest.raises(AuthError, match="started twice"):
+            await twin.connect(0)
+        assert "dialing TCP instead" not in caplog.text
+    finally:
+        await twin.close()
+        for m in meshes:
+            await m.close()

@@ -401,20 +401,20 @@ class Mesh:
                     await conn.send(encode_frame(header))
                 if isinstance(event, Accepted):
                     break
-        except (PeerLost, AuthError, TimeoutError) as exc:
-            conn.abort("handshake failed")
-            if isinstance(exc, PeerLost):
-                text = (f"{where} refused our handshake (wrong secret or job id, or is rank "
-                        f"{self.rank} started twice?)")
-            elif isinstance(exc, TimeoutError):
-                text = f"handshake with {where}: {exc}"
-            else:
-                text = str(exc)
-            # A rank of this job that proved the secret and then refused us (this rank was
-            # started twice, or for another job id) means it: no second try over TCP.
-            raise (AuthError if proved else _Unproven)(text) from None
-        self._inbox[rank].connection_added(conn)
-        return conn
+        except PeerLost:
+            failure = (f"{where} refused our handshake (wrong secret or job id, or is rank "
+                       f"{self.rank} started twice?)")
+        except TimeoutError as exc:
+            failure = f"handshake with {where}: {exc}"
+        except AuthError as exc:
+            failure = str(exc)
+        else:
+            self._inbox[rank].connection_added(conn)
+            return conn
+        conn.abort("handshake failed")
+        # A rank of this job that proved the secret and then refused us (this rank was
+        # started twice, or for another job id) means it: no second try over TCP.
+        raise (AuthError if proved else _Unproven)(failure)
 
     # -- data ---------------------------------------------------------------------------------
     async def send(self, rank: int, array: np.ndarray, *, step: int, tag: int = 0,

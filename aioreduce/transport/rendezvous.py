@@ -98,10 +98,9 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
     assert conn.transport is not None
-    local = conn.transport.get_extra_info("sockname")
     # Our address as rank 0 sees it; over a Unix socket rank 0 is on this host, so its own
     # address is one of ours.
-    local = local[0] if isinstance(local, tuple) else master[0]
+    local = master[0] if conn.local else conn.transport.get_extra_info("sockname")[0]
     host, port = await mesh.listen(bind or advertise or local, 0)
     await mesh.send_control(0, {"op": "register", "host": advertise or host, "port": port,
                                 "world": mesh.world_size})

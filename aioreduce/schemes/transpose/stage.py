@@ -92,10 +92,10 @@ class Stage:
         if not self._open:
             self._end("complete")
         timer = Deadline((deadline if deadline is not None else cap) - (now - t0))
+        self._watch_idle()  # now if no tail is awaited; else _done, when the last one lands
         try:
             while True:
                 waits: set[asyncio.Future[object]] = {self._ended, timer.fired}  # type: ignore
-                self._watch_idle()
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 if self._ended.done():
                     self.reason = self._ended.result()
@@ -170,16 +170,16 @@ class Stage:
         """Once every awaited tail is in, check for quiet (early close), once."""
         if (self._tails == 0 and self._open and self._idle_timer is None
                 and self._ended is not None and not self._ended.done()):
-            self._idle_timer = asyncio.get_running_loop().call_later(
-                self._idle, self._check_idle, self._idle)
+            self._idle_timer = asyncio.get_running_loop().call_later(self._idle,
+                                                                     self._check_idle)
 
-    def _check_idle(self, idle: float) -> None:
+    def _check_idle(self) -> None:
         quiet = time.perf_counter() - self._last
-        if quiet >= idle:
+        if quiet >= self._idle:
             self._end("early")
         else:
-            self._idle_timer = asyncio.get_running_loop().call_later(
-                idle - quiet, self._check_idle, idle)
+            self._idle_timer = asyncio.get_running_loop().call_later(self._idle - quiet,
+                                                                     self._check_idle)
 
     def _end(self, reason: str) -> None:
         if self._ended is not None and not self._ended.done():

@@ -32,7 +32,9 @@ from .schemes import CodedScheme, FellBehind, Result, Scheme, Session
 from .schemes.base import Comm, DecodeTimed, SumsInPlace, WritesInto
 from .schemes.broadcast import broadcast
 from .schemes.dormant import GatedComm
+from .schemes.exchange import exchange
 from .schemes.gather import allgather
+from .schemes.p2p import PointToPoint
 from .stepgc import StepGC
 from .straggle import StraggleModel, parse_straggle
 from .telemetry import Tracer, TracingComm, trace_path
@@ -98,7 +100,8 @@ class Node:
         self.straggle = straggle or StraggleModel()
         self._step = 0
         self._like: np.ndarray | None = None
-        self._tensor_out = False  # the compute function passed returns torch tensors
+        # (device, dtype) of the tensors the compute function passed returns, if it does
+        self._tensor_out: Any = None
         self._holders: tuple[Scheme, int] | None = None  # see _data_holders
         self._last_return = time.perf_counter()
         self._session: Session | None = None
@@ -109,6 +112,8 @@ class Node:
         if options is None and env.max_frame is not None:
             options = MeshOptions(max_payload=env.max_frame)
         self.mesh = Mesh(env.rank, env.world_size, env.secret, env.job, options)
+        # send/recv outside the collective steps (torch's point-to-point calls)
+        self.p2p = PointToPoint(self.mesh)
         self.close_timeout = close_timeout
         self._started = False
         # Step telemetry: one JSON line per step (see aioreduce.telemetry).
@@ -377,10 +382,10 @@ class Node:
         target = array
         if _is_tensor(array):
             from .torch.tensors import to_numpy
-            array = to_numpy(array, self.rank)
             if not target.is_contiguous():  # type: ignore[union-attr]
                 raise ValueError(f"rank {self.rank}: in_place=True needs a contiguous tensor "
                                  "(call .contiguous() and reduce that)")
+            array = to_numpy(array, self.rank)  # a copy where numpy cannot view it (GPU)
         if not isinstance(array, np.ndarray) or array.dtype.kind not in "fc" or not (
                 array.flags.c_contiguous and array.flags.writeable):
             raise TypeError(f"rank {self.rank}: in_place=True needs a writable C-contiguous "
@@ -394,7 +399,8 @@ class Node:
         if op == "mean" and not folded:
             np.divide(array, mean_divisor(res, self.world_size), out=array)
         if target is not array:  # a tensor: the result is a TensorResult, its value that tensor
-            from .torch.tensors import tensor_result
+            from .torch.tensors import tensor_result, write_back
+            write_back(target, array)  # type: ignore[arg-type]  # a tensor
             return tensor_result(res, value=target)  # type: ignore[arg-type]  # a tensor
         return dataclasses.replace(res, value=array)
 
@@ -406,18 +412,21 @@ class Node:
                              "max and product: gather with Node.allgather)")
         if any_shape:
             self._like = None
-        tensors = _is_tensor(vector)
-        if tensors:
-            from .torch.tensors import to_numpy
+        like = None  # (device, dtype) of a tensor argument, for a result like it
+        if _is_tensor(vector):
+            from .torch.tensors import describe, to_numpy
+            like = describe(vector)
             vector = to_numpy(vector, self.rank)
         elif callable(vector):
             vector = self._numpy_compute(vector)
         res = await self._run(vector, into, divisor)
         if into is not None:
             return res
-        if tensors or (callable(vector) and self._tensor_out):
+        if like is None and callable(vector):
+            like = self._tensor_out
+        if like is not None:
             from .torch.tensors import tensor_result
-            return tensor_result(res)
+            return tensor_result(res, like=like)
         return res
 
     def _numpy_compute(self, compute: Callable[[], object]) -> Callable[[], np.ndarray]:
@@ -426,8 +435,8 @@ class Node:
         def run() -> np.ndarray:
             out = compute()
             if _is_tensor(out):
-                from .torch.tensors import to_numpy
-                self._tensor_out = True
+                from .torch.tensors import describe, to_numpy
+                self._tensor_out = describe(out)
                 return to_numpy(out, self.rank)
             return out  # type: ignore[return-value]  # checked by the session
         return run
@@ -476,6 +485,15 @@ class Node:
         step = self._step
         self._step += 1
         return await broadcast(self.mesh, step, array, root)
+
+    async def exchange(self, sends: Mapping[int, np.ndarray],
+                       recvs: Mapping[int, np.ndarray]) -> None:
+        """A collective step that sends ``sends[r]`` to rank ``r`` and receives from rank
+        ``r`` straight into ``recvs[r]``, exactly (all-to-all, gather, scatter). Every rank
+        calls it at the same step, each with the sizes it receives."""
+        step = self._step
+        self._step += 1
+        await exchange(self.mesh, step, sends, recvs)
 
     def _require(self, *, coded: bool) -> Scheme:
         if self.scheme is None or self._session is None:

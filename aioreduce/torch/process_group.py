@@ -1,32 +1,34 @@
 """``torch.distributed`` backend "aioreduce": a process group whose collectives run on a node.
 
 ``import aioreduce.torch`` registers it; then ``dist.init_process_group(backend="aioreduce")``
-under torchrun or ``aioreduce-launch`` (both set ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/
-``WORLD_SIZE``) makes an otherwise unchanged program (stock DDP included) use our transport.
+under torchrun, ``aioreduce-launch`` or Ray Train makes an otherwise unchanged program (stock DDP,
+FSDP2, DeviceMesh, point-to-point calls included) use our transport, with CPU or CUDA tensors.
 
-How a collective runs. Torch calls the process group with the GIL held on the trainer's
-thread; each method turns its tensors into numpy views, queues one coroutine on the node's
-event loop and returns a ``Work`` at once. The coroutines run one at a time in the order they
-were issued, which is the same on every rank, so collectives match by sequence number (the
-node's step). A thread of ours (not the event loop's: user callbacks chained on the future
-may block) copies each result into the caller's tensors and completes its future.
+How a call runs. Torch calls the process group with the GIL held on the trainer's thread. Each
+method stages its tensors as host bytes (:mod:`.staging`: a CPU tensor's own memory, a GPU
+tensor's copy in a reused pinned buffer, made on a side stream), queues one coroutine on the
+node's event loop and returns a ``Work`` at once. Collectives run one at a time in the order
+they were issued, which is the same on every rank, so they match by the node's step.
+Point-to-point calls are numbered per peer and tag when issued (:mod:`aioreduce.schemes.p2p`)
+and run beside the collectives, never in their order. A thread of ours (:mod:`.completer`)
+copies results back (on the side stream) and completes the torch futures.
 
-Sums and averages of floating-point tensors go through the node's scheme (``Ring`` unless
-configured: :func:`configure` or ``AIOREDUCE_TORCH_SCHEME``); integers under a bounded-time
-scheme, and min, max and product, are gathered and reduced exactly (``Node.allgather``: meant
-for the small tensors torch reduces that way).
+What reduces how. Sums and averages of float32 and float64 tensors go through the node's scheme
+(``Ring`` unless configured: :func:`configure` or ``AIOREDUCE_TORCH_SCHEME``). Everything else
+is reduced exactly by the owners of its parts (:mod:`.direct`): 16-bit floats carried in 16 bits
+and accumulated in float32, integers, min, max, product, bitwise ops, and every
+``reduce_scatter``.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
-import queue
 import secrets
-import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -39,10 +41,13 @@ from torch._C._distributed_c10d import _create_work_from_future as _work_of  # t
 from ..env import NodeEnv
 from ..errors import ConfigError
 from ..node import Node, env_extras
-from ..schemes import Result, Scheme, Transpose
+from ..schemes import Result, Scheme
 from ..schemes.registry import by_name
 from ..sync import SyncNode
-from .tensors import to_numpy
+from . import direct
+from .completer import Completer, Context
+from .staging import Staged, Stager
+from .tensors import HALF, check_tensor
 
 log = logging.getLogger("aioreduce.torch")
 
@@ -50,6 +55,7 @@ BACKEND = "aioreduce"
 _NO_VALUE = np.empty(0, np.float32)
 _NO_VALUE.setflags(write=False)
 _configured: Scheme | None = None
+_SUMS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
 
 
 def configure(scheme: Scheme | None) -> None:
@@ -63,44 +69,6 @@ def default_scheme() -> Scheme:
     if _configured is not None:
         return _configured
     return by_name(os.environ.get("AIOREDUCE_TORCH_SCHEME", "ring"))
-
-
-class _Completer:
-    """One thread of ours that finishes collectives in issue order: waits for the node's
-    result, copies it into the caller's tensors, completes the torch future."""
-
-    def __init__(self, rank: int) -> None:
-        self._queue: queue.SimpleQueue[tuple[concurrent.futures.Future[Any],
-                                             torch.futures.Future[Any],
-                                             Callable[[Any], Any]] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"aioreduce-torch-{rank}",
-                                        daemon=True)
-        self._thread.start()
-
-    def add(self, done: concurrent.futures.Future[Any], fut: torch.futures.Future[Any],
-            finish: Callable[[Any], Any]) -> None:
-        self._queue.put((done, fut, finish))
-
-    def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            self._finish(*item)
-            # Nothing of it stays bound here while we wait for the next: a result held would
-            # keep its memory from being handed out again to the next step.
-            del item
-
-    @staticmethod
-    def _finish(done: concurrent.futures.Future[Any], fut: torch.futures.Future[Any],
-                finish: Callable[[Any], Any]) -> None:
-        try:
-            value = finish(done.result())
-        except BaseException as exc:  # the caller sees it from Work.wait()
-            fut.set_exception(exc)
-        else:
-            fut.set_result(value)
 
 
 def _work(fut: torch.futures.Future[Any]) -> dist.Work:
@@ -118,30 +86,50 @@ def _reduce_op(opts: object) -> Any:
     return getattr(op, "op", op)
 
 
-def _sync_back(tensor: torch.Tensor, view: np.ndarray) -> None:
-    """``view`` came from :func:`to_numpy`: the tensor's own memory when it is contiguous,
-    else a contiguous copy, whose new values go back into the tensor here."""
-    if not tensor.is_contiguous():
-        tensor.copy_(torch.from_numpy(view).view(tensor.shape))
+def _root(opts: object) -> int:
+    return int(getattr(opts, "rootRank", 0))
 
 
-_LOCAL: dict[Any, Callable[..., Any]] = {
-    dist.ReduceOp.MIN: np.min, dist.ReduceOp.MAX: np.max, dist.ReduceOp.PRODUCT: np.prod}
+def _rows(t: torch.Tensor, splits: Sequence[int], world: int, rank: int, what: str
+          ) -> list[int]:
+    """Element offsets of the dim-0 row blocks ``splits`` of ``t`` (even when empty)."""
+    rows = t.shape[0] if t.dim() else 1
+    if not splits:
+        if rows % world:
+            raise ValueError(f"rank {rank}: all_to_all_single: {what} has {rows} rows, not "
+                             f"a multiple of the world size {world}; pass split sizes")
+        splits = [rows // world] * world
+    if len(splits) != world or sum(splits) != rows:
+        raise ValueError(f"rank {rank}: all_to_all_single: {what} split sizes {list(splits)} "
+                         f"must be {world} sizes adding up to its {rows} rows")
+    per_row = t.numel() // rows if rows else 0
+    edges = [0]
+    for n in splits:
+        edges.append(edges[-1] + n * per_row)
+    return edges
 
 
 class ProcessGroupAioreduce(dist.ProcessGroup):
-    """A ``torch.distributed`` process group over an aioreduce node (every rank of the job).
+    """A ``torch.distributed`` process group over an aioreduce node.
 
-    Implemented: ``allreduce`` (sum, avg, min, max, product), ``broadcast``, ``allgather``
-    (and its flat form), ``reduce_scatter`` (and its flat form), ``reduce``, ``barrier``, sync
-    and ``async_op=True``. Anything else raises ``NotImplementedError`` naming it.
+    Collectives: ``allreduce`` (sum, avg, min, max, product, bitwise) and its coalesced
+    form, ``broadcast``, ``allgather`` (list, flat and coalesced), ``reduce_scatter`` (list,
+    flat and coalesced), ``reduce``, ``gather``, ``scatter``, ``alltoall``,
+    ``all_to_all_single`` (with split sizes), ``barrier``, ``monitored_barrier``.
+    Point-to-point: ``send``, ``recv`` (``isend``/``irecv``/``batch_isend_irecv`` through
+    torch). CPU and CUDA tensors; float64/32/16, bfloat16, integers and bool. Not:
+    ``recv`` from any source, ``PREMUL_SUM``.
     """
 
-    def __init__(self, node: SyncNode, *, owns_node: bool = False) -> None:
+    def __init__(self, node: SyncNode, *, owns_node: bool = False,
+                 staging_limit: int = 256 << 20) -> None:
         super().__init__(node.rank, node.world_size)  # type: ignore[call-arg]
         self.node = node
         self._owns_node = owns_node
-        self._completer = _Completer(node.rank)
+        self._completer = Completer(node.rank)
+        self.stager = Stager(staging_limit)
+        self._group_name = ""
+        self._group_desc = ""
         # Of the sums since the last take_results(), without their values (the values live in
         # the caller's tensors; a kept value would also keep its buffer from the scheme's pool,
         # so every step would fault in fresh memory: 2.5x the time of a 9.6 MB ring sum).
@@ -158,22 +146,84 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
     def rank(self) -> int:
         return self.node.rank
 
+    # DeviceMesh and FSDP2 find groups by name. The C++ base keeps a name only for a C++
+    # backend, so a Python group keeps its own: torch >= 2.13 forwards getGroupName and
+    # friends to these methods; older versions call _set_group_name and read group_name.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
     def __repr__(self) -> str:
-        return f"ProcessGroupAioreduce(rank={self.node.rank}, size={self.node.world_size})"
+        return (f"ProcessGroupAioreduce(rank={self.node.rank}, size={self.node.world_size}, "
+                f"name={self._group_name!r})")
 
     # -- machinery -----------------------------------------------------------------------------
-    def _queue(self, make: Callable[[], Coroutine[Any, Any, Any]],
-               finish: Callable[[Any], Any]) -> torch.futures.Future[Any]:
-        """Queue ``make()`` on the node's loop after every collective issued before it; a
-        torch future of ``finish(its result)``, completed by our thread."""
-        fut: torch.futures.Future[Any] = torch.futures.Future()
-        self._completer.add(self.node.submit_in_order(make), fut, finish)
+    def _check(self, t: object) -> torch.Tensor:
+        return check_tensor(t, self.node.rank)
+
+    def _stage(self, t: object, *, read: bool = True) -> Staged:
+        return self.stager.stage(self._check(t), read=read)
+
+    def _op(self, staged: Sequence[Staged], outputs: Sequence[Staged],
+            body: Callable[[], Coroutine[Any, Any, Any]], value: Callable[[Any], Any], *,
+            ordered: bool = True) -> torch.futures.Future[Any]:
+        """Run ``body()`` on the node's loop once every staged input is on the host (after
+        the collectives issued before it when ``ordered``); then, on our thread, copy the
+        ``outputs`` back and complete the returned future with ``value(body's result)``."""
+        streams = [s.stream for s in staged if s.stream is not None]
+        devices: list[int | str | torch.device] = [s.tensor.device for s in staged
+                                                   if s.stream is not None]
+        fut: torch.futures.Future[Any] = (
+            torch.futures.Future(devices=devices[:1]) if devices else torch.futures.Future())
+
+        async def run() -> Any:
+            for s in staged:
+                if s.ready is not None and not s.ready.query():
+                    await asyncio.get_running_loop().run_in_executor(None, s.ready.synchronize)
+            return await body()
+
+        def finish(result: Any) -> Any:
+            try:
+                out = value(result)
+                for s in outputs:
+                    s.write_back()
+            finally:
+                for s in staged:
+                    s.release()
+            return out
+
+        context: Context = contextlib.nullcontext
+        if streams:
+            side = streams[0]
+            context = lambda: torch.cuda.stream(side)  # noqa: E731
+        done = (self.node.submit_in_order(run) if ordered else self.node.submit(run()))
+        self._completer.add(done, fut, finish, context)
         return fut
 
-    def _issue(self, make: Callable[[], Coroutine[Any, Any, Any]],
-               finish: Callable[[Any], Any]) -> dist.Work:
-        """:meth:`_queue` as the ``Work`` a collective returns."""
-        return _work(self._queue(make, finish))
+    def _issue(self, staged: Sequence[Staged], outputs: Sequence[Staged],
+               body: Callable[[], Coroutine[Any, Any, Any]], value: Any, *,
+               ordered: bool = True) -> dist.Work:
+        """:meth:`_op` as the ``Work`` a call returns, completing with ``value``."""
+        return _work(self._op(staged, outputs, body, lambda _r: value, ordered=ordered))
 
     def future_sum(self, tensor: torch.Tensor, *, average: bool,
                    on_result: Callable[[Result], None] | None = None
@@ -181,32 +231,37 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         """The sum (or mean) of ``tensor`` over the ranks, written into ``tensor``; a torch
         future of it (the DDP hook hands this one back to DDP). ``on_result`` gets the step's
         :class:`~aioreduce.Result` first (on our completing thread)."""
-        arr = to_numpy(tensor, self.node.rank)
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        return self._allreduce(tensor, op, on_result)
+
+    def _allreduce(self, tensor: torch.Tensor, op: Any,
+                   on_result: Callable[[Result], None] | None = None
+                   ) -> torch.futures.Future[Any]:
+        st = self._stage(tensor)
         node = self.node.node
-        in_place = arr.dtype.kind == "f"  # sum into the tensor's own memory, as Gloo does
-        divided = False
+        host, dtype, world = st.host, st.tensor.dtype, node.world_size
+        if op not in _SUMS or dtype in HALF or host.dtype.kind != "f":
+            if not direct.supported(op):
+                raise NotImplementedError(f"rank {node.rank}: all_reduce with {op} is not "
+                                          "implemented by aioreduce")
+            return self._op([st], [st], lambda: direct.allreduce(node, host, dtype, op),
+                            lambda _r: tensor)
+        average = op == dist.ReduceOp.AVG
+        divided = average and node.sums_in_place  # the ring divides as it goes
 
         async def total() -> Result:
-            nonlocal divided
-            if not in_place:
-                return await node.allreduce(arr, any_shape=True)
-            # The ring divides as it goes (1/N of the vector), saving a pass at the end.
-            divided = average and node.sums_in_place
-            return await node.allreduce(arr, op="mean" if divided else "sum", any_shape=True,
-                                        in_place=True)
+            return await node.allreduce(host, op="mean" if divided else "sum",
+                                        any_shape=True, in_place=True)
 
-        def finish(res: Result) -> torch.Tensor:
+        def value(res: Result) -> torch.Tensor:
             self._note(res)
             if on_result is not None:
                 on_result(res)
             if average and not divided:
-                np.divide(res.value, self.node.world_size, out=arr, casting="unsafe")
-            elif not in_place:
-                np.copyto(arr, res.value, casting="unsafe")
-            _sync_back(tensor, arr)
+                np.divide(host, world, out=host)
             return tensor
 
-        return self._queue(total, finish)
+        return self._op([st], [st], total, value)
 
     def _note(self, res: Result) -> None:
         self.last_results.append(dataclasses.replace(res, value=_NO_VALUE))
@@ -220,139 +275,258 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         out, self.last_results = self.last_results, []
         return out
 
-    def _exact_sum_only(self, arr: np.ndarray) -> bool:
-        """Integers under a scheme that may drop data are summed exactly by gathering."""
-        return arr.dtype.kind != "f" and isinstance(self.node.node.scheme, Transpose)
+    def _exchange(self, staged: Sequence[Staged], outputs: Sequence[Staged],
+                  sends: dict[int, np.ndarray], recvs: dict[int, np.ndarray],
+                  value: Any) -> dist.Work:
+        """One exchange step (:meth:`aioreduce.Node.exchange`) as a ``Work``."""
+        node = self.node.node
+        return self._issue(staged, outputs, lambda: node.exchange(sends, recvs), value)
+
+    def _peers(self) -> list[int]:
+        return [r for r in range(self.node.world_size) if r != self.node.rank]
+
+    def _check_root(self, root: int, what: str) -> None:
+        if not 0 <= root < self.node.world_size:
+            raise ValueError(f"rank {self.node.rank}: {what} root {root} is not a rank of "
+                             f"this group (size {self.node.world_size})")
+
+    def _check_count(self, tensors: Sequence[object], what: str) -> None:
+        if len(tensors) != self.node.world_size:
+            raise ValueError(f"rank {self.node.rank}: {what} needs {self.node.world_size} "
+                             f"tensors, got {len(tensors)}")
 
     # -- collectives ---------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:  # type: ignore[override]
         (tensor,) = tensors
+        fut = self._allreduce(tensor, _reduce_op(opts))
+        return _work(fut.then(lambda f: [f.value()]))
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor],
+                            opts: object = None) -> dist.Work:
+        """One reduction per dtype of the tensors, flattened together."""
         op = _reduce_op(opts)
-        node = self.node.node
-        arr = to_numpy(tensor, node.rank)
-        if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) and not self._exact_sum_only(arr):
-            average = op == dist.ReduceOp.AVG
-            fut = self.future_sum(tensor, average=average)
-            return _work(fut.then(lambda f: [f.value()]))
-        if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            local: Callable[..., Any] = np.sum
-        elif op in _LOCAL:
-            local = _LOCAL[op]
-        else:
-            raise NotImplementedError(f"aioreduce: all_reduce with {op} is not implemented "
-                                      "(sum, avg, min, max and product are)")
+        futs = []
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            group = [t for t in tensors if t.dtype == dtype]
+            futs.append(self._flat_allreduce(group, op))
+        return _work(torch.futures.collect_all(futs).then(lambda _f: tensors))
 
-        def finish(res: Result) -> list[torch.Tensor]:
-            out = local(res.value, axis=0)
-            if op == dist.ReduceOp.AVG:
-                out = out / node.world_size
-            np.copyto(arr, out, casting="unsafe")
-            _sync_back(tensor, arr)
-            return [tensor]
+    def _flat_allreduce(self, group: list[torch.Tensor], op: Any) -> torch.futures.Future[Any]:
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        fut = self._allreduce(flat, op)
 
-        return self._issue(lambda: node.allgather(arr), finish)
+        def scatter_back(f: torch.futures.Future[Any]) -> list[torch.Tensor]:
+            f.value()
+            offset = 0
+            with torch.no_grad():
+                for t in group:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+            return group
+
+        return fut.then(scatter_back)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:  # type: ignore[override]
-        (tensor,) = tensors
-        root = int(getattr(opts, "rootRank", 0))
+        root, me = _root(opts), self.node.rank
+        self._check_root(root, "broadcast")
+        staged = [self._stage(t, read=me == root) for t in tensors]
         node = self.node.node
-        arr = to_numpy(tensor, node.rank)
 
-        def finish(res: Result) -> list[torch.Tensor]:
-            if node.rank != root:
-                np.copyto(arr, res.value)
-                _sync_back(tensor, arr)
-            return [tensor]
+        async def body() -> None:
+            for s in staged:  # one step per tensor (torch passes one)
+                if me == root:
+                    await node.exchange({r: s.host for r in self._peers()}, {})
+                else:
+                    await node.exchange({}, {root: s.host})
 
-        return self._issue(lambda: node.broadcast(arr, root), finish)
+        return self._issue(staged, [] if me == root else staged, body, tensors)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]
                   input_tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
         (outs,), (tensor,) = output_tensors, input_tensors
-        node = self.node.node
-        arr = to_numpy(tensor, node.rank)
-        if len(outs) != node.world_size:
-            raise ValueError(f"rank {node.rank}: all_gather needs {node.world_size} output "
-                             f"tensors, got {len(outs)}")
-        views = [to_numpy(t, node.rank) for t in outs]
-
-        def finish(res: Result) -> list[list[torch.Tensor]]:
-            for r, view in enumerate(views):
-                np.copyto(view, res.value[r].reshape(view.shape))
-                _sync_back(outs[r], view)
-            return [outs]
-
-        return self._issue(lambda: node.allgather(arr), finish)
+        self._check_count(outs, "all_gather")
+        inp = self._stage(tensor)
+        got = [self._stage(t, read=False) for t in outs]
+        return self._exchange([inp, *got], got, {r: inp.host for r in range(len(got))},
+                              {r: g.host for r, g in enumerate(got)}, output_tensors)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
-                        opts: object = None) -> dist.Work:
-        chunks = list(output.view(self.node.world_size, -1))
-        return self.allgather([chunks], [input.reshape(-1)], opts)
+                          opts: object = None) -> dist.Work:
+        out = self._stage(output, read=False)
+        inp = self._stage(input)
+        world = self.node.world_size
+        if out.host.size != world * inp.host.size:
+            raise ValueError(f"rank {self.node.rank}: all_gather_into_tensor needs an output "
+                             f"of {world} x {inp.host.size} elements, got {out.host.size}")
+        n = inp.host.size
+        parts = {r: out.host[r * n:(r + 1) * n] for r in range(world)}
+        return self._exchange([inp, out], [out], {r: inp.host for r in range(world)}, parts,
+                              output)
+
+    _allgather_base = all_gather_single  # torch < 2.12 name
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
+                                    inputs: list[torch.Tensor], opts: object = None
+                                    ) -> dist.Work:
+        works = [self.all_gather_single(o, i) for o, i in zip(outputs, inputs, strict=True)]
+        return self._all_of(works, outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
+                            input_list: list[torch.Tensor], opts: object = None) -> dist.Work:
+        works = [self.allgather([outs], [t]) for outs, t in zip(output_lists, input_list,
+                                                                strict=True)]
+        return self._all_of(works, output_lists)
+
+    @staticmethod
+    def _all_of(works: list[dist.Work], value: Any) -> dist.Work:
+        futs = [w.get_future() for w in works]
+        return _work(torch.futures.collect_all(futs).then(lambda _f: value))
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
                        input_tensors: list[list[torch.Tensor]], opts: object = None
                        ) -> dist.Work:
         (out,), (ins,) = output_tensors, input_tensors
-        op = _reduce_op(opts)
-        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            raise NotImplementedError(f"aioreduce: reduce_scatter with {op} is not implemented "
-                                      "(sum and avg are)")
-        flat = torch.cat([t.reshape(-1) for t in ins])
-        me = self.node.rank
-        lo = sum(t.numel() for t in ins[:me])
-        fut = self.future_sum(flat, average=op == dist.ReduceOp.AVG)
+        self._check_count(ins, "reduce_scatter")
+        staged = [self._stage(t) for t in ins]
+        res = self._stage(out, read=False)
+        return self._reduce_scatter([s.host for s in staged], res, [*staged, res],
+                                    _reduce_op(opts), output_tensors)
 
-        def take(f: torch.futures.Future[Any]) -> list[torch.Tensor]:
-            out.copy_(f.value()[lo:lo + out.numel()].view_as(out))
-            return [out]
-
-        return _work(fut.then(take))
+    def _reduce_scatter(self, parts: list[np.ndarray], out: Staged, staged: list[Staged],
+                        op: Any, value: Any) -> dist.Work:
+        if not direct.supported(op):
+            raise NotImplementedError(f"rank {self.node.rank}: reduce_scatter with {op} is "
+                                      "not implemented by aioreduce")
+        node, dtype = self.node.node, out.tensor.dtype
+        if parts[self.node.rank].size != out.host.size:
+            raise ValueError(f"rank {self.node.rank}: reduce_scatter: the output has "
+                             f"{out.host.size} elements, this rank's input part "
+                             f"{parts[self.node.rank].size}")
+        return self._issue(staged, [out],
+                           lambda: direct.reduce_scatter(node, parts, out.host, dtype, op), value)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
-                             opts: object = None) -> dist.Work:
-        return self.reduce_scatter([output], [list(input.view(self.node.world_size, -1))], opts)
+                              opts: object = None) -> dist.Work:
+        inp = self._stage(input)
+        out = self._stage(output, read=False)
+        world = self.node.world_size
+        if inp.host.size != world * out.host.size:
+            raise ValueError(f"rank {self.node.rank}: reduce_scatter_tensor needs an input of "
+                             f"{world} x {out.host.size} elements, got {inp.host.size}")
+        n = out.host.size
+        parts = [inp.host[r * n:(r + 1) * n] for r in range(world)]
+        return self._reduce_scatter(parts, out, [inp, out], _reduce_op(opts), output)
+
+    # torch < 2.12 name
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: object = None
+                                        ) -> dist.Work:
+        works = [self.reduce_scatter_single(o, i, opts)
+                 for o, i in zip(outputs, inputs, strict=True)]
+        return self._all_of(works, outputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
     def reduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:  # type: ignore[override]
         (tensor,) = tensors
-        root = int(getattr(opts, "rootRank", 0))
+        root = _root(opts)
+        self._check_root(root, "reduce")
         keep = tensor if self.node.rank == root else tensor.clone()  # only the root's changes
         return self.allreduce([keep], opts)
 
+    def gather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]
+               input_tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
+        (tensor,) = input_tensors
+        root, me = _root(opts), self.node.rank
+        self._check_root(root, "gather")
+        inp = self._stage(tensor)
+        if me != root:
+            return self._exchange([inp], [], {root: inp.host}, {}, output_tensors)
+        (outs,) = output_tensors
+        self._check_count(outs, "gather")
+        got = [self._stage(t, read=False) for t in outs]
+        return self._exchange([inp, *got], got, {me: inp.host},
+                              {r: g.host for r, g in enumerate(got)}, output_tensors)
+
+    def scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
+                input_tensors: list[list[torch.Tensor]], opts: object = None) -> dist.Work:
+        (tensor,) = output_tensors
+        root, me = _root(opts), self.node.rank
+        self._check_root(root, "scatter")
+        out = self._stage(tensor, read=False)
+        if me != root:
+            return self._exchange([out], [out], {}, {root: out.host}, output_tensors)
+        (ins,) = input_tensors
+        self._check_count(ins, "scatter")
+        staged = [self._stage(t) for t in ins]
+        return self._exchange([*staged, out], [out], {r: s.host for r, s in enumerate(staged)},
+                              {me: out.host}, output_tensors)
+
+    def alltoall(self, output_tensors: list[torch.Tensor],
+                 input_tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
+        self._check_count(output_tensors, "all_to_all")
+        self._check_count(input_tensors, "all_to_all")
+        ins = [self._stage(t) for t in input_tensors]
+        outs = [self._stage(t, read=False) for t in output_tensors]
+        return self._exchange([*ins, *outs], outs, {r: s.host for r, s in enumerate(ins)},
+                              {r: s.host for r, s in enumerate(outs)}, output_tensors)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: Sequence[int] = (),
+                          input_split_sizes: Sequence[int] = (), opts: object = None
+                          ) -> dist.Work:
+        me, world = self.node.rank, self.node.world_size
+        out_edges = _rows(output, output_split_sizes, world, me, "the output")
+        in_edges = _rows(input, input_split_sizes, world, me, "the input")
+        inp = self._stage(input)
+        out = self._stage(output, read=False)
+        sends = {r: inp.host[in_edges[r]:in_edges[r + 1]] for r in range(world)}
+        recvs = {r: out.host[out_edges[r]:out_edges[r + 1]] for r in range(world)}
+        return self._exchange([inp, out], [out], sends, recvs, output)
+
+    alltoall_base = all_to_all_single  # type: ignore[assignment]  # torch < 2.12 name
+
     def barrier(self, opts: object = None) -> dist.Work:
         node = self.node.node
-        return self._issue(lambda: node.barrier(), lambda _none: [])
+        return self._issue([], [], lambda: node.barrier(), [])
 
-    def _not_implemented(self, what: str) -> dist.Work:
-        raise NotImplementedError(f"aioreduce: {what} is not implemented by the aioreduce "
-                                  "backend (all_reduce, broadcast, all_gather, reduce_scatter, "
-                                  "reduce and barrier are)")
+    def monitored_barrier(self, timeout: timedelta | None = None,
+                          wait_all_ranks: bool = False) -> None:
+        """A barrier that names the ranks that did not reach it within ``timeout``
+        (``dist.monitored_barrier`` reaches it through :func:`register`)."""
+        seconds = 1800.0 if timeout is None else timeout.total_seconds()
+        node = self.node.node
+        self._issue([], [], lambda: node.barrier(seconds), []).wait()
 
-    def send(self, *args: object) -> dist.Work:
-        return self._not_implemented("send")
+    # -- point to point ------------------------------------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0
+             ) -> dist.Work:
+        (tensor,) = tensors
+        p2p = self.node.node.p2p
+        key = p2p.send_key(dstRank, tag)
+        st = self._stage(tensor)
+        return self._issue([st], [], lambda: p2p.send(dstRank, key, st.host), tensors,
+                           ordered=False)
 
-    def recv(self, *args: object) -> dist.Work:
-        return self._not_implemented("recv")
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0
+             ) -> dist.Work:
+        (tensor,) = tensors
+        p2p = self.node.node.p2p
+        key = p2p.recv_key(srcRank, tag)
+        st = self._stage(tensor, read=False)
+
+        async def body() -> None:
+            await p2p.recv(srcRank, key, st.host)
+
+        return self._issue([st], [st], body, tensors, ordered=False)
 
     def recv_anysource(self, *args: object) -> dist.Work:
-        return self._not_implemented("recv from any source")
-
-    def gather(self, *args: object) -> dist.Work:
-        return self._not_implemented("gather")
-
-    def scatter(self, *args: object) -> dist.Work:
-        return self._not_implemented("scatter")
-
-    def alltoall(self, *args: object) -> dist.Work:
-        return self._not_implemented("all_to_all")
-
-    def all_to_all_single(self, *args: object) -> dist.Work:
-        return self._not_implemented("all_to_all_single")
-
-    def allreduce_coalesced(self, *args: object) -> dist.Work:
-        return self._not_implemented("all_reduce_coalesced")
-
-    def allgather_coalesced(self, *args: object) -> dist.Work:
-        return self._not_implemented("all_gather_coalesced")
+        raise NotImplementedError(f"rank {self.node.rank}: recv without a source is not "
+                                  "implemented by aioreduce; pass src")
 
     def shutdown(self) -> None:
         """Stop the completer thread; close the node when this group made it."""
@@ -419,7 +593,26 @@ def _create(store: Store, rank: int, world_size: int,
                                  owns_node=True)
 
 
+def _monitored_barrier(group: Any = None, timeout: timedelta | None = None,
+                       wait_all_ranks: bool = False) -> Any:
+    """``dist.monitored_barrier``, which torch refuses for any backend but Gloo by name: our
+    groups get our own (a barrier that names the ranks missing at its timeout)."""
+    pg = group
+    if pg is None and dist.is_initialized():
+        pg = dist.distributed_c10d._get_default_group()
+    if isinstance(pg, ProcessGroupAioreduce):
+        return pg.monitored_barrier(timeout, wait_all_ranks)
+    return _torch_monitored_barrier(group, timeout, wait_all_ranks)
+
+
+_torch_monitored_barrier: Callable[..., Any] = dist.monitored_barrier
+
+
 def register() -> None:
-    """Register backend "aioreduce" with ``torch.distributed`` (idempotent)."""
+    """Register backend "aioreduce" with ``torch.distributed`` for CPU and CUDA tensors
+    (idempotent), and let ``dist.monitored_barrier`` serve its groups."""
     if BACKEND not in dist.Backend.backend_list:
-        dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+    if dist.monitored_barrier is not _monitored_barrier:
+        dist.monitored_barrier = _monitored_barrier
+        dist.distributed_c10d.monitored_barrier = _monitored_barrier

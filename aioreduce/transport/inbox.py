@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import PeerLost, VectorMismatch
-from ..wire import DEFER, Frame, Header, Kind, ProtocolError
+from ..wire import DEFER, Frame, Header, Kind, ProtocolError, is_p2p
 from ..wire.decoder import Destination
 
 if TYPE_CHECKING:
@@ -201,7 +201,8 @@ class Inbox:
         return self.floor_key[0]
 
     def _stale(self, header: Header) -> bool:
-        return (header.step, header.tag) < self.floor_key
+        # A point-to-point frame's step is its pair's sequence number: no floor applies.
+        return (header.step, header.tag) < self.floor_key and not is_p2p(header.tag)
 
     # -- the connection's side (its Router) ----------------------------------------------------
     def choose(self, conn: FrameProtocol, header: Header) -> Destination:
@@ -270,6 +271,8 @@ class Inbox:
                                     f"{self.budget.staged_frames} frames nobody has asked for")
             self._staged[key] = (header, payload, self._now())
             self.staged_bytes += payload.nbytes
+            if is_p2p(header.tag):  # kept until received: no floor passes it
+                return
             tags = self._tags_of.get(header.step)
             if tags is None:
                 tags = self._tags_of[header.step] = set()
@@ -313,12 +316,15 @@ class Inbox:
 
     def _check_ahead(self, header: Header) -> None:
         """A frame far beyond our current step is no honest peer's: refuse it."""
-        if self.floor != NO_FLOOR and header.step > self.floor + self.budget.steps_ahead:
+        if (self.floor != NO_FLOOR and not is_p2p(header.tag)
+                and header.step > self.floor + self.budget.steps_ahead):
             raise ProtocolError(f"rank {self.rank} sent a frame for step {header.step}, more "
                                 f"than {self.budget.steps_ahead} steps ahead of step "
                                 f"{self.floor}")
 
     def _handled(self, header: Header) -> bool:
+        if is_p2p(header.tag):  # nobody's early handler: a receive claims it
+            return False
         return any(header.tag >= lo for lo, _h in self._early)
 
     def _now(self) -> float:

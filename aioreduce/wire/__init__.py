@@ -4,6 +4,7 @@ from .decoder import DEFER, Frame, FrameDecoder
 from .frame import (
     DEFAULT_MAX_PAYLOAD,
     MAX_HEADER,
+    P2P_TAG,
     PREFIX_SIZE,
     Header,
     Kind,
@@ -12,12 +13,14 @@ from .frame import (
     byte_view,
     encode_data,
     encode_frame,
+    is_p2p,
 )
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD",
     "DEFER",
     "MAX_HEADER",
+    "P2P_TAG",
     "PREFIX_SIZE",
     "Frame",
     "FrameDecoder",
@@ -28,4 +31,5 @@ __all__ = [
     "byte_view",
     "encode_data",
     "encode_frame",
+    "is_p2p",
 ]

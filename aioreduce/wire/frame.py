@@ -56,6 +56,17 @@ class Kind(enum.IntEnum):
     CONTROL = 5  # rendezvous and runtime messages (meta only, no payload)
 
 
+P2P_TAG = 1 << 40
+"""Tags at or above this carry point-to-point messages (torch's ``send``/``recv``): their
+``step`` is a per-pair sequence number, not a collective step, so no step floor makes them
+stale and no step bound refuses them (the staged-bytes and -frames budgets still hold)."""
+
+
+def is_p2p(tag: int) -> bool:
+    """Is ``tag`` in the point-to-point tag space (:data:`P2P_TAG`)."""
+    return tag >= P2P_TAG
+
+
 class Header(NamedTuple):
     """The decoded msgpack header of one frame: a value, never modified (``meta`` included).
 

@@ -32,8 +32,10 @@ def test_cpu_tensors_are_shared_not_copied_and_others_are_named() -> None:
     a = to_numpy(t, 3)
     a[0, 0] = 42.0
     assert t[0, 0] == 42.0  # the same memory
-    with pytest.raises(TypeError, match=r"rank 3: tensors of torch\.bfloat16"):
-        to_numpy(torch.zeros(2, dtype=torch.bfloat16), 3)
+    half = to_numpy(torch.tensor([1.5, -2.0], dtype=torch.bfloat16), 3)
+    assert half.dtype == np.float32 and half.tolist() == [1.5, -2.0]  # summed in float32
+    with pytest.raises(TypeError, match=r"rank 3: tensors of torch\.float8_e4m3fn cannot"):
+        to_numpy(torch.zeros(2, dtype=torch.float8_e4m3fn), 3)
     with pytest.raises(TypeError, match="rank 3: expected a torch tensor, not list"):
         to_numpy([1.0], 3)
     ro = np.arange(4.0)

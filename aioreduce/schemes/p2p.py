@@ -1,0 +1,71 @@
+"""Point-to-point messages outside the collective steps (torch's ``send``/``recv``).
+
+A collective takes a step number on every rank; a message between two ranks cannot, since the
+other ranks never see it. So each ordered pair (sender, receiver) and user tag counts its own
+messages, and the n-th message on it travels as frame (n, ``P2P_TAG + tag``): the sender and the
+receiver count the same calls in the same order (torch's contract: matched per peer and tag, in
+order), so the n-th ``send`` meets the n-th ``recv`` whatever else runs between them. The
+transport keeps such frames until they are received (no step floor applies to them).
+
+The numbers are taken when a call is *issued* (:meth:`PointToPoint.send_key`,
+:meth:`PointToPoint.recv_key`), on the caller's thread, so the order is the caller's even
+when the transfers then run concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import defaultdict
+
+import numpy as np
+
+from ..wire import P2P_TAG, Header
+from .base import Comm
+
+MAX_USER_TAG = (1 << 32) - 1
+
+Key = tuple[int, int]  # (step, tag) on the wire
+
+
+class PointToPoint:
+    """Sequence numbers per (peer, tag) and direction, and the transfers over a comm."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+        self._lock = threading.Lock()  # keys may be taken on several trainer threads
+        self._sent: defaultdict[tuple[int, int], int] = defaultdict(int)
+        self._received: defaultdict[tuple[int, int], int] = defaultdict(int)
+
+    def _check(self, peer: int, tag: int) -> None:
+        me, n = self.comm.rank, self.comm.world_size
+        if not 0 <= peer < n or peer == me:
+            raise ValueError(f"rank {me}: point-to-point peer {peer} is not another rank "
+                             f"(world size {n})")
+        if not 0 <= tag <= MAX_USER_TAG:
+            raise ValueError(f"rank {me}: point-to-point tag {tag} is outside 0..{MAX_USER_TAG}")
+
+    def send_key(self, dst: int, tag: int = 0) -> Key:
+        """The key of the next message to ``dst`` with ``tag`` (taken now)."""
+        self._check(dst, tag)
+        with self._lock:
+            seq = self._sent[dst, tag]
+            self._sent[dst, tag] = seq + 1
+        return seq, P2P_TAG + tag
+
+    def recv_key(self, src: int, tag: int = 0) -> Key:
+        """The key of the next message from ``src`` with ``tag`` (taken now)."""
+        self._check(src, tag)
+        with self._lock:
+            seq = self._received[src, tag]
+            self._received[src, tag] = seq + 1
+        return seq, P2P_TAG + tag
+
+    async def send(self, dst: int, key: Key, array: np.ndarray) -> None:
+        """Send ``array`` as message ``key`` (from :meth:`send_key`); returns when it may be
+        changed."""
+        await self.comm.send(dst, np.ascontiguousarray(array), step=key[0], tag=key[1])
+
+    def recv(self, src: int, key: Key, out: np.ndarray) -> asyncio.Future[Header]:
+        """Post the receive of message ``key`` (from :meth:`recv_key`) into ``out``."""
+        return self.comm.post_recv(src, out, step=key[0], tag=key[1])

@@ -12,15 +12,28 @@ approximate.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..node import Node
 from .tensors import narrow, widen
+
+
+class Exchanging(Protocol):
+    """What the reductions run over: a rank of a job with an exchange step
+    (:meth:`aioreduce.Node.exchange`; in unit tests, an in-memory comm with a step count)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def exchange(self, sends: Mapping[int, np.ndarray],
+                 recvs: Mapping[int, np.ndarray]) -> Awaitable[None]: ...
 
 Combine = Callable[..., Any]  # a numpy ufunc: (a, b, out=a)
 
@@ -59,7 +72,7 @@ def reduce_parts(parts: Sequence[np.ndarray], dtype: torch.dtype, op: Any, world
     narrow(acc, dtype, out)
 
 
-async def reduce_scatter(node: Node, parts: Sequence[np.ndarray], out: np.ndarray,
+async def reduce_scatter(node: Exchanging, parts: Sequence[np.ndarray], out: np.ndarray,
                          dtype: torch.dtype, op: Any) -> None:
     """``out`` = the reduction of every rank's ``parts[me]`` (``parts[r]`` goes to rank
     ``r``; all wire dtype)."""
@@ -70,7 +83,7 @@ async def reduce_scatter(node: Node, parts: Sequence[np.ndarray], out: np.ndarra
     reduce_parts([got[r] for r in range(world)], dtype, op, world, out)
 
 
-async def allreduce(node: Node, flat: np.ndarray, dtype: torch.dtype, op: Any) -> None:
+async def allreduce(node: Exchanging, flat: np.ndarray, dtype: torch.dtype, op: Any) -> None:
     """``flat`` (wire dtype, every rank the same length) becomes the reduction of every
     rank's ``flat``, identical on every rank."""
     me, world = node.rank, node.world_size

@@ -25,7 +25,7 @@ def write_grads(params: Iterable[torch.Tensor], flat: torch.Tensor | np.ndarray)
     offset = 0
     for p in params:
         n = p.numel()
-        value = flat[offset:offset + n].view_as(p).to(p.dtype)
+        value = flat[offset:offset + n].view_as(p).to(device=p.device, dtype=p.dtype)
         if p.grad is None:
             p.grad = value.clone()
         else:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PeerLost, VectorMismatch
-from ..wire import Header, Kind, as_payload, byte_view
+from ..wire import Header, Kind, as_payload, byte_view, is_p2p
 
 EarlyHandler = Callable[[Header, memoryview], None]
 Key = tuple[int, int]
@@ -180,7 +180,7 @@ class MemoryComm:
     def discard_before(self, step: int, tag: int = 0) -> None:
         self.floor = max(self.floor, (step, tag))
         for peer in self._peers.values():
-            for key in [k for k in peer.staged if k < self.floor]:
+            for key in [k for k in peer.staged if k < self.floor and not is_p2p(k[1])]:
                 del peer.staged[key]
 
     def is_lost(self, rank: int) -> bool:
@@ -222,8 +222,9 @@ class MemoryComm:
         if posted is not None:
             _fill(posted.future, posted.view, posted.dtype, header, payload)
             return
-        handled = [h for lo, h in peer.early if header.tag >= lo]
-        if key < self.floor:
+        p2p = is_p2p(header.tag)  # as the inbox: no floor, no early handler
+        handled = [] if p2p else [h for lo, h in peer.early if header.tag >= lo]
+        if key < self.floor and not p2p:
             if not payload:
                 for h in handled:
                     h(header, memoryview(b""))

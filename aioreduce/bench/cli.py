@@ -118,6 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
     ddp.add_argument("--warmup", type=int, default=3)
     ddp.add_argument("--straggle", default="none|rank=4:delay=0.3|rank=4:slow=3",
                      help="straggler settings, '|'-separated, one launch each ('none': none)")
+    ddp.add_argument("--nodes", type=int, default=0,
+                     help="ranks (default: the tree's size, 13; another count drops coded-tree)")
+    ddp.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                     help="where the models live (cuda: LOCAL_RANK picks the GPU; ranks share "
+                          "GPUs when there are more ranks)")
+    ddp.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                     help="the models' dtype (bfloat16: model.to(torch.bfloat16); with "
+                          "--fsdp, a bfloat16 mixed-precision policy)")
+    ddp.add_argument("--fsdp", action="store_true",
+                     help="FSDP2 over Gloo and over aioreduce instead (a 4-layer transformer)")
     ddp.add_argument("--json", action="store_true", help="one JSON object per line")
     sw = sub.add_parser("sweep", help="schemes x ranks x vector sizes x straggler models on the "
                                       "emulated cluster; resumable JSON lines and plots")
@@ -250,10 +260,15 @@ def _ddp(opts: argparse.Namespace) -> list[dict[str, Any]]:
     from ..codes import TreeTopology
     from .ddp import DdpConfig, run_ddp
 
-    cfg = DdpConfig(nodes=TreeTopology(opts.fanout, opts.levels).size, fanout=opts.fanout,
-                    levels=opts.levels, stragglers=opts.stragglers, hidden=opts.hidden,
-                    batch=opts.batch, iters=opts.iters, warmup=opts.warmup)
-    return run_ddp(cfg, [s.strip() for s in opts.straggle.split("|") if s.strip()])
+    tree = TreeTopology(opts.fanout, opts.levels).size
+    nodes = opts.nodes or tree
+    schemes = ("gloo", "ring", "coded-tree") if nodes == tree else ("gloo", "ring")
+    cfg = DdpConfig(nodes=nodes, fanout=opts.fanout, levels=opts.levels,
+                    stragglers=opts.stragglers, hidden=opts.hidden, batch=opts.batch,
+                    iters=opts.iters, warmup=opts.warmup, schemes=schemes, device=opts.device,
+                    dtype=opts.dtype, fsdp=opts.fsdp)
+    settings = [s.strip() for s in opts.straggle.split("|") if s.strip()]
+    return run_ddp(cfg, ["none"] if opts.fsdp else settings)
 
 
 def _allreduce(opts: argparse.Namespace) -> list[dict[str, Any]]:

@@ -106,3 +106,19 @@ def test_transpose_bench_reports_loss_and_each_ranks_own_time() -> None:
     # The makespan leaves out the delayed rank; its late sends come after it, and are waited
     # for before the next step (so the ring's step after it does not pay for them).
     assert t["tail_s"] > 0
+
+
+@pytest.mark.parametrize("extra", [[], ["--fsdp", "--batch", "8"]])
+def test_ddp_bench_json_has_gloo_and_ours(extra: list[str]) -> None:
+    pytest.importorskip("torch")
+    res = subprocess.run([sys.executable, "-m", "aioreduce.bench.cli", "ddp", "--nodes", "2",
+                          "--hidden", "64", "--iters", "2", "--warmup", "1", "--straggle",
+                          "none", "--json", *extra], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    ours = "aioreduce" if extra else "ring"
+    assert [r["scheme"] for r in rows] == ["gloo", ours]
+    for r in rows:
+        assert r["median_s"] > 0 and r["p99_s"] >= r["median_s"] and r["nodes"] == 2
+        assert r["fsdp"] if extra else "vs_gloo" in r

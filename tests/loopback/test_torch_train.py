@@ -87,6 +87,7 @@ def test_every_call_on_cuda_tensors_gives_gloos_cpu_values(tmp_path: Path) -> No
             if name in ("all_reduce_strided", "reduce"):
                 continue
             np.testing.assert_array_equal(ours[name], want, err_msg=f"{name} rank {r}")
+        assert ours["stream_order"].tolist() == [10.0] * 4  # 1 + 2 + 3 + 4, after wait()
 
 
 @cuda

@@ -178,6 +178,14 @@ def main() -> None:
         keep(f"mesh_{dim}", x)
     assert mesh.get_group("dp").group_name  # named groups, as DeviceMesh needs
     if device == "cuda":
+        # Stream order: the producer's write is queued behind ~50 ms of GPU work; after
+        # wait() the caller's stream reads the sum without any synchronize of ours.
+        x = torch.zeros(1 << 20, device=device)
+        torch.cuda._sleep(100_000_000)
+        x.add_(r + 1)
+        w = dist.all_reduce(x, async_op=True)
+        w.wait()
+        keep("stream_order", (x * 1)[:4])
         torch.cuda.synchronize()
     np.savez(os.path.join(out, f"{backend}.{dtype_name}.{r}.npz"), **got)
     print(f"CALLS {len(got)} BACKEND {dist.get_backend()}", flush=True)

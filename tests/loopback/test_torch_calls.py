@@ -40,7 +40,9 @@ def test_every_call_gives_gloos_values(dtype: str, tmp_path: Path) -> None:
     gloo = _calls("gloo", dtype, tmp_path)
     ours = _calls("aioreduce", dtype, tmp_path)
     for r in range(N):
-        assert len(ours[r]) == len(gloo[r]) >= 35
+        assert len(ours[r]) >= len(gloo[r]) >= 34  # Gloo of torch 2.11: no list all_to_all
+        want = [[10.0 * j + r, float(j)] for j in range(N)]  # rank j's part for us
+        assert ours[r]["all_to_all"].reshape(N, 2).tolist() == want
         for name, want in gloo[r].items():
             if name == "all_reduce_strided" or (name == "reduce" and r != 1):
                 continue

@@ -202,7 +202,7 @@ def _worker(cfg: DdpConfig) -> None:
                                parameters=sum(p.numel() for p in m.parameters()),
                                global_batch=cfg.batch, iters=cfg.iters, device=cfg.device,
                                dtype=cfg.dtype))
-    if dev.type == "cuda" and not cfg.straggle:
+    if dev.type == "cuda" and not cfg.straggle and cfg.dtype == "float32":
         node.use(ring)
         numel = sum(p.numel() for p in next(iter(models.values())).parameters())
         rows += _staging_rows(pg, node, numel, dev, cfg.iters)

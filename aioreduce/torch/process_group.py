@@ -56,7 +56,6 @@ _NO_VALUE = np.empty(0, np.float32)
 _NO_VALUE.setflags(write=False)
 _configured: Scheme | None = None
 _SUMS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
-DEFAULT_CHUNK = 8 << 20  # see ProcessGroupAioreduce._allreduce
 
 
 def configure(scheme: Scheme | None) -> None:
@@ -76,6 +75,20 @@ def _work(fut: torch.futures.Future[Any]) -> dist.Work:
     """A ``Work`` that completes with ``fut`` (what ``async_op=True`` hands the caller)."""
     work: dist.Work = _work_of(fut)
     return work
+
+
+def _after_all(futs: list[torch.futures.Future[Any]], value: Any) -> torch.futures.Future[Any]:
+    """A future of ``value`` once every one of ``futs`` (collectives issued in this order) is
+    done, failing with the first failure. Chained on the last one, not ``collect_all``: the
+    collectives complete in issue order, and a future chained on a device-aware future stays
+    device-aware (``collect_all``'s does not, so a caller's stream could read a result before
+    the copy back of an earlier collective landed)."""
+    def check(_last: torch.futures.Future[Any]) -> Any:
+        for f in futs:
+            f.value()
+        return value
+
+    return futs[-1].then(check)
 
 
 def _reduce_op(opts: object) -> Any:
@@ -123,15 +136,12 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
     """
 
     def __init__(self, node: SyncNode, *, owns_node: bool = False,
-                 staging_limit: int = 256 << 20, chunk_bytes: int | None = None) -> None:
+                 staging_limit: int = 256 << 20) -> None:
         super().__init__(node.rank, node.world_size)  # type: ignore[call-arg]
         self.node = node
         self._owns_node = owns_node
         self._completer = Completer(node.rank)
         self.stager = Stager(staging_limit)
-        # GPU sums larger than this go in pieces that overlap their copies (0: never).
-        self.chunk_bytes = (chunk_bytes if chunk_bytes is not None
-                            else int(os.environ.get("AIOREDUCE_TORCH_CHUNK", DEFAULT_CHUNK)))
         self._group_name = ""
         self._group_desc = ""
         # Of the sums since the last take_results(), without their values (the values live in
@@ -241,31 +251,6 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
     def _allreduce(self, tensor: torch.Tensor, op: Any,
                    on_result: Callable[[Result], None] | None = None
                    ) -> torch.futures.Future[Any]:
-        """Reduce ``tensor`` in place. A large GPU tensor summed by the scheme goes in pieces
-        of ``chunk_bytes``, one collective each, so that the copies overlap the wire: piece
-        k+1 is copied to the host while piece k is summed, and piece k is copied back while
-        piece k+1 is summed. (Each piece is a step of its own: ``on_result`` and
-        :meth:`take_results` see one result per piece.)"""
-        tensor = self._check(tensor)
-        piece = self.chunk_bytes // tensor.element_size()
-        if (piece and tensor.device.type == "cuda" and tensor.numel() > piece
-                and tensor.is_contiguous() and op in _SUMS
-                and tensor.dtype in (torch.float32, torch.float64)):
-            flat = tensor.view(-1)
-            futs = [self._allreduce_one(flat[i:i + piece], op, on_result)
-                    for i in range(0, flat.numel(), piece)]
-
-            def whole(_last: torch.futures.Future[Any]) -> torch.Tensor:
-                for f in futs:  # every piece is done (they complete in order): any failure
-                    f.value()   # is the whole call's
-                return tensor
-
-            return futs[-1].then(whole)
-        return self._allreduce_one(tensor, op, on_result)
-
-    def _allreduce_one(self, tensor: torch.Tensor, op: Any,
-                       on_result: Callable[[Result], None] | None
-                       ) -> torch.futures.Future[Any]:
         st = self._stage(tensor)
         node = self.node.node
         host, dtype, world = st.host, st.tensor.dtype, node.world_size
@@ -338,7 +323,7 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         for dtype in dict.fromkeys(t.dtype for t in tensors):
             group = [t for t in tensors if t.dtype == dtype]
             futs.append(self._flat_allreduce(group, op))
-        return _work(torch.futures.collect_all(futs).then(lambda _f: tensors))
+        return _work(_after_all(futs, tensors))
 
     def _flat_allreduce(self, group: list[torch.Tensor], op: Any) -> torch.futures.Future[Any]:
         flat = torch.cat([t.detach().reshape(-1) for t in group])
@@ -410,8 +395,7 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
 
     @staticmethod
     def _all_of(works: list[dist.Work], value: Any) -> dist.Work:
-        futs = [w.get_future() for w in works]
-        return _work(torch.futures.collect_all(futs).then(lambda _f: value))
+        return _work(_after_all([w.get_future() for w in works], value))
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
                        input_tensors: list[list[torch.Tensor]], opts: object = None

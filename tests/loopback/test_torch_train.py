@@ -88,8 +88,8 @@ def test_every_call_on_cuda_tensors_gives_gloos_cpu_values(tmp_path: Path) -> No
                 continue
             np.testing.assert_array_equal(ours[name], want, err_msg=f"{name} rank {r}")
         assert ours["stream_order"].tolist() == [10.0] * 4  # 1 + 2 + 3 + 4, after wait()
-        assert ours["chunked"].tolist() == [10.0, 10.0, 10.0, -4.0]
-        assert ours["chunked_pieces"].tolist() == 3
+        assert ours["coalesced_stream_order"].tolist() == [[1.0, 2.0, 3.0, 4.0],
+                                                            [0.0, 2.0, 4.0, 6.0]]
         assert ours["all_to_all"].reshape(N, 2).tolist() == [[10.0 * j + r, float(j)]
                                                              for j in range(N)]
 

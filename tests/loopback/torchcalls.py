@@ -190,17 +190,18 @@ def main() -> None:
         w = dist.all_reduce(x, async_op=True)
         w.wait()
         keep("stream_order", (x * 1)[:4])
-        # A large GPU sum goes in pieces whose copies overlap the wire: 20 MiB in 8 MiB
-        # pieces is 3 steps (our group reports one result per piece).
-        pg = dist.distributed_c10d._get_default_group()
-        if backend == "aioreduce":
-            pg.take_results()
-        big = torch.full((5 << 20,), float(r + 1), device=device)
-        big[-1] = -1.0
-        dist.all_reduce(big)
-        keep("chunked", torch.cat([big[:2], big[-2:]]))
-        if backend == "aioreduce":
-            keep("chunked_pieces", len(pg.take_results()))
+        # Collectives in a coalescing block, read on the caller's stream right after wait():
+        # every copy back must be ordered before the read, not only the last one's.
+        c1, c2 = torch.zeros(1 << 20, device=device), torch.zeros(1 << 20, device=device)
+        torch.cuda._sleep(50_000_000)
+        c1.add_(r + 1)
+        c2.add_(2 * r)
+        with dist._coalescing_manager(async_ops=True) as cm:
+            dist.all_gather_into_tensor(g1 := torch.zeros(n << 20, device=device), c1)
+            dist.all_gather_into_tensor(g2 := torch.zeros(n << 20, device=device), c2)
+        cm.wait()
+        keep("coalesced_stream_order", torch.stack([g1.view(n, -1)[:, -1],
+                                                    g2.view(n, -1)[:, -1]]))
         torch.cuda.synchronize()
     np.savez(os.path.join(out, f"{backend}.{dtype_name}.{r}.npz"), **got)
     print(f"CALLS {len(got)} BACKEND {dist.get_backend()}", flush=True)

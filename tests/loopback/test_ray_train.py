@@ -1,0 +1,37 @@
+"""Ray Train with ``TorchConfig(backend="aioreduce")`` on a local Ray cluster (its own GCS,
+raylet and worker processes, on 127.0.0.1): ``examples/ray_train.py`` over Gloo and over
+aioreduce, 2 and 3 workers, ends at the same loss. The workers never import aioreduce before
+Ray creates their process group: torch's backend autoload must have registered it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .harness import HERE
+
+pytest.importorskip("torch")
+pytest.importorskip("ray.train", reason="ray[train] is not installed (CI installs it)")
+pytestmark = pytest.mark.loopback
+
+EXAMPLE = HERE.parent.parent / "examples" / "ray_train.py"
+
+
+def _fit(backend: str, workers: int) -> dict[str, object]:
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--workers", str(workers),
+                          "--epochs", "3", "--backend", backend],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_ray_train_over_aioreduce_reaches_gloos_loss(workers: int) -> None:
+    gloo, ours = _fit("gloo", workers), _fit("aioreduce", workers)
+    assert ours["backend"] == "aioreduce" and gloo["backend"] == "gloo"
+    assert abs(float(ours["loss"]) - float(gloo["loss"])) <= 1e-4 * float(gloo["loss"])
+    assert float(ours["accuracy"]) > 0.9

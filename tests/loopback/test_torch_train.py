@@ -5,6 +5,7 @@ same on CUDA tensors where a GPU is present (ranks share it).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -100,3 +101,34 @@ def test_ddp_with_the_model_on_cuda_matches_gloo(tmp_path: Path) -> None:
     ours = _train("ddp", "aioreduce", tmp_path, "--device", "cuda", "--steps", "20")
     for r in range(N):
         assert _rel(ours[r], gloo[r]) < 1e-5, r
+
+
+@cuda
+def test_hook_optimizer_and_node_calls_on_cuda_match_gloo(tmp_path: Path) -> None:
+    """aioreduce's DDP hook, DistributedOptimizer and node.allreduce with the model on the
+    GPU: the same parameters as Gloo's DDP on the GPU (torchprog.py, 4 ranks)."""
+    prog = str(HERE / "torchprog.py")
+    outs = {mode: _run(prog, mode, "--steps", "10", "--out", str(tmp_path), "--device", "cuda")
+            for mode in ("gloo", "hook", "optimizer")}
+    for out in outs["hook"].values():  # the node's own call: a tensor back on the GPU
+        assert "NODE_TENSOR cuda [1.5, 1.5, 1.5]" in out
+    ref = np.load(tmp_path / "gloo.0.npy")
+    for mode in ("hook", "optimizer"):
+        for r in range(N):
+            assert _rel(np.load(tmp_path / f"{mode}.{r}.npy"), ref) < 1e-5, (mode, r)
+
+
+@cuda
+def test_coded_minibatches_on_cuda_decode_the_exact_gradient(tmp_path: Path) -> None:
+    job = Ranks(13)
+    try:
+        job.start_all("--epochs", "1", "--batch", "128", "--out", str(tmp_path), "--device",
+                      "cuda", prog=str(HERE / "torchcoded.py"))
+        done = job.wait(300)
+    finally:
+        job.kill()
+    assert all(d.returncode == 0 for d in done.values()), done[0].err[-3000:]
+    steps = [json.loads(line[5:]) for line in done[0].out.splitlines()
+             if line.startswith("STEP ")]
+    assert len(steps) == 15 and all(s["device"] == "cuda" for s in steps)
+    assert max(s["rel_err"] for s in steps) < 1e-4

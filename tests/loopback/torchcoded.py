@@ -29,15 +29,18 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--samples", type=int, default=1797)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (ranks share one GPU)")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    dev = torch.device(a.device)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(a.samples, 64, generator=gen)
     teacher = torch.randn(64, 10, generator=gen)
     y = (x @ teacher).argmax(1)
+    x, y = x.to(dev), y.to(dev)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(),
-                                torch.nn.Linear(128, 10))
+                                torch.nn.Linear(128, 10)).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     with ar.connect(scheme=ar.CodedTree(3, 2, 1)) as node:
         sampler = CodedSampler(a.samples, a.batch, node=node, seed=3)
@@ -47,26 +50,28 @@ def main() -> None:
             for idx, w in sampler:
                 t0 = time.time()
                 opt.zero_grad()
-                weighted_loss(F.cross_entropy, model(x[idx]), y[idx], w).backward()
+                idx = torch.from_numpy(idx).to(dev)
+                weighted_loss(F.cross_entropy, model(x[idx]), y[idx], w.to(dev)).backward()
                 res = node.aggregate(flat_grad(model))
                 line: dict[str, object] = {"step": step, "epoch": epoch,
                                            "batch": len(sampler.batch), "late": res.late,
                                            "exact": res.exact, "t0": t0, "t1": time.time()}
                 if node.rank == 0:  # the single-process gradient of the same global batch
                     ref = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(),
-                                              torch.nn.Linear(128, 10))
+                                              torch.nn.Linear(128, 10)).to(dev)
                     ref.load_state_dict(model.state_dict())
-                    batch = torch.from_numpy(sampler.batch)
+                    batch = torch.from_numpy(sampler.batch).to(dev)
                     loss = F.cross_entropy(ref(x[batch]), y[batch])
                     loss.backward()
                     want = flat_grad(ref)
                     err = (res.value - want).norm() / want.norm()
-                    line.update(loss=loss.item(), rel_err=err.item())
+                    line.update(loss=loss.item(), rel_err=err.item(),
+                                device=res.value.device.type)
                 print("STEP " + json.dumps(line), flush=True)
                 apply_flat(model, res.value)
                 opt.step()
                 step += 1
-    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
+    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu().numpy()
     np.save(os.path.join(a.out, f"coded.{node.rank}.npy"), flat)
 
 

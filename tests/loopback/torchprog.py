@@ -37,31 +37,36 @@ def main() -> None:
     ap.add_argument("mode", choices=["gloo", "hook", "backend", "optimizer"])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (ranks share one GPU)")
     a = ap.parse_args()
     rank = int(os.environ["RANK"])
+    dev = torch.device(a.device)
     node = None
     if a.mode in ("hook", "optimizer"):
         node = ar.connect(scheme=ar.Ring())
+        if a.device == "cuda":  # the node's own call takes a GPU tensor too
+            res = node.allreduce(torch.full((3,), float(rank), device=dev), op="mean")
+            print(f"NODE_TENSOR {res.value.device.type} {res.value.tolist()}", flush=True)
     if a.mode == "hook":
-        model = art.DistributedDataParallel(mlp(), node)
+        model = art.DistributedDataParallel(mlp().to(dev), node)
     elif a.mode == "optimizer":
-        model = mlp()
+        model = mlp().to(dev)
     else:
         dist.init_process_group("aioreduce" if a.mode == "backend" else "gloo")
-        model = DistributedDataParallel(mlp())
+        model = DistributedDataParallel(mlp().to(dev))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if a.mode == "optimizer":
         opt = art.DistributedOptimizer(opt, node, bucket_bytes=64 << 10)
     gen = torch.Generator().manual_seed(1000 + rank)
     for step in range(a.steps):
-        x = torch.randn(32, 64, generator=gen)
-        y = torch.randint(0, 10, (32,), generator=gen)
+        x = torch.randn(32, 64, generator=gen).to(dev)
+        y = torch.randint(0, 10, (32,), generator=gen).to(dev)
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
         print(f"STEP {step} loss {loss.item():.6f}", flush=True)
-    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
+    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu().numpy()
     np.save(os.path.join(a.out, f"{a.mode}.{rank}.npy"), flat)
     if a.mode == "hook":  # the path: every bucket went through our hook
         print(f"HOOKED {len(model.process_group.last_results)}", flush=True)

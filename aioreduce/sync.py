@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Callable, Coroutine, Mapping
 from types import TracebackType
@@ -118,6 +119,9 @@ class SyncNode:
             self._stop_loop()
 
     def _stop_loop(self) -> None:
+        if self._loop.is_running():  # end what is still pending there, as asyncio.run does
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(_cancel_pending(), self._loop).result(5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         if not self._loop.is_running():
@@ -130,6 +134,17 @@ class SyncNode:
                  tb: TracebackType | None) -> None:
         # An exception in the trainer surfaces at once: no closing barrier to wait out.
         self.close(wait_for_peers=exc is None)
+
+
+async def _cancel_pending() -> None:
+    """Cancel every other task of the running loop and wait for them: a task left pending
+    when the loop closes makes Python print "Task was destroyed but it is pending!" and "Event
+    loop is closed" at exit, after the trainer's real error."""
+    me = asyncio.current_task()
+    rest = [t for t in asyncio.all_tasks() if t is not me]
+    for task in rest:
+        task.cancel()
+    await asyncio.gather(*rest, return_exceptions=True)
 
 
 DEFAULT_TIMEOUT = 600.0  # seconds one blocking call may take before TimeoutError

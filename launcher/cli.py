@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="up to K ranks may die without stopping the job, for schemes that "
                         "finish without them (coded-tree, gc); the summary names them "
                         "(default 0: the first death stops the job)")
+    p.add_argument("--cause-wait", type=float, default=3.0, metavar="S",
+                   help="when the deaths that stop the job all report a lost peer, wait up to "
+                        "S seconds for the rank that caused them before stopping the others, "
+                        "so the summary names it (default 3)")
     p.add_argument("--no-tag-output", action="store_true",
                    help="do not prefix output lines with [rank]")
     p.add_argument("--output-dir", metavar="DIR",
@@ -195,7 +199,8 @@ async def launch(opts: argparse.Namespace, command: list[str]) -> int:
         hosts = [RemoteHost(e.host, conns[e.host], ssh_opts) for e in remote_entries]
 
     ranks: list[RankHandle] = []
-    supervisor = Supervisor(ranks, kill_timeout=opts.kill_timeout, tolerate=opts.tolerate)
+    supervisor = Supervisor(ranks, kill_timeout=opts.kill_timeout, tolerate=opts.tolerate,
+                            cause_wait=opts.cause_wait)
     tag = not opts.no_tag_output
     try:
         for e in entries:

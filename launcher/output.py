@@ -14,6 +14,8 @@ import sys
 from collections import deque
 from typing import BinaryIO
 
+from .tracebacks import TracebackHold
+
 
 class RankOutput:
     """Tags and writes one stream (stdout or stderr) of one rank."""
@@ -28,6 +30,8 @@ class RankOutput:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._partial = ""
         self.last_lines: deque[str] = deque(maxlen=keep_lines)
+        # stderr: a traceback is held back until the rank goes on or ends (see .tracebacks)
+        self.held: TracebackHold | None = TracebackHold() if stream == "stderr" else None
         self._file: BinaryIO | None = None
         if copy_to is not None:
             os.makedirs(copy_to, exist_ok=True)
@@ -55,5 +59,16 @@ class RankOutput:
         if not lines:
             return
         self.last_lines.extend(lines)
-        self._out.write("".join(f"{self.prefix}{line}\n" for line in lines).encode())
-        self._out.flush()
+        if self.held is not None:
+            lines = [out for line in lines for out in self.held.feed(line)]
+        self._write(lines)
+
+    def _write(self, lines: list[str]) -> None:
+        if lines:
+            self._out.write("".join(f"{self.prefix}{line}\n" for line in lines).encode())
+            self._out.flush()
+
+    def release(self) -> None:
+        """Write a held traceback as it is (the summary will not say it)."""
+        if self.held is not None:
+            self._write(self.held.release())

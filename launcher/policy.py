@@ -5,9 +5,12 @@ job). Up to ``tolerate`` deaths leave the job running, for schemes that finish w
 ranks (coded tree, gradient coding, bounded-time); one more stops the job.
 
 The *culprit* is the first death that is not a consequence of another: a rank whose last
-output shows it died of :class:`~aioreduce.errors.PeerLost` (or a ``StragglerError`` naming lost
-ranks) is a victim, since it only reports that some other rank went away. If every death is a
-victim, the first one is named, with that caveat.
+output shows it died of :class:`~aioreduce.errors.PeerLost` (or a ``StragglerError`` naming
+lost ranks; an abort forwarded by a ring neighbour is one too) is a victim, since it only
+reports that some other rank went away. A victim often exits before the rank that caused it
+(its peer's connection closes as that rank raises), so while every death so far is a victim
+the launcher waits a bounded moment (:attr:`FailurePolicy.waiting_for_cause`) before it stops
+the job; if every death is still a victim, the first one is named, with that caveat.
 """
 
 from __future__ import annotations
@@ -17,8 +20,12 @@ import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-# The last line of a Python traceback of an exception that reports another rank's failure.
-_VICTIM = re.compile(r"\b(PeerLost|StragglerError)\b")
+from .tracebacks import rank_ranges, same_error
+
+# A traceback's exception line ("module.Name: message", at the start of a line), and those
+# of the exceptions that report another rank's failure.
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Lost|Interrupt|Exit|Warning)\b.*")
+_VICTIM = re.compile(r"^[\w.]*\b(PeerLost|StragglerError)\b")
 
 
 def how_it_ended(code: int) -> str:
@@ -42,12 +49,24 @@ class Death:
 
     @property
     def victim(self) -> bool:
-        """Its output says it died because another rank was lost."""
-        return any(_VICTIM.search(line) for line in self.last_lines[-3:])
+        """Its output says it died because another rank was lost: an exception line of
+        ``PeerLost``/``StragglerError`` among its last lines (teardown noise after it, such as
+        a task destroyed at exit, does not hide it)."""
+        return any(_VICTIM.match(line) for line in self.last_lines)
 
     def describe(self) -> str:
         """E.g. ``rank 5 on localhost killed by SIGKILL``."""
         return f"rank {self.rank} on {self.host} {how_it_ended(self.code)}"
+
+    @property
+    def error(self) -> str:
+        """What it died of, at most 200 characters: a victim's lost-peer exception line,
+        else its last exception line, else its last non-blank line."""
+        lines = list(reversed(self.last_lines))
+        line = (next((x for x in lines if _VICTIM.match(x)), "")
+                or next((x for x in lines if _EXCEPTION.match(x)), "")
+                or next((x for x in lines if x.strip()), ""))
+        return line[:200]
 
 
 @dataclass
@@ -56,16 +75,30 @@ class FailurePolicy:
 
     tolerate: int = 0
     deaths: list[Death] = field(default_factory=list)
-    stopped: bool = False  # the job is being stopped: later exits are not deaths
+    stopped: bool = False  # the launcher is stopping the job: later exits are not deaths
 
     def exited(self, rank: int, host: str, code: int, last_lines: Sequence[str]) -> bool:
-        """Record an exit; True if the job must now be stopped."""
+        """Record an exit; True if the deaths are now beyond the tolerance (the job must
+        stop: the caller calls :meth:`stop`, at once or after waiting for a cause)."""
         if code == 0 or self.stopped:
             return False
         self.deaths.append(Death(rank, host, code, tuple(last_lines)))
-        if len(self.deaths) > self.tolerate:
-            self.stopped = True
-        return self.stopped
+        return self.failed
+
+    def stop(self) -> None:
+        """The launcher terminates the job from now on: exits are no longer deaths."""
+        self.stopped = True
+
+    @property
+    def failed(self) -> bool:
+        """More deaths than tolerated."""
+        return len(self.deaths) > self.tolerate
+
+    @property
+    def waiting_for_cause(self) -> bool:
+        """The job must stop, but every death so far reports a lost peer: the rank that
+        caused them may still be on its way out."""
+        return self.failed and all(d.victim for d in self.deaths)
 
     @property
     def culprit(self) -> Death | None:
@@ -80,7 +113,7 @@ class FailurePolicy:
 
         Tolerated deaths alone give 0: the job finished as asked.
         """
-        if self.stopped and self.culprit is not None:
+        if self.failed and self.culprit is not None:
             return self.culprit.code
         if interrupted is not None:
             return 128 + interrupted
@@ -90,14 +123,23 @@ class FailurePolicy:
         """Lines for the end of the job: every death, then the culprit with its last lines."""
         if not self.deaths:
             return []
-        verdict = ("the job was stopped" if self.stopped
+        verdict = ("the job was stopped" if self.failed
                    else f"tolerated ({len(self.deaths)} of at most {self.tolerate}); "
                         "the others finished")
         lines = [f"{len(self.deaths)} rank(s) died, {verdict}:"]
-        lines += [f"  {d.describe()}" + (" (after another rank was lost)" if d.victim else "")
-                  for d in self.deaths]
+        # Ranks that ended the same way with the same error are one line.
+        groups: dict[tuple[str, int, str], list[Death]] = {}
+        for d in self.deaths:
+            groups.setdefault((d.host, d.code, same_error(d.error, d.rank)), []).append(d)
+        for (host, code, _), same in groups.items():
+            first = same[0]
+            who = (first.describe() if len(same) == 1 else
+                   f"ranks {rank_ranges([d.rank for d in same])} on {host} "
+                   f"{how_it_ended(code)}")
+            lines.append(f"  {who}" + (" (after another rank was lost)" if first.victim else "")
+                         + (f": {first.error}" if first.error else ""))
         culprit = self.culprit
-        if self.stopped and culprit is not None:
+        if self.failed and culprit is not None:
             why = (" (every death reports a lost peer; the first is named)"
                    if culprit.victim else "")
             tail = culprit.last_lines[-10:]

@@ -5,6 +5,9 @@ Policy (the same for local and remote ranks; which deaths count is :mod:`.policy
 * a rank that exits non-zero dies; up to ``tolerate`` deaths (``--tolerate K``) leave the job
   running, one more terminates every other rank; the culprit (the first death that was not
   just a lost peer) decides the exit code, and a summary names every death and how it ended;
+* while every death beyond the tolerance only reports a lost peer, the launcher waits up to
+  ``cause_wait`` seconds for the rank that caused it (it may exit just after its victims)
+  before it terminates the others; the first death that is not a victim ends the wait;
 * termination is SIGTERM to each rank's process group, then SIGKILL after ``kill_timeout``;
 * SIGINT/SIGTERM to the launcher start the same termination; a second one escalates to SIGKILL
   at once;
@@ -22,6 +25,7 @@ from typing import Protocol
 
 from .output import RankOutput
 from .policy import FailurePolicy, how_it_ended
+from .tracebacks import rank_ranges, same_error
 
 
 class RankHandle(Protocol):
@@ -47,9 +51,11 @@ class Supervisor:
     """Runs the failure and interrupt policy over a set of started ranks."""
 
     def __init__(self, ranks: list[RankHandle], kill_timeout: float = 10.0,
-                 tolerate: int = 0) -> None:
+                 tolerate: int = 0, cause_wait: float = 3.0) -> None:
         self.ranks = ranks
         self.kill_timeout = kill_timeout
+        self.cause_wait = cause_wait
+        self._cause_handle: asyncio.TimerHandle | None = None
         self.policy = FailurePolicy(tolerate)
         self.interrupted: int | None = None  # signal number
         self._stopping = False
@@ -73,6 +79,9 @@ class Supervisor:
         if self._stopping:
             return
         self._stopping = True
+        self.policy.stop()
+        if self._cause_handle is not None:
+            self._cause_handle.cancel()
         self._signal_all(signal.SIGTERM)
         loop = asyncio.get_running_loop()
         self._kill_handle = loop.call_later(self.kill_timeout, self._signal_all, signal.SIGKILL)
@@ -105,21 +114,58 @@ class Supervisor:
                     loop.remove_signal_handler(sig)
             if self._kill_handle is not None:
                 self._kill_handle.cancel()
+            if self._cause_handle is not None:
+                self._cause_handle.cancel()
             self._signal_all(signal.SIGKILL)  # reap whatever a rank left in its group
             await asyncio.gather(*(r.close() for r in self.ranks))
-        for line in self.policy.summary():
+        for line in [*self.policy.summary(), *self._held_errors()]:
             _say(line)
         return self.policy.exit_code(self.interrupted)
+
+    def _held_errors(self) -> list[str]:
+        """Tracebacks held back from the ranks' output (see .tracebacks): a death's is in
+        the summary already; one printed by a rank the launcher stopped is said once per
+        distinct error; any other is written as it was."""
+        dead = {d.rank for d in self.policy.deaths}
+        stopped: dict[str, tuple[str, list[int]]] = {}
+        for r in self.ranks:
+            out = r.outputs[1]
+            if out.held is None or not out.held.block:
+                continue
+            if r.rank in dead:
+                out.held.release()
+            elif self._stopping:
+                error = out.held.error
+                stopped.setdefault(same_error(error, r.rank), (error, []))[1].append(r.rank)
+                out.held.release()
+            else:
+                out.release()
+        culprit = self.policy.culprit
+        said = same_error(culprit.error, culprit.rank) if culprit is not None else None
+        return [f"{'ranks' if len(ranks) > 1 else 'rank'} {rank_ranges(ranks)}, stopped, had "
+                + ("printed the culprit's error" if key == said else f"printed: {error}")
+                for key, (error, ranks) in stopped.items()]
 
     def _exited(self, rank: RankHandle, code: int) -> None:
         if self._stopping:  # the launcher's own SIGTERM/SIGKILL: not a death
             return
         tail = list(rank.outputs[1].last_lines) or list(rank.outputs[0].last_lines)
-        if self.policy.exited(rank.rank, rank.host, code, tail):
-            _say(f"rank {rank.rank} on {rank.host} {how_it_ended(code)}; "
-                 f"terminating the other ranks")
-            self.stop()
-        elif code != 0:
-            _say(f"rank {rank.rank} on {rank.host} {how_it_ended(code)}; tolerated "
-                 f"({len(self.policy.deaths)} of at most {self.policy.tolerate}), "
-                 "the job goes on")
+        if not self.policy.exited(rank.rank, rank.host, code, tail):
+            if code != 0:
+                _say(f"rank {rank.rank} on {rank.host} {how_it_ended(code)}; tolerated "
+                     f"({len(self.policy.deaths)} of at most {self.policy.tolerate}), "
+                     "the job goes on")
+            return
+        if self.policy.waiting_for_cause and self.cause_wait > 0:
+            if self._cause_handle is None:  # wait, bounded, for the rank that caused it
+                self._cause_handle = asyncio.get_running_loop().call_later(
+                    self.cause_wait, self._stop_for, rank, code)
+            return
+        self._stop_for(rank, code)
+
+    def _stop_for(self, rank: RankHandle, code: int) -> None:
+        culprit = self.policy.culprit
+        who = (culprit.describe() if culprit is not None
+               else f"rank {rank.rank} on {rank.host} {how_it_ended(code)}")
+        _say(f"{who}; terminating the other ranks")
+        self.stop()

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -160,3 +161,33 @@ def test_trace_of_the_readme_job_names_the_slow_rank(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-m", "aioreduce.telemetry", str(tmp_path)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.splitlines()[0].split()[0] == "rank"
+
+
+CULPRIT = str(Path(__file__).with_name("culpritprog.py"))
+
+
+@pytest.mark.parametrize("mode,how", [("caller", "exited with code 1"),
+                                      ("signal", "killed by SIGKILL")])
+@pytest.mark.parametrize("run", range(3))
+def test_the_rank_whose_error_caused_the_others_is_the_culprit(mode: str, how: str,
+                                                                run: int) -> None:
+    # Rank 2 fails at step 3; ranks 0, 1 and 3 die of PeerLost, often before rank 2 exits:
+    # the launcher waits for the cause before it stops the job, and names rank 2.
+    res = subprocess.run([sys.executable, "-m", "aioreduce_launch.cli", "-n", "4", "--",
+                          sys.executable, CULPRIT, mode], capture_output=True, text=True,
+                         timeout=120)
+    summary = [line for line in res.stderr.splitlines() if line.startswith("aioreduce-launch")]
+    assert f"aioreduce-launch: culprit: rank 2 on localhost {how}" in res.stderr, summary
+    assert res.returncode == (1 if mode == "caller" else 128 + signal.SIGKILL), summary
+    if mode == "caller":
+        assert "[2] ValueError: rank 2, step 3: this vector is float64 [19]" in res.stderr
+
+
+def test_a_wrong_rank_count_for_the_quickstart_is_said_once() -> None:
+    # Every rank refuses 12 ranks for a 13-rank tree with the same traceback: the output is
+    # the summary (the culprit's last lines), not twelve interleaved tracebacks.
+    res = _launch_logreg(12, [])
+    lines = (res.stdout + res.stderr).splitlines()
+    assert res.returncode == 1 and len(lines) <= 15, "\n".join(lines)
+    assert any("ValueError: TreeTopology(fanout=3, levels=2, size=13) needs exactly 13 "
+               "ranks, the job has 12" in line for line in lines)

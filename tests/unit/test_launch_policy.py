@@ -21,6 +21,7 @@ def test_default_policy_stops_at_the_first_death() -> None:
     p = FailurePolicy()
     assert not p.exited(0, "a", 0, [])
     assert p.exited(3, "a", 1, ["ValueError: bad"])
+    p.stop()  # the launcher stops the job
     assert not p.exited(1, "a", 143, [])  # the launcher's own SIGTERM: not a death
     assert [d.rank for d in p.deaths] == [3]
     assert p.exit_code(None) == 1

@@ -71,9 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="print the rank placement and commands, start nothing")
     ssh = p.add_argument_group("SSH (hosts other than localhost)")
-    ssh.add_argument("-p", "--ssh-port", type=int, metavar="PORT")
-    ssh.add_argument("--ssh-user", metavar="USER")
-    ssh.add_argument("-I", "--ssh-identity-file", metavar="FILE")
+    ssh.add_argument("-p", "--ssh-port", type=int, metavar="PORT",
+                     help="SSH port of every host (default: ssh config, else 22)")
+    ssh.add_argument("--ssh-user", metavar="USER",
+                     help="user on every host (default: ssh config, else yours)")
+    ssh.add_argument("-I", "--ssh-identity-file", metavar="FILE",
+                     help="private key to log in with (default: ssh config and agent)")
     ssh.add_argument("--ssh-config", metavar="FILE", help="default: ~/.ssh/config")
     ssh.add_argument("--ssh-known-hosts", metavar="FILE|none",
                      help="default: ~/.ssh/known_hosts; 'none' disables host key checks")

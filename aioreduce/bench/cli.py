@@ -61,8 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "alternated in the same run)")
     ar.add_argument("--nodes", type=int, help="ranks (default: the tree's size for "
                                               "coded-tree, else 4)")
-    ar.add_argument("--fanout", type=int, default=3)
-    ar.add_argument("--levels", type=int, default=2)
+    ar.add_argument("--fanout", type=int, default=3, help="children per parent in the trees "
+                    "(default 3)")
+    ar.add_argument("--levels", type=int, default=2, help="levels below the root in the coded "
+                    "tree (default 2: 13 ranks at fan-out 3)")
     ar.add_argument("--stragglers", type=int, default=1,
                     help="tolerated stragglers per family (coded-tree, gc)")
     ar.add_argument("--code", default="default",
@@ -70,9 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="gradient code for gc")
     ar.add_argument("--size", type=parse_size, default=parse_size("1M"),
                     help="bytes of the vector (default 1M)")
-    ar.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    ar.add_argument("--iters", type=int, default=20)
-    ar.add_argument("--warmup", type=int, default=2)
+    ar.add_argument("--dtype", default="float32", choices=["float32", "float64"],
+                    help="the vector's dtype (default float32)")
+    ar.add_argument("--iters", type=int, default=20, help="timed steps per scheme (default 20)")
+    ar.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     ar.add_argument("--compute", type=float, default=0.0, metavar="SECONDS",
                     help="emulated compute: seconds one rank needs for the whole data set")
     ar.add_argument("--straggle", default="", metavar="SPEC",
@@ -108,14 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help='more scheme options, e.g. \'{"slack": 1.3, "max_loss": 1}\'')
     ddp = sub.add_parser("ddp", help="one torch model: Gloo DDP, aioreduce ring (DDP hook) and "
                                      "coded-tree (coded mini-batches) side by side")
-    ddp.add_argument("--fanout", type=int, default=3)
-    ddp.add_argument("--levels", type=int, default=2)
-    ddp.add_argument("--stragglers", type=int, default=1)
+    ddp.add_argument("--fanout", type=int, default=3, help="coded tree's fan-out (default 3)")
+    ddp.add_argument("--levels", type=int, default=2, help="coded tree's levels (default 2)")
+    ddp.add_argument("--stragglers", type=int, default=1,
+                     help="stragglers the coded tree tolerates per family (default 1)")
     ddp.add_argument("--hidden", type=int, default=1024,
                      help="width of the MLP's three hidden layers (1024: 2.2M parameters)")
     ddp.add_argument("--batch", type=int, default=416, help="global mini-batch (default 416)")
     ddp.add_argument("--iters", type=int, default=20, help="timed steps per scheme")
-    ddp.add_argument("--warmup", type=int, default=3)
+    ddp.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     ddp.add_argument("--straggle", default="none|rank=4:delay=0.3|rank=4:slow=3",
                      help="straggler settings, '|'-separated, one launch each ('none': none)")
     ddp.add_argument("--nodes", type=int, default=0,
@@ -134,8 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--out", default="sweep", help="directory for results.jsonl and the PNGs")
     sw.add_argument("--scheme", default="ring,coded-tree,gc,tree",
                     help="schemes per cell (coded-tree where the ranks form a full tree)")
-    sw.add_argument("--nodes", type=lambda t: [int(x) for x in t.split(",")], default=[13, 40])
-    sw.add_argument("--sizes", type=_sizes, default=_sizes("40K,4M,64M"))
+    sw.add_argument("--nodes", type=lambda t: [int(x) for x in t.split(",")], default=[13, 40],
+                    help="cluster sizes, comma-separated (default 13,40)")
+    sw.add_argument("--sizes", type=_sizes, default=_sizes("40K,4M,64M"),
+                    help="vector sizes, comma-separated (default 40K,4M,64M)")
     sw.add_argument("--stragglers", default="none,slow3,pause,shifted-exp,heavy-tail",
                     help="straggler models by name (see the module docstring)")
     sw.add_argument("--iters", default=None, metavar="N[,SIZE=N...]",
@@ -146,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "docstring; '' runs the whole grid)")
     sw.add_argument("--compute", type=float, default=0.05, metavar="SECONDS",
                     help="emulated compute: seconds one rank needs for the whole data set")
-    sw.add_argument("--link-mbit", type=float, default=1000.0)
+    sw.add_argument("--link-mbit", type=float, default=1000.0,
+                    help="each emulated host's link, both directions (default 1000)")
     sw.add_argument("--latency", type=float, default=0.0, metavar="SECONDS",
                     help="emulated one-way latency per frame (our schemes only, not Gloo)")
     sw.add_argument("--no-netns", action="store_true",
@@ -158,27 +165,33 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--sweep", metavar="DIR", help="fit costs to DIR/results.jsonl; write "
                      "DIR/costs.json and DIR/sim.md (every cell, measured and simulated)")
     _cluster_args(sim)
-    sim.add_argument("--scheme", default="ring,tree,coded-tree,gc,gloo")
+    sim.add_argument("--scheme", default="ring,tree,coded-tree,gc,gloo",
+                     help="schemes to simulate, comma-separated (default all five)")
     adv = sub.add_parser("advise", help="rank every scheme and setting for a cluster by "
                                         "simulated step time on measured costs")
     _cluster_args(adv)
     adv.add_argument("--measure", action="store_true", help="first measure this machine's "
                      "costs: a short run of every scheme on --nodes emulated hosts (or "
                      "127.0.0.1 with --no-netns), fitted; saved to --costs")
-    adv.add_argument("--no-netns", action="store_true")
+    adv.add_argument("--no-netns", action="store_true",
+                     help="with --measure: ranks on 127.0.0.1 instead of emulated hosts")
     adv.add_argument("--top", type=int, default=10, help="how many options to print")
     return p
 
 
 def _cluster_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--costs", default="costs.json", help="fitted costs (from sim --sweep or "
-                   "advise --measure); the entry for the nearest cluster size is used")
-    p.add_argument("--nodes", type=int, default=13)
-    p.add_argument("--fanout", type=int, default=3)
-    p.add_argument("--levels", type=int, default=2)
+    p.add_argument("--costs", default=None, help="fitted costs (from sim --sweep or advise "
+                   "--measure; the entry for the nearest cluster size is used); default: "
+                   "./costs.json if there is one, else the costs shipped with aioreduce "
+                   "(fitted to docs/sweep)")
+    p.add_argument("--nodes", type=int, default=13, help="ranks in the cluster (default 13)")
+    p.add_argument("--fanout", type=int, default=3, help="coded tree's fan-out (default 3)")
+    p.add_argument("--levels", type=int, default=2, help="coded tree's levels (default 2)")
     p.add_argument("--stragglers", type=int, default=1, help="tolerance of the coded schemes")
-    p.add_argument("--size", type=parse_size, default=parse_size("40K"))
-    p.add_argument("--compute", type=float, default=0.05, metavar="SECONDS")
+    p.add_argument("--size", type=parse_size, default=parse_size("40K"),
+                   help="vector size, e.g. 40K, 4M (default 40K)")
+    p.add_argument("--compute", type=float, default=0.05, metavar="SECONDS",
+                   help="each rank's compute per step (default 0.05)")
     p.add_argument("--straggle", default="", help="straggler model (see aioreduce.straggle)")
     p.add_argument("--iters", type=int, default=20, help="simulated steps")
     p.add_argument("--link-mbit", type=float, default=None,
@@ -193,13 +206,21 @@ def _sim_config(opts: argparse.Namespace) -> tuple[Any, Any]:
     """The Config and Platform a sim or advise command describes."""
     from pathlib import Path
 
-    from ..sim.report import load_platforms
+    from ..sim.report import SHIPPED_COSTS, load_platforms
     from .allreduce import Config
 
-    path = Path(opts.costs)
-    if not path.exists():
-        raise SystemExit(f"no costs at {path}: fit some with 'aioreduce-bench sim --sweep "
-                         "DIR' or 'aioreduce-bench advise --measure'")
+    if opts.costs is not None:
+        path = Path(opts.costs)
+        if not path.exists():
+            raise SystemExit(f"no costs at {path}: fit some with 'aioreduce-bench sim --sweep "
+                             "DIR' or 'aioreduce-bench advise --measure'")
+    elif Path("costs.json").exists():
+        path = Path("costs.json")
+        print("costs: ./costs.json")
+    else:
+        path = SHIPPED_COSTS
+        print("costs: the ones shipped with aioreduce, fitted to the sweep of docs/sweep (a "
+              "2-core host's emulated cluster); --measure fits this machine's")
     platforms = load_platforms(path)
     near = min(platforms, key=lambda n: abs(n - opts.nodes))
     platform = platforms[near]
@@ -246,7 +267,7 @@ def _advise(opts: argparse.Namespace) -> int:
 
         save_platforms({opts.nodes: measure_costs(opts.nodes, netns=not opts.no_netns,
                                                   link_mbit=opts.link_mbit)},
-                       Path(opts.costs))
+                       Path(opts.costs or "costs.json"))
     cfg, platform = _sim_config(opts)
     ranked = advise(cfg, platform)
     print(f"{'option':<44} {'median ms':>10} {'p99 ms':>9}")

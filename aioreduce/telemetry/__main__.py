@@ -8,14 +8,16 @@ from collections.abc import Sequence
 
 from .report import load, plot, summarize, table
 
+PLOT_HINT = ("needs matplotlib: pip install 'aioreduce[plot]', or in a checkout of aioreduce "
+             "pip install '.[plot]'")
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``aioreduce-trace``."""
     p = argparse.ArgumentParser(prog="aioreduce-trace", description=__doc__.splitlines()[0]
                                 .split(": ", 1)[1])
     p.add_argument("traces", help="the AIOREDUCE_TRACE directory (or one rank's .jsonl file)")
-    p.add_argument("--png", metavar="FILE", help="write the timeline here (needs matplotlib: "
-                                                 "pip install 'aioreduce[plot]')")
+    p.add_argument("--png", metavar="FILE", help=f"write the timeline here ({PLOT_HINT})")
     p.add_argument("--title", default="", help="title of the timeline")
     a = p.parse_args(argv)
     try:
@@ -28,8 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             plot(records, a.png, a.title)
         except ImportError:
-            print("aioreduce-trace: --png needs matplotlib: pip install 'aioreduce[plot]'",
-                  file=sys.stderr)
+            print(f"aioreduce-trace: --png {PLOT_HINT}", file=sys.stderr)
             return 2
         print(f"timeline: {a.png}")
     return 0

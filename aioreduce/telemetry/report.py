@@ -65,7 +65,7 @@ class RankRow:
                 f"{self.max_lag_ms:+.1f}", f"{self.sent_mb:.1f}", f"{self.recv_mb:.1f}"]
 
 
-HEADER = ["rank", "steps", "late", "errors", "step ms", "lag ms (median)", "lag ms (max)",
+HEADER = ["rank", "steps", "late", "errors", "step ms", "lag* ms (median)", "lag* ms (max)",
           "sent MB", "recv MB"]
 
 
@@ -103,7 +103,19 @@ def table(rows: list[RankRow]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True))
              for line in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append("* lag: how long after the step's median rank this rank's vector was ready "
+                 "(negative: before it); late: steps that went on without this rank")
     return "\n".join(lines)
+
+
+# Every colour of the timeline, with what its legend says.
+COLOURS = {
+    "computing": ("#1f4e79", "computing, until its own vector was ready"),
+    "waiting": ("#9dc3e6", "waiting for the step's result"),
+    "computing, skipped": ("#b22222", "computing, in a step that went on without it or "
+                                      "failed on it"),
+    "waiting, skipped": ("#f4a6a6", "waiting, in such a step"),
+}
 
 
 def plot(records: list[StepRecord], path: str, title: str = "") -> None:
@@ -126,15 +138,18 @@ def plot(records: list[StepRecord], path: str, title: str = "") -> None:
         ready = r.ready_s if r.ready_s is not None else r.seconds
         bad = (r.step, r.rank) in late or r.error is not None
         ax.broken_barh([(x0, max(ready, 1e-5))], (y - 0.4, 0.8),
-                       facecolors="#b22222" if bad else "#1f4e79")
+                       facecolors=COLOURS["computing, skipped" if bad else "computing"][0])
         if r.seconds > ready:
             ax.broken_barh([(x0 + ready, r.seconds - ready)], (y - 0.4, 0.8),
-                           facecolors="#f4a6a6" if bad else "#9dc3e6")
+                           facecolors=COLOURS["waiting, skipped" if bad else "waiting"][0])
     ax.set_yticks(range(len(ranks)), [f"rank {k}" for k in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the job's first step")
-    ax.set_title(title or "aioreduce step timeline (dark: own vector ready; light: waiting; "
-                          "red: skipped or failed)")
+    ax.set_title(title or "aioreduce step timeline", pad=36)
+    from matplotlib.patches import Patch
+    ax.legend(handles=[Patch(color=c, label=label) for c, label in COLOURS.values()],
+              loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, fontsize="small",
+              frameon=False)
     for k in ranks:
         mine = [r for r in records if r.rank == k]
         ax2.plot([r.step for r in mine], [r.seconds * 1e3 for r in mine], lw=0.8, alpha=0.7)

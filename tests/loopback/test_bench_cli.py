@@ -122,3 +122,36 @@ def test_ddp_bench_json_has_gloo_and_ours(extra: list[str]) -> None:
     for r in rows:
         assert r["median_s"] > 0 and r["p99_s"] >= r["median_s"] and r["nodes"] == 2
         assert r["fsdp"] if extra else "vs_gloo" in r
+
+
+def test_advise_runs_without_costs_from_a_fresh_directory(tmp_path) -> None:
+    res = subprocess.run([sys.executable, "-m", "aioreduce.bench.cli", "advise", "--nodes",
+                          "13", "--size", "160K", "--top", "3"], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("costs: the ones shipped with aioreduce")
+    assert lines[1].split()[0] == "option" and len(lines) == 6
+    assert lines[-1].startswith("advice: ")
+
+
+def test_every_option_of_every_tool_has_help() -> None:
+    import argparse
+
+    from aioreduce.bench.cli import build_parser as bench
+    from aioreduce_launch.cli import build_parser as launch
+
+    def bare(parser: argparse.ArgumentParser, name: str) -> list[str]:
+        out = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, p in action.choices.items():
+                    out += bare(p, sub)
+            elif action.option_strings and not action.help:
+                out.append(f"{name} {action.option_strings[0]}")
+        return out
+
+    assert bare(bench(), "bench") + bare(launch(), "launch") == []
+    trace = subprocess.run([sys.executable, "-m", "aioreduce.telemetry", "--help"],
+                           capture_output=True, text=True, timeout=60)
+    assert "'aioreduce[plot]'" in trace.stdout and "'.[plot]'" in trace.stdout

@@ -356,3 +356,11 @@ def test_every_ranks_fixed_step_cpu_sets_a_floor_on_shared_cores(cores: int | No
     g, done = ring(costs, [0.0] * 8, 8.0)
     run(g, 8, cores)
     assert max(d.done or 0.0 for d in done) == pytest.approx(floor)
+
+
+def test_the_shipped_costs_are_the_sweeps() -> None:
+    from pathlib import Path
+
+    from aioreduce.sim.report import SHIPPED_COSTS
+    sweep = Path(__file__).parents[2] / "docs" / "sweep" / "costs.json"
+    assert SHIPPED_COSTS.read_bytes() == sweep.read_bytes()

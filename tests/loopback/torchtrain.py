@@ -26,6 +26,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
+from torchprog import mlp  # the same MLP as the DDP parity test (this script's folder)
 
 import aioreduce.torch  # noqa: F401  (registers "aioreduce")
 
@@ -41,13 +42,6 @@ def transformer() -> torch.nn.Module:
                                                bias=False)
               for _ in range(2)]
     return torch.nn.Sequential(*layers, torch.nn.Linear(32, 8))
-
-
-def mlp() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
-                               torch.nn.Linear(256, 256), torch.nn.ReLU(),
-                               torch.nn.Linear(256, 10))
 
 
 def main() -> None:

@@ -7,10 +7,6 @@ stage ended within its latency is stale; a receive withdrawn meanwhile stays wit
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Coroutine
-from typing import Any
-
 import numpy as np
 import pytest
 
@@ -20,32 +16,10 @@ from aioreduce.transport.inbox import Inbox
 from aioreduce.wire import Header, Kind
 from aioreduce.wire.decoder import Frame
 
+from .clockloop import ClockLoop, advance, run
+
 LATENCY = 0.25
 CONN = object()  # the inbox only keys state by connection here
-
-
-class ClockLoop(asyncio.SelectorEventLoop):
-    """An event loop whose time moves only when the test says."""
-
-    now = 1000.0
-
-    def time(self) -> float:
-        return self.now
-
-
-def run(test: Callable[[ClockLoop], Coroutine[Any, Any, None]]) -> None:
-    loop = ClockLoop()
-    try:
-        loop.run_until_complete(test(loop))
-    finally:
-        loop.close()
-
-
-async def advance(loop: ClockLoop, seconds: float) -> None:
-    """Move the clock, then let every timer now due run, and what it wakes."""
-    loop.now += seconds
-    for _ in range(3):
-        await asyncio.sleep(0)
 
 
 def _data(step: int, tag: int, nbytes: int = 8) -> Header:

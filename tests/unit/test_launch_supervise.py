@@ -9,8 +9,6 @@ import asyncio
 import io
 import itertools
 import signal
-from collections.abc import Callable, Coroutine
-from typing import Any
 
 import pytest
 
@@ -18,18 +16,13 @@ from aioreduce_launch.output import RankOutput
 from aioreduce_launch.supervise import Supervisor
 from aioreduce_launch.tracebacks import TracebackHold, rank_ranges, same_error
 
+from .clockloop import ClockLoop, run
+
 LOST = ["Traceback (most recent call last):", '  File "t.py", line 1, in <module>',
         "aioreduce.errors.PeerLost: rank 2: lane from rank 2 closed"]
 CAUSE = {"caller": (1, ["Traceback (most recent call last):", '  File "t.py", line 9, in f',
                         "ValueError: rank 2, step 3: this vector is float64 [19]"]),
          "signal": (128 + signal.SIGKILL, [])}
-
-
-class ClockLoop(asyncio.SelectorEventLoop):
-    now = 1000.0
-
-    def time(self) -> float:
-        return self.now
 
 
 class FakeRank:
@@ -51,14 +44,6 @@ class FakeRank:
     def signal(self, sig: int) -> None:
         if not self.code.done():
             self.code.set_result(128 + sig)
-
-
-def run(test: Callable[[ClockLoop], Coroutine[Any, Any, None]]) -> None:
-    loop = ClockLoop()
-    try:
-        loop.run_until_complete(test(loop))
-    finally:
-        loop.close()
 
 
 async def settle() -> None:

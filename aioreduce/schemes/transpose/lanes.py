@@ -30,7 +30,6 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,20 +40,10 @@ from ...wire import Header, Kind, byte_view
 from ...wire.frame import ProtocolError
 from ..base import Comm, count_lane_bytes
 from .layout import NOTICE_TAG
+from .posts import Post, PostBook, Wait
 
 log = logging.getLogger("aioreduce.schemes")
 _NOTHING = np.empty(0, np.uint8)
-
-
-@dataclass(eq=False)
-class _Post:
-    """A posted receive; ``writing`` and ``withdrawn`` are guarded by the links' condition."""
-
-    key: tuple[int, int, int]  # (src, step, tag)
-    view: memoryview
-    future: asyncio.Future[Header]
-    writing: bool = False
-    withdrawn: bool = False
 
 
 class LaneLinks:
@@ -68,8 +57,7 @@ class LaneLinks:
         self._outs, self._ins = outs, ins
         self._backlog = backlog_steps
         self._cond = threading.Condition()
-        self._posts: dict[tuple[int, int, int], _Post] = {}
-        self._floor = (-1, 0)
+        self._book = PostBook()  # what each incoming slice fills (see .posts)
         self._closed = False
         self._gone: dict[int, PeerLost] = {}  # peer -> why its lane (either way) ended
         self._heard_at: dict[int, float] = {}  # peer -> perf_counter of its last bytes
@@ -98,7 +86,7 @@ class LaneLinks:
             if gone is not None:
                 fut.set_exception(gone)
                 return fut
-            self._posts[key] = _Post(key, byte_view(out), fut)
+            self._book.post(Post(key, byte_view(out), fut))
             self._cond.notify_all()
         return fut
 
@@ -146,12 +134,11 @@ class LaneLinks:
     def discard_before(self, step: int, tag: int = 0) -> None:
         self.comm.discard_before(step, tag)
         with self._cond:
-            self._floor = max(self._floor, (step, tag))
-            for key in [k for k in self._posts if (k[1], k[2]) < self._floor]:
-                post = self._posts.pop(key)
-                post.withdrawn = True
-                while post.writing:  # one chunk's copy at most: the read never blocks
-                    self._cond.wait()
+            writing = self._book.discard_before(step, tag)
+            # One chunk's copy at most (the read never blocks). While we wait, readers may
+            # complete or lose other posts: the book took these out already.
+            while any(p.writing for p in writing):
+                self._cond.wait()
             self._cond.notify_all()
 
     def is_lost(self, rank: int) -> bool:
@@ -216,46 +203,42 @@ class LaneLinks:
         except Exception as exc:  # a bug: end this lane, say why
             self._lost(src, PeerLost(src, f"lane from rank {src}: {exc!r}"))
 
-    def _claim(self, src: int, step: int, tag: int) -> _Post | None:
+    def _claim(self, src: int, step: int, tag: int) -> Post | None:
         """The post this message fills, once there is one; None: drop it (below the floor)."""
         with self._cond:
             self.newest = max(self.newest, step)
             while True:
                 if self._closed:
                     raise PeerLost(src, "closed")
-                if (step, tag) < self._floor:
-                    return None
-                post = self._posts.get((src, step, tag))
-                if post is not None:
+                post = self._book.claim(src, step, tag)
+                if not isinstance(post, Wait):
                     return post
                 self._cond.wait()
 
-    def _fill(self, lane: Lane, post: _Post, nbytes: int) -> bool:
+    def _fill(self, lane: Lane, post: Post, nbytes: int) -> bool:
         """Read the payload into the post's buffer; False if it was withdrawn meanwhile (the
         rest is read and dropped)."""
         got = 0
         while got < nbytes:
             lane.wait_readable()
             with self._cond:
-                if post.withdrawn:
+                if not self._book.begin_write(post):
                     break
-                post.writing = True
             try:
                 got += lane.recv_now(post.view[got:])
                 self._heard_at[lane.peer] = time.perf_counter()
             finally:
                 with self._cond:
-                    post.writing = False
+                    self._book.end_write(post)
                     self._cond.notify_all()
         if got < nbytes:
             lane.skip(nbytes - got)
             return False
         with self._cond:
-            if self._posts.get(post.key) is post:
-                del self._posts[post.key]
+            self._book.complete(post)
         return True
 
-    def _finish(self, post: _Post, header: Header | None, exc: BaseException | None,
+    def _finish(self, post: Post, header: Header | None, exc: BaseException | None,
                 nbytes: int = 0, latency: float = 0.0) -> None:
         def done() -> None:
             if post.future.done():
@@ -283,8 +266,6 @@ class LaneLinks:
             if self._closed:
                 return
             self._gone.setdefault(peer, exc)
-            posts = [p for k, p in self._posts.items() if k[0] == peer]
-            for post in posts:
-                del self._posts[post.key]
+            posts = self._book.lose(peer)
         for post in posts:
             self._finish(post, None, exc)

@@ -154,6 +154,7 @@ def main() -> None:
     cm.wait()
     keep("all_gather_coalesced", torch.cat([g1, g2]))
     dist.barrier()
+    dist.barrier(device_ids=[0])  # what NCCL programs pass; a CPU backend ignores it
     dist.monitored_barrier(timeout=timedelta(seconds=60))
     objs: list[object] = [None] * n
     dist.all_gather_object(objs, {"rank": r, "sq": r * r})

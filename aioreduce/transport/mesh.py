@@ -119,6 +119,10 @@ class Mesh:
         self._tasks: set[asyncio.Task[None]] = set()
         self.refused = 0  # connections that failed the handshake (for tests and logs)
         self._unauthenticated: OrderedDict[FrameProtocol, str] = OrderedDict()  # -> host
+        # Handshake frames each of them has sent us: evictions take the least advanced first
+        # (the oldest of those), so a flood of idle connections from a peer's own address
+        # cannot push out the peer itself, which sends its first frame at once.
+        self._progress: dict[FrameProtocol, int] = {}
         self._dialed_by: dict[int, set[FrameProtocol]] = {}  # connections each rank dialed to us
         self._settled = asyncio.Event()  # set while no handshake is in flight
         self._settled.set()
@@ -181,17 +185,25 @@ class Mesh:
         return conn
 
     def _admit(self, conn: FrameProtocol) -> None:
-        """Count a new unauthenticated connection; past the caps, drop the oldest one."""
+        """Count a new unauthenticated connection; past the caps, drop the oldest of those
+        that made the least progress in their handshake (this one, if every other has)."""
         host = conn.peername.rsplit(":", 1)[0]
         self._unauthenticated[conn] = host
+        self._progress[conn] = 0
         self._settled.clear()
         same = [c for c, h in self._unauthenticated.items() if h == host]
         cap_all, cap_host = self.caps
         if len(same) > cap_host:
-            self._evict(same[0], f"more than {cap_host} unauthenticated connections from {host}")
+            self._evict(self._least_advanced(same),
+                        f"more than {cap_host} unauthenticated connections from {host}")
         if len(self._unauthenticated) > cap_all:
-            self._evict(next(iter(self._unauthenticated)),
+            self._evict(self._least_advanced(list(self._unauthenticated)),
                         f"more than {cap_all} unauthenticated connections")
+
+    def _least_advanced(self, conns: list[FrameProtocol]) -> FrameProtocol:
+        """The oldest of ``conns`` (in arrival order) among those with the fewest handshake
+        frames received."""
+        return min(conns, key=lambda c: self._progress.get(c, 0))
 
     def _evict(self, conn: FrameProtocol, reason: str) -> None:
         self._forget_unauthenticated(conn)
@@ -199,6 +211,7 @@ class Mesh:
 
     def _forget_unauthenticated(self, conn: FrameProtocol) -> None:
         self._unauthenticated.pop(conn, None)
+        self._progress.pop(conn, None)
         if not self._unauthenticated:
             self._settled.set()
 
@@ -214,7 +227,10 @@ class Mesh:
         self._admit(conn)
         try:
             while True:
-                out, event = hs.receive(await self._next_handshake(conn))
+                frame = await self._next_handshake(conn)
+                if conn in self._progress:
+                    self._progress[conn] += 1
+                out, event = hs.receive(frame)
                 if isinstance(event, Refused):
                     raise AuthError(event.reason)
                 if isinstance(event, WrongJob):
@@ -391,7 +407,10 @@ class Mesh:
         try:
             await conn.send(encode_frame(hs.start()))
             while True:
-                out, event = hs.receive(await self._next_handshake(conn))
+                frame = await self._next_handshake(conn)
+                if conn in self._progress:
+                    self._progress[conn] += 1
+                out, event = hs.receive(frame)
                 if isinstance(event, Refused):
                     raise AuthError(f"{where}: {event.reason}")
                 if isinstance(event, Proved):

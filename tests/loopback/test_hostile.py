@@ -161,3 +161,76 @@ def test_an_authenticated_flood_costs_at_most_the_peer_budget(kind: str, reason:
     assert rep["wrong"] == 0 and rep["other_closed"] == [], rep
     assert all(n == 300 for n in rep["steps"].values()), rep
     assert rep["peak_growth_mib"] <= peak_mib, rep
+
+
+def test_a_correct_peer_joins_through_idle_connections_from_its_own_address() -> None:
+    # 5000 idle connections from 127.0.0.1, the address rank 1 dials from too, arrive at rank
+    # 0 while rank 1 joins: the per-host cap evicts the least advanced handshakes first, so
+    # the flood pushes out only itself, never the rank that has sent its first frame.
+    import threading
+    from collections import deque
+
+    job = Ranks(2)
+    port = int(job.specs[0].env["AIOREDUCE_MASTER_PORT"])
+    args = ("ring", "--steps", "20")
+    job.start(0, *args, prog=SCHEMEPROG)
+    opened = [0]
+    stop = threading.Event()
+    listening = threading.Event()
+
+    def flood() -> None:
+        window: deque[socket.socket] = deque()
+        while opened[0] < 5000 and not stop.is_set():
+            try:
+                window.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            except OSError:
+                if not listening.is_set():
+                    time.sleep(0.05)  # rank 0 is not listening yet
+                continue
+            listening.set()
+            opened[0] += 1
+            if len(window) > 200:  # our own descriptors stay bounded
+                window.popleft().close()
+        for s in window:
+            s.close()
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    try:
+        assert listening.wait(30), "rank 0 never listened"
+        while opened[0] < 500:  # the flood is well under way before rank 1 dials
+            time.sleep(0.01)
+        job.start(1, *args, prog=SCHEMEPROG)
+        done = job.wait(120)
+        joined_during = opened[0] < 5000
+    finally:
+        stop.set()
+        flooder.join(30)
+        job.kill()
+    assert joined_during, "the flood was over before the job was"
+    for rank, d in done.items():
+        assert d.returncode == 0, (rank, d.err[-3000:])
+        got = [json.loads(x[5:]) for x in d.out.splitlines() if x.startswith("STEP ")]
+        assert len(got) == 20 and all(s["rel_err"] < 1e-9 for s in got), (rank, got[-1:])
+
+
+def test_a_connection_that_sent_its_hello_outlives_idle_ones() -> None:
+    # The mechanism behind the test above, through a real listener with a per-host cap of 4:
+    # the oldest connection has sent a valid HELLO (and got its CHALLENGE) and then waits;
+    # six idle connections from the same address come after it. Evictions take the idle
+    # ones, oldest first; the one in its handshake stays (it was the first evicted before).
+    from aioreduce.wire import encode_frame
+    from aioreduce.wire.handshake import ConnectorHandshake
+
+    with _listener("127.0.0.1") as (port, socks):
+        hello = socket.create_connection(("127.0.0.1", port), timeout=5)
+        socks.append(hello)
+        hello.sendall(b"".join(bytes(b) for b in
+                               encode_frame(ConnectorHandshake(b"s", "j", 1, 0).start())))
+        hello.settimeout(5)
+        assert hello.recv(1)  # its CHALLENGE: the listener has read the HELLO
+        for _ in range(6):
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            time.sleep(0.05)  # a distinct arrival order for each connection
+        closed = [_closed(s, 0.5) for s in socks]
+        assert closed == [False] + [True] * 3 + [False] * 3, closed

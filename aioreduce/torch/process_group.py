@@ -47,7 +47,7 @@ from ..sync import SyncNode
 from . import direct
 from .completer import Completer, Context
 from .staging import Staged, Stager
-from .tensors import HALF, check_tensor
+from .tensors import check_tensor
 
 log = logging.getLogger("aioreduce.torch")
 
@@ -251,13 +251,15 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
     def _allreduce(self, tensor: torch.Tensor, op: Any,
                    on_result: Callable[[Result], None] | None = None
                    ) -> torch.futures.Future[Any]:
-        st = self._stage(tensor)
         node = self.node.node
+        tensor = self._check(tensor)
+        by_owners = op not in _SUMS or tensor.dtype not in (torch.float32, torch.float64)
+        if by_owners and not direct.supported(op):  # named before anything is staged
+            raise NotImplementedError(f"rank {node.rank}: all_reduce with {op} is not "
+                                      "implemented by aioreduce")
+        st = self._stage(tensor)
         host, dtype, world = st.host, st.tensor.dtype, node.world_size
-        if op not in _SUMS or dtype in HALF or host.dtype.kind != "f":
-            if not direct.supported(op):
-                raise NotImplementedError(f"rank {node.rank}: all_reduce with {op} is not "
-                                          "implemented by aioreduce")
+        if by_owners:
             return self._op([st], [st], lambda: direct.allreduce(node, host, dtype, op),
                             lambda _r: tensor)
         average = op == dist.ReduceOp.AVG
@@ -366,12 +368,12 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: object = None) -> dist.Work:
+        world = self.node.world_size
+        if output.numel() != world * input.numel():  # checked before anything is staged
+            raise ValueError(f"rank {self.node.rank}: all_gather_into_tensor needs an output "
+                             f"of {world} x {input.numel()} elements, got {output.numel()}")
         out = self._stage(output, read=False)
         inp = self._stage(input)
-        world = self.node.world_size
-        if out.host.size != world * inp.host.size:
-            raise ValueError(f"rank {self.node.rank}: all_gather_into_tensor needs an output "
-                             f"of {world} x {inp.host.size} elements, got {out.host.size}")
         n = inp.host.size
         parts = {r: out.host[r * n:(r + 1) * n] for r in range(world)}
         return self._exchange([inp, out], [out], {r: inp.host for r in range(world)}, parts,
@@ -402,32 +404,36 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
                        ) -> dist.Work:
         (out,), (ins,) = output_tensors, input_tensors
         self._check_count(ins, "reduce_scatter")
+        self._check_reduce_scatter(_reduce_op(opts), ins[self.node.rank].numel(), out.numel())
         staged = [self._stage(t) for t in ins]
         res = self._stage(out, read=False)
         return self._reduce_scatter([s.host for s in staged], res, [*staged, res],
                                     _reduce_op(opts), output_tensors)
 
-    def _reduce_scatter(self, parts: list[np.ndarray], out: Staged, staged: list[Staged],
-                        op: Any, value: Any) -> dist.Work:
+    def _check_reduce_scatter(self, op: Any, part: int, out: int) -> None:
+        """A reduce-scatter's mistakes, named before anything is staged."""
         if not direct.supported(op):
             raise NotImplementedError(f"rank {self.node.rank}: reduce_scatter with {op} is "
                                       "not implemented by aioreduce")
+        if part != out:
+            raise ValueError(f"rank {self.node.rank}: reduce_scatter: the output has {out} "
+                             f"elements, this rank's input part {part}")
+
+    def _reduce_scatter(self, parts: list[np.ndarray], out: Staged, staged: list[Staged],
+                        op: Any, value: Any) -> dist.Work:
         node, dtype = self.node.node, out.tensor.dtype
-        if parts[self.node.rank].size != out.host.size:
-            raise ValueError(f"rank {self.node.rank}: reduce_scatter: the output has "
-                             f"{out.host.size} elements, this rank's input part "
-                             f"{parts[self.node.rank].size}")
         return self._issue(staged, [out],
                            lambda: direct.reduce_scatter(node, parts, out.host, dtype, op), value)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: object = None) -> dist.Work:
+        world = self.node.world_size
+        if input.numel() != world * output.numel():
+            raise ValueError(f"rank {self.node.rank}: reduce_scatter_tensor needs an input of "
+                             f"{world} x {output.numel()} elements, got {input.numel()}")
+        self._check_reduce_scatter(_reduce_op(opts), output.numel(), output.numel())
         inp = self._stage(input)
         out = self._stage(output, read=False)
-        world = self.node.world_size
-        if inp.host.size != world * out.host.size:
-            raise ValueError(f"rank {self.node.rank}: reduce_scatter_tensor needs an input of "
-                             f"{world} x {out.host.size} elements, got {inp.host.size}")
         n = out.host.size
         parts = [inp.host[r * n:(r + 1) * n] for r in range(world)]
         return self._reduce_scatter(parts, out, [inp, out], _reduce_op(opts), output)

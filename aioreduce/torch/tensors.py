@@ -32,7 +32,6 @@ _NUMPY: dict[torch.dtype, np.dtype[Any]] = {
     torch.int16: np.dtype(np.int16), torch.int8: np.dtype(np.int8),
     torch.uint8: np.dtype(np.uint8), torch.bool: np.dtype(np.bool_)}
 SUPPORTED = tuple(_NUMPY)
-HALF = (torch.float16, torch.bfloat16)  # accumulated in float32, rounded back once
 
 
 @dataclass(frozen=True)

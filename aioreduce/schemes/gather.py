@@ -7,15 +7,13 @@ copies of the array from every rank, so it is not meant for gradients.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 
 import numpy as np
 
 from .base import Comm, Result
-
-GATHER_TAG = (1 << 30) + 4
+from .exchange import exchange
 
 
 async def allgather(comm: Comm, step: int, array: np.ndarray) -> Result:
@@ -24,15 +22,9 @@ async def allgather(comm: Comm, step: int, array: np.ndarray) -> Result:
     t0 = time.perf_counter()
     mine = np.ascontiguousarray(array)
     value = np.empty((comm.world_size, *mine.shape), mine.dtype)
+    others = [r for r in range(comm.world_size) if r != comm.rank]
     value[comm.rank] = mine
-    comm.discard_before(step)
-    try:
-        others = [r for r in range(comm.world_size) if r != comm.rank]
-        await asyncio.gather(*(comm.send(r, mine, step=step, tag=GATHER_TAG) for r in others),
-                             *(comm.post_recv(r, value[r], step=step, tag=GATHER_TAG)
-                               for r in others))
-    finally:
-        comm.discard_before(step + 1)
+    await exchange(comm, step, dict.fromkeys(others, mine), {r: value[r] for r in others})
     with contextlib.suppress(ValueError):
         value.setflags(write=False)
     return Result(value, step, list(range(comm.world_size)), [], True, 0.0,

@@ -47,18 +47,17 @@ class PointToPoint:
 
     def send_key(self, dst: int, tag: int = 0) -> Key:
         """The key of the next message to ``dst`` with ``tag`` (taken now)."""
-        self._check(dst, tag)
-        with self._lock:
-            seq = self._sent[dst, tag]
-            self._sent[dst, tag] = seq + 1
-        return seq, P2P_TAG + tag
+        return self._next(self._sent, dst, tag)
 
     def recv_key(self, src: int, tag: int = 0) -> Key:
         """The key of the next message from ``src`` with ``tag`` (taken now)."""
-        self._check(src, tag)
+        return self._next(self._received, src, tag)
+
+    def _next(self, counts: defaultdict[tuple[int, int], int], peer: int, tag: int) -> Key:
+        self._check(peer, tag)
         with self._lock:
-            seq = self._received[src, tag]
-            self._received[src, tag] = seq + 1
+            seq = counts[peer, tag]
+            counts[peer, tag] = seq + 1
         return seq, P2P_TAG + tag
 
     async def send(self, dst: int, key: Key, array: np.ndarray) -> None:

@@ -203,11 +203,10 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         """Run ``body()`` on the node's loop once every staged input is on the host (after
         the collectives issued before it when ``ordered``); then, on our thread, copy the
         ``outputs`` back and complete the returned future with ``value(body's result)``."""
-        streams = [s.stream for s in staged if s.stream is not None]
-        devices: list[int | str | torch.device] = [s.tensor.device for s in staged
-                                                   if s.stream is not None]
+        on_device = next((s for s in staged if s.stream is not None), None)
         fut: torch.futures.Future[Any] = (
-            torch.futures.Future(devices=devices[:1]) if devices else torch.futures.Future())
+            torch.futures.Future() if on_device is None
+            else torch.futures.Future(devices=[on_device.tensor.device]))
 
         async def run() -> Any:
             for s in staged:
@@ -226,8 +225,8 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
             return out
 
         context: Context = contextlib.nullcontext
-        if streams:
-            side = streams[0]
+        if on_device is not None:
+            side = on_device.stream
             context = lambda: torch.cuda.stream(side)  # noqa: E731
         done = (self.node.submit_in_order(run) if ordered else self.node.submit(run()))
         self._completer.add(done, fut, finish, context)
@@ -254,10 +253,9 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         node = self.node.node
         tensor = self._check(tensor)
         by_owners = op not in _SUMS or tensor.dtype not in (torch.float32, torch.float64)
-        if by_owners and not direct.supported(op):  # named before anything is staged
-            raise NotImplementedError(f"rank {node.rank}: all_reduce with {op} is not "
-                                      "implemented by aioreduce")
-        st = self._stage(tensor)
+        if by_owners:  # named before anything is staged
+            self._check_op(op, "all_reduce")
+        st = self.stager.stage(tensor)
         host, dtype, world = st.host, st.tensor.dtype, node.world_size
         if by_owners:
             return self._op([st], [st], lambda: direct.allreduce(node, host, dtype, op),
@@ -305,6 +303,12 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         if not 0 <= root < self.node.world_size:
             raise ValueError(f"rank {self.node.rank}: {what} root {root} is not a rank of "
                              f"this group (size {self.node.world_size})")
+
+    def _check_op(self, op: Any, what: str) -> None:
+        """A reduction the owners cannot apply, named before anything is staged."""
+        if not direct.supported(op):
+            raise NotImplementedError(f"rank {self.node.rank}: {what} with {op} is not "
+                                      "implemented by aioreduce")
 
     def _check_count(self, tensors: Sequence[object], what: str) -> None:
         if len(tensors) != self.node.world_size:
@@ -404,20 +408,15 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
                        ) -> dist.Work:
         (out,), (ins,) = output_tensors, input_tensors
         self._check_count(ins, "reduce_scatter")
-        self._check_reduce_scatter(_reduce_op(opts), ins[self.node.rank].numel(), out.numel())
+        self._check_op(_reduce_op(opts), "reduce_scatter")
+        if ins[self.node.rank].numel() != out.numel():
+            raise ValueError(f"rank {self.node.rank}: reduce_scatter: the output has "
+                             f"{out.numel()} elements, this rank's input part "
+                             f"{ins[self.node.rank].numel()}")
         staged = [self._stage(t) for t in ins]
         res = self._stage(out, read=False)
         return self._reduce_scatter([s.host for s in staged], res, [*staged, res],
                                     _reduce_op(opts), output_tensors)
-
-    def _check_reduce_scatter(self, op: Any, part: int, out: int) -> None:
-        """A reduce-scatter's mistakes, named before anything is staged."""
-        if not direct.supported(op):
-            raise NotImplementedError(f"rank {self.node.rank}: reduce_scatter with {op} is "
-                                      "not implemented by aioreduce")
-        if part != out:
-            raise ValueError(f"rank {self.node.rank}: reduce_scatter: the output has {out} "
-                             f"elements, this rank's input part {part}")
 
     def _reduce_scatter(self, parts: list[np.ndarray], out: Staged, staged: list[Staged],
                         op: Any, value: Any) -> dist.Work:
@@ -431,7 +430,7 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         if input.numel() != world * output.numel():
             raise ValueError(f"rank {self.node.rank}: reduce_scatter_tensor needs an input of "
                              f"{world} x {output.numel()} elements, got {input.numel()}")
-        self._check_reduce_scatter(_reduce_op(opts), output.numel(), output.numel())
+        self._check_op(_reduce_op(opts), "reduce_scatter_tensor")
         inp = self._stage(input)
         out = self._stage(output, read=False)
         n = out.host.size

@@ -30,6 +30,7 @@ import asyncio
 import json
 import os
 import queue
+import resource
 import subprocess
 import sys
 import threading
@@ -45,6 +46,7 @@ from ..node import Node
 from ..schemes import CodedTree, GradientCoding, Scheme, StragglerError, by_name, names
 from ..straggle import StraggleModel, parse_straggle
 from ..transport.loop import run
+from .bound import bound
 
 SCHEMES = tuple(names())  # every registered scheme
 
@@ -184,9 +186,9 @@ async def _worker(cfg: Config) -> None:
         # scheme's rank sums several random vectors (seconds of CPU with 40 ranks on 2 cores),
         # and a loop blocked that long misses its peers' handshakes (they give up after 10 s).
         await asyncio.to_thread(lambda: [data.mine(n, schemes.get(n)) for n in names])
-        # Per iteration: start, end, fraction of contributions received, 1 if refused, and
-        # when this rank's sends were all acknowledged.
-        times: dict[str, list[tuple[float, float, float, float, float]]] = {n: [] for n in names}
+        # Per iteration: start, end, fraction of contributions received, 1 if refused, when
+        # this rank's sends were all acknowledged, and this process's CPU seconds in the step.
+        times: dict[str, list[tuple[float, ...]]] = {n: [] for n in names}
         errors: dict[str, float] = {n: 0.0 for n in names}
         current: str | None = None
         # Once, not per step: a coded tree's plan takes tens of milliseconds of CPU, and a
@@ -211,6 +213,7 @@ async def _worker(cfg: Config) -> None:
                 work = vec.copy() if _in_place(cfg, scheme) else None
                 await node.barrier(timeout=300)
                 t0 = time.monotonic()
+                cpu0 = _cpu_seconds()
                 received, refused = 1.0, 0.0
                 value: np.ndarray | None = None
                 delay = sleep + model.extra_delay(rank, it, sleep, world)
@@ -230,13 +233,16 @@ async def _worker(cfg: Config) -> None:
                             await asyncio.sleep(delay)
                             res = await node.allreduce(work, in_place=True)
                         else:
-                            res = await call(compute)
+                            # Nothing to emulate: the vector itself (a thread hand-off for a
+                            # sleep of 0 would be counted as the step's CPU).
+                            res = await call(compute if delay > 0 else vec)
                         value, received = res.value, res.received
                     except StragglerError as exc:
                         if exc.received is None:
                             raise
                         received, refused = exc.received, 1.0  # the safety valve said no
                 t1 = time.monotonic()
+                cpu = _cpu_seconds() - cpu0
                 # A straggler-tolerant step can end with messages it did not need still on the
                 # links (gradient coding's last leaf, a coded tree's late child); the step
                 # after it, of another scheme when they alternate, would pay for them. Wait
@@ -244,7 +250,7 @@ async def _worker(cfg: Config) -> None:
                 await node.mesh.drained(timeout=30)
                 t2 = time.monotonic()
                 if it >= warmup:
-                    times[name].append((t0, t1, received, refused, t2))
+                    times[name].append((t0, t1, received, refused, t2, cpu))
                     if rank == 0 and cfg.verify and value is not None and received >= 1.0:
                         errors[name] = max(errors[name], data.rel_err(name, value))
         # Everyone's timings, one collective step per scheme (every rank ran the same steps).
@@ -254,6 +260,12 @@ async def _worker(cfg: Config) -> None:
                 _report(cfg, name, schemes.get(name), every, errors[name], world)
         if dist is not None:
             dist.destroy_process_group()
+
+
+def _cpu_seconds() -> float:
+    """User and system CPU of this rank's process so far, every thread (its lanes' too)."""
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
 
 
 def _in_place(cfg: Config, scheme: Scheme | None) -> bool:
@@ -277,8 +289,8 @@ def makespans(straggle: str, t: np.ndarray, first_iter: int = 0) -> np.ndarray:
 
 def _report(cfg: Config, name: str, scheme: Scheme | None, t: np.ndarray, err: float,
             world: int) -> None:
-    """t: (ranks, iters, 5) start, end, received, refused, sends acknowledged. Print one
-    RESULT line."""
+    """t: (ranks, iters, 6) start, end, received, refused, sends acknowledged, CPU seconds.
+    Print one RESULT line."""
     spans = makespans(cfg.straggle, t, warmup_iterations(cfg))
     # How long the step's messages kept the links busy after its makespan ended.
     tail = np.maximum(0.0, t[:, :, 4].max(axis=0) - t[:, :, 0].min(axis=0) - spans)
@@ -292,8 +304,19 @@ def _report(cfg: Config, name: str, scheme: Scheme | None, t: np.ndarray, err: f
     out.update({"rank_p50_s": float(np.median(own)), "rank_p99_s": float(np.quantile(own, 0.99)),
                 "lost": float(1.0 - received.mean()), "raised": int(t[:, :, 3].sum()),
                 "tail_s": float(np.median(tail))})
+    # CPU per rank per step (getrusage over each timed step): the mean rank's and the
+    # busiest rank's (a tree's root, a star's master).
+    cpu = t[:, :, 5].mean(axis=1)
+    out.update({"cpu_s": float(cpu.mean()), "cpu_max_s": float(cpu.max())})
     if cfg.verify:
         out["max_rel_err"] = err
+    # The scheme's own bound on these links (see bound.py): the link rate shaped, else the
+    # cost model's bandwidth; the emulated latency, else none.
+    rate = cfg.link_mbit * 1e6 / 8 if cfg.link_mbit else cfg.model_bandwidth
+    limit = bound(name, scheme, world, float(cfg.size_bytes), rate=rate, latency=cfg.latency)
+    if limit is not None:
+        out.update({"bound_s": limit.seconds, "of_bound": limit.seconds / out["median_s"],
+                    "bound_rate_bytes_s": rate})
     out["model_s"] = _predict(cfg, name, scheme, world)
     print("RESULT " + json.dumps(out), flush=True)
 

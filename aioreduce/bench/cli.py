@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--gc-every", type=int, default=0, metavar="N",
                     help="Python's garbage collection after every N-th step, on every rank "
                          "at once (Node(gc_every=N), see aioreduce.stepgc); 0: left alone")
+    ar.add_argument("--bound", action="store_true",
+                    help="also print each scheme's own bound (bytes through its busiest link "
+                    "direction / link rate + depth x --latency; rate: --link-mbit, else "
+                    "--model-bandwidth) and the fraction of it reached")
     ar.add_argument("--json", action="store_true", help="JSON lines; the last is the summary")
     ar.add_argument("--options", type=json.loads, default={}, metavar="JSON",
                     help='more scheme options, e.g. \'{"slack": 1.3, "max_loss": 1}\'')
@@ -327,16 +331,18 @@ def _allreduce(opts: argparse.Namespace) -> list[dict[str, Any]]:
     return ([gloo] if gloo else []) + rows
 
 
-def _print_allreduce(rows: list[dict[str, Any]]) -> None:
+def _print_allreduce(rows: list[dict[str, Any]], *, bound: bool = False) -> None:
     rows = [r for r in rows if r["scheme"] != "gloo"] + [r for r in rows
                                                           if r["scheme"] == "gloo"]
     first = rows[0]
     print(f"{first['nodes']} ranks, {fmt_size(first['size_bytes'])}B vector, "
           f"{first['iters']} iterations (median and p99 of the per-step makespan; of each "
-          "rank's own completion time: rank p50, rank p99)")
+          "rank's own completion time: rank p50, rank p99; CPU per rank per step: the mean "
+          "rank's and the busiest rank's)")
+    extra = f" {'bound ms':>9} {'of bound':>8}" if bound else ""
     print(f"{'scheme':>11} {'median ms':>10} {'p99 ms':>9} {'model ms':>9} {'vs gloo':>8} "
           f"{'max rel err':>12} {'rank p50':>9} {'rank p99':>9} {'p99/p50':>8} {'lost':>7} "
-          f"{'raised':>6}")
+          f"{'raised':>6} {'cpu ms':>7} {'cpu max':>7}{extra}")
     for r in rows:
         model = f"{r['model_s'] * 1e3:9.1f}" if r.get("model_s") is not None else f"{'-':>9}"
         ratio = f"{r['ratio_vs_gloo']:8.2f}" if "ratio_vs_gloo" in r else f"{'-':>8}"
@@ -344,7 +350,16 @@ def _print_allreduce(rows: list[dict[str, Any]]) -> None:
         tail = r["rank_p99_s"] / r["rank_p50_s"] if r.get("rank_p50_s") else float("nan")
         print(f"{r['scheme']:>11} {r['median_s'] * 1e3:10.2f} {r['p99_s'] * 1e3:9.2f} "
               f"{model} {ratio} {err} {r['rank_p50_s'] * 1e3:9.2f} "
-              f"{r['rank_p99_s'] * 1e3:9.2f} {tail:8.2f} {r['lost']:7.2%} {r['raised']:6d}")
+              f"{r['rank_p99_s'] * 1e3:9.2f} {tail:8.2f} {r['lost']:7.2%} {r['raised']:6d} "
+              f"{r['cpu_s'] * 1e3:7.2f} {r['cpu_max_s'] * 1e3:7.2f}{_bound_cells(r, bound)}")
+
+
+def _bound_cells(row: dict[str, Any], shown: bool) -> str:
+    if not shown:
+        return ""
+    if "bound_s" not in row:
+        return f" {'-':>9} {'-':>8}"
+    return f" {row['bound_s'] * 1e3:9.2f} {row['of_bound']:8.2f}"
 
 
 def _print_p2p(results: list[dict[str, Any]]) -> None:
@@ -403,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   "median_s": {r["scheme"]: r["median_s"] for r in rows},
                                   "results": rows}))
         else:
-            _print_allreduce(rows)
+            _print_allreduce(rows, bound=opts.bound)
         return 0
     if opts.command == "ddp":
         from .ddp import print_ddp

@@ -180,8 +180,13 @@ class Inbox:
         """Frames of steps below ``step``, and of step ``step`` with a tag below ``tag``, are
         stale from now on: drop staged and held ones (a scheme with stages inside a step, the
         transpose, drops a stage's late frames this way)."""
-        self.floor_key = max(self.floor_key, (step, tag))
-        floor, floor_tag = self.floor_key
+        key = (step, tag)
+        if key <= self.floor_key:
+            # Nothing new is stale: frames that came since the floor last moved were checked
+            # against it on arrival. Schemes call this twice a step on every peer's inbox.
+            return
+        self.floor_key = key
+        floor, floor_tag = key
         heap = self._staged_steps
         while heap and heap[0] < floor:
             old = heapq.heappop(heap)

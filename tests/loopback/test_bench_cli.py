@@ -87,6 +87,28 @@ def test_allreduce_bench_compares_schemes_and_gloo() -> None:
         assert by[name]["ratio_vs_gloo"] == pytest.approx(by[name]["median_s"]
                                                           / by["gloo"]["median_s"])
     assert rows[-1]["median_s"]["ring"] == by["ring"]["median_s"]
+    for name in ("coded-tree", "ring", "gloo"):  # CPU per rank per step, from getrusage
+        assert 0 < by[name]["cpu_s"] <= by[name]["cpu_max_s"]
+        assert by[name]["bound_s"] > 0
+        assert by[name]["of_bound"] == pytest.approx(by[name]["bound_s"] / by[name]["median_s"])
+
+
+def test_bound_flag_prints_the_bound_beside_the_median() -> None:
+    res = subprocess.run([sys.executable, "-m", "aioreduce.bench.cli", "allreduce", "--scheme",
+                          "tree,transpose", "--size", "64K", "--iters", "2", "--bound",
+                          "--link-mbit", "1000", "--latency", "0.0002"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    header = next(line for line in res.stdout.splitlines() if "median ms" in line)
+    assert "bound ms" in header and "of bound" in header and "cpu ms" in header
+    rows = {line.split()[0]: line.split() for line in res.stdout.splitlines()
+            if line.split()[:1] in (["tree"], ["transpose"])}
+    # 4 ranks, 64 KiB at 125 MB/s: the tree's root (fan-out 3) has 3 children, V each way,
+    # one level up and down at 200 us; the transpose 2V x 3/4, two rounds
+    assert float(rows["tree"][-2]) == pytest.approx((3 * 65536 / 125e6 + 2 * 2e-4) * 1e3,
+                                                    abs=0.01)
+    assert float(rows["transpose"][-2]) == pytest.approx(
+        (2 * 65536 * 3 / 4 / 125e6 + 2 * 2e-4) * 1e3, abs=0.01)
 
 
 

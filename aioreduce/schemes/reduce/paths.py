@@ -9,13 +9,14 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ...wire import Header
 from ..base import FellBehind, StragglerError, chunk_bounds
 from ..deadline import Deadline
+from ..waiting import first_done
 from .failover import Ask, Link, ParentFailover
 from .family import DOWN, VERDICT_TAG, Family
 from .gather import Gather, combine
@@ -241,10 +242,8 @@ class DownPath:
                     if behind is not None:
                         raise FellBehind(s.comm.rank, step, behind)
                     raise StragglerError(step, [self.parent], "lost the parent")
-                waits: set[asyncio.Future[Any]] = {
-                    f for src in self.sources.values() for f in src.pending()}
-                waits.update(f for f in (deadline.fired, give_up.fired) if not f.done())
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                await first_done([*(f for src in self.sources.values() for f in src.pending()),
+                                  *(f for f in (deadline.fired, give_up.fired) if not f.done())])
                 if deadline.fired.done():
                     self._act(fo.deadline_passed(step))
                 if give_up.fired.done():

@@ -53,7 +53,7 @@ def _is_tensor(obj: object) -> bool:
     """A torch tensor? Decided without importing torch unless the object comes from it."""
     if not type(obj).__module__.startswith("torch"):
         return False
-    from .torch.tensors import is_tensor
+    from .tensors import is_tensor
     return is_tensor(obj)
 
 
@@ -381,7 +381,7 @@ class Node:
         """:meth:`allreduce` with ``in_place=True``."""
         target = array
         if _is_tensor(array):
-            from .torch.tensors import to_numpy
+            from .tensors import to_numpy
             if not target.is_contiguous():  # type: ignore[union-attr]
                 raise ValueError(f"rank {self.rank}: in_place=True needs a contiguous tensor "
                                  "(call .contiguous() and reduce that)")
@@ -399,7 +399,7 @@ class Node:
         if op == "mean" and not folded:
             np.divide(array, mean_divisor(res, self.world_size), out=array)
         if target is not array:  # a tensor: the result is a TensorResult, its value that tensor
-            from .torch.tensors import tensor_result, write_back
+            from .tensors import tensor_result, write_back
             write_back(target, array)  # type: ignore[arg-type]  # a tensor
             return tensor_result(res, value=target)  # type: ignore[arg-type]  # a tensor
         return dataclasses.replace(res, value=array)
@@ -414,7 +414,7 @@ class Node:
             self._like = None
         like = None  # (device, dtype) of a tensor argument, for a result like it
         if _is_tensor(vector):
-            from .torch.tensors import describe, to_numpy
+            from .tensors import describe, to_numpy
             like = describe(vector)
             vector = to_numpy(vector, self.rank)
         elif callable(vector):
@@ -425,7 +425,7 @@ class Node:
         if like is None and callable(vector):
             like = self._tensor_out
         if like is not None:
-            from .torch.tensors import tensor_result
+            from .tensors import tensor_result
             return tensor_result(res, like=like)
         return res
 
@@ -435,7 +435,7 @@ class Node:
         def run() -> np.ndarray:
             out = compute()
             if _is_tensor(out):
-                from .torch.tensors import describe, to_numpy
+                from .tensors import describe, to_numpy
                 self._tensor_out = describe(out)
                 return to_numpy(out, self.rank)
             return out  # type: ignore[return-value]  # checked by the session

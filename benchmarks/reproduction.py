@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from aioreduce.bench.allreduce import Config
 from aioreduce.sim import Platform, simulate
+from aioreduce.sim.config import Config
 from aioreduce.sim.report import COSTS, load_platforms
 
 PAPER_D = 5000 * 8  # d = 5000 float64: CodedReduce's logistic regression (40 KB)

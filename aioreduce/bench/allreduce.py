@@ -35,85 +35,20 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
-from ..codes import cyclic_mds, default_code, frc, gaussian_mds, random_cyclic
 from ..codes.model import ComputeModel, LinkModel, predict_ring, predict_star, predict_tree
 from ..node import Node
-from ..schemes import CodedTree, GradientCoding, Scheme, StragglerError, by_name, names
+from ..schemes import CodedTree, GradientCoding, Scheme, StragglerError, names
+from ..sim.config import Config, build_scheme, load_fraction, warmup_iterations
 from ..straggle import StraggleModel, parse_straggle
 from ..transport.loop import run
 from .bound import bound
 
 SCHEMES = tuple(names())  # every registered scheme
-
-
-@dataclass
-class Config:
-    """Everything the rank processes need to know (passed as JSON on the command line)."""
-
-    schemes: list[str]
-    nodes: int
-    size_bytes: int
-    iters: int = 20
-    warmup: int = 2
-    dtype: str = "float32"
-    fanout: int = 3
-    levels: int = 2
-    stragglers: int = 1
-    code: str = "default"
-    compute: float = 0.0
-    straggle: str = ""
-    verify: bool = False
-    vs_gloo: bool = False
-    chunk_bytes: int = 1 << 20
-    deadline: float = 60.0
-    model_alpha: float = 200e-6
-    model_bandwidth: float = 1e9
-    netns: bool = False  # every rank on its own emulated host (network namespace)
-    link_mbit: float | None = None  # shape each host's link, both directions
-    background: int = 0  # bulk TCP flows between hosts (emulated cluster only)
-    latency: float = 0.0  # emulated one-way latency per frame, s (our transport only:
-    # Gloo's sockets are its own, so it runs without it)
-    in_place: bool = False  # uncoded schemes sum in place into a fresh copy, as Gloo does
-    gc_every: int = 0  # Python's collector after every N-th step on every rank (0: its own)
-    seed: int = field(default=0)
-    options: dict[str, Any] = field(default_factory=dict)  # more scheme options (by name)
-
-
-def build_scheme(name: str, cfg: Config) -> Scheme:
-    code = None
-    if name == "gc":
-        n, s = cfg.nodes - 1, cfg.stragglers
-        make = {"default": lambda: default_code(n, s), "frc": lambda: frc(n, s),
-                "cyclic": lambda: cyclic_mds(n, s), "random": lambda: random_cyclic(n, s),
-                "gaussian": lambda: gaussian_mds(n, s, 2)}
-        code = make[cfg.code]()
-    options = {"fanout": cfg.fanout, "levels": cfg.levels, "stragglers": cfg.stragglers,
-               "deadline": None if name == "transpose" else cfg.deadline,
-               "chunk_bytes": cfg.chunk_bytes, "code": code, **cfg.options}
-    return by_name(name, strict=False, **options)
-
-
-def warmup_iterations(cfg: Config) -> int:
-    """Iterations before timing starts: at least the transpose's warm-up steps."""
-    if "transpose" in cfg.schemes:
-        scheme = build_scheme("transpose", cfg)
-        if getattr(scheme, "deadline", None) is None:
-            return max(cfg.warmup, getattr(scheme, "warmup", 0) + 1)
-    return cfg.warmup
-
-
-def load_fraction(scheme: Scheme | None, nodes: int) -> float:
-    """Share of the data set one rank computes on under ``scheme`` (None: Gloo)."""
-    if isinstance(scheme, CodedTree):
-        return scheme.plan(scheme.min_samples).load / scheme.min_samples
-    if isinstance(scheme, GradientCoding):
-        return (scheme.code.s + scheme.code.m) / scheme.code.n
-    return 1.0 / nodes
 
 
 class _Data:

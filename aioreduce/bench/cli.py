@@ -8,36 +8,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
-          "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    """``64K``, ``16M``, ``1G`` or plain bytes (binary units)."""
-    t = text.strip().upper()
-    num = t.rstrip("KMGIB")
-    unit = t[len(num):]
-    if not num or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 64K, 16M, 1G)")
-    try:
-        value = float(num) * _UNITS[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"size must be at least 1 byte: {text!r}")
-    return int(value)
+from ..sim.config import fmt_size
+from .sizes import parse_size
 
 
 def _sizes(text: str) -> list[int]:
     return [parse_size(s) for s in text.split(",") if s]
-
-
-def fmt_size(n: int) -> str:
-    """``16M``, ``40K``: the form :func:`parse_size` reads (exact multiples only)."""
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale}{unit}"
-    return str(n)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,8 +186,8 @@ def _sim_config(opts: argparse.Namespace) -> tuple[Any, Any]:
     """The Config and Platform a sim or advise command describes."""
     from pathlib import Path
 
+    from ..sim.config import Config
     from ..sim.report import SHIPPED_COSTS, load_platforms
-    from .allreduce import Config
 
     if opts.costs is not None:
         path = Path(opts.costs)
@@ -248,7 +224,7 @@ def _sim(opts: argparse.Namespace) -> int:
         from ..sim import report
         from . import sweep
 
-        path, _ = report.write(Path(opts.sweep), sweep.load(Path(opts.sweep)))
+        path, _ = report.write(Path(opts.sweep), sweep.load(Path(opts.sweep)), sweep.row_config)
         print(path)
         return 0
     cfg, platform = _sim_config(opts)
@@ -298,7 +274,8 @@ def _ddp(opts: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _allreduce(opts: argparse.Namespace) -> list[dict[str, Any]]:
     from ..codes import TreeTopology
-    from .allreduce import SCHEMES, Config, run_allreduce
+    from ..sim.config import Config
+    from .allreduce import SCHEMES, run_allreduce
 
     names = [s.strip() for s in opts.scheme.split(",") if s.strip()]
     for name in names:

@@ -41,8 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from ..codes import TreeTopology
-from .allreduce import Config, run_allreduce
-from .cli import fmt_size, parse_size
+from ..sim.config import Config, fmt_size
+from .allreduce import run_allreduce
+from .sizes import parse_size
 
 STRAGGLERS = {
     "none": "",
@@ -87,7 +88,6 @@ class Iterations:
 
 def parse_skip(text: str) -> set[tuple[int, int]]:
     """``"40x64M,13x4M"`` -> {(ranks, bytes)}: cells of the grid not to run."""
-    from .cli import parse_size
 
     skip = set()
     for part in (p.strip() for p in text.split(",") if p.strip()):

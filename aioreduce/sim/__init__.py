@@ -16,11 +16,11 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..bench.allreduce import Config, build_scheme, load_fraction, warmup_iterations
 from ..codes import TreeTopology
 from ..schemes import CodedTree, GradientCoding, Scheme
 from ..straggle import parse_straggle
 from ..topology import heap_children
+from .config import Config, build_scheme, load_fraction, warmup_iterations
 from .engine import run
 from .steps import Costs, ring, tree
 

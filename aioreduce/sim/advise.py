@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from ..bench.allreduce import Config
 from ..codes import TreeTopology
 from . import Platform, simulate
+from .config import Config
 
 
 @dataclass(frozen=True)

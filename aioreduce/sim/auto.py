@@ -14,10 +14,10 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..bench.allreduce import Config
 from ..schemes import Ring, Scheme, Tree
 from . import Platform
 from .advise import Option, advise
+from .config import Config
 from .steps import Costs
 
 # A host per rank, 10 Gbit/s, a cloud hop's latency, our runtime's per-message cost as fitted

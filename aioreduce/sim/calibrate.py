@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from ..bench.allreduce import Config
 from . import SIMULATED, Platform, simulate
+from .config import Config
 from .steps import Costs
 
 
@@ -55,11 +55,12 @@ class Check:
         return self.predicted / self.measured.median - 1.0
 
 
-def from_sweep(rows: Iterable[dict[str, Any]]) -> list[Measured]:
-    """The simulated schemes' rows of a sweep's ``results.jsonl``."""
-    from ..bench.sweep import row_config
-
-    return [Measured(r["scheme"], row_config(r), r["median_s"], r["straggler"]) for r in rows
+def from_sweep(rows: Iterable[dict[str, Any]],
+               config_of: Callable[[dict[str, Any]], Config]) -> list[Measured]:
+    """The simulated schemes' rows of a sweep's ``results.jsonl``; ``config_of`` gives the
+    configuration a row was measured with (:func:`aioreduce.bench.sweep.row_config`: the
+    simulator never imports the bench)."""
+    return [Measured(r["scheme"], config_of(r), r["median_s"], r["straggler"]) for r in rows
             if r["scheme"] in SIMULATED]
 
 

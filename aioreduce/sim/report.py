@@ -9,9 +9,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..bench.cli import fmt_size
 from . import Platform
 from .calibrate import Check, compare, costs_table, emulation_start, fit, from_sweep
+from .config import Config, fmt_size
 from .steps import Costs
 
 COSTS = "costs.json"
@@ -53,7 +53,7 @@ def advisor_hits(checks: list[Check]) -> list[tuple[str, str, str, bool]]:
     return out
 
 
-def write(out: Path, rows: list[dict[str, Any]],
+def write(out: Path, rows: list[dict[str, Any]], config_of: Callable[[dict[str, Any]], Config],
           progress: Callable[[int, float], None] | None = None
           ) -> tuple[Path, dict[int, Platform]]:
     """Fit on the sweep's cells without stragglers, check on all; write ``sim.md`` and
@@ -61,8 +61,9 @@ def write(out: Path, rows: list[dict[str, Any]],
 
     Each cluster size gets its own fit: on the emulation host the ranks share two cores, so
     what a message costs (wake-ups, scheduling) depends on how many ranks there are, as it
-    depends on the hardware of a real cluster; the advisor measures the cluster it advises."""
-    measured = from_sweep(rows)
+    depends on the hardware of a real cluster; the advisor measures the cluster it advises.
+    ``config_of`` gives a row's run configuration (the sweep's ``row_config``)."""
+    measured = from_sweep(rows, config_of)
     link = next((r["link_mbit"] for r in rows if r.get("link_mbit")), 1000.0)
     platforms: dict[int, Platform] = {}
     checks: list[Check] = []

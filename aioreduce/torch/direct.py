@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .tensors import narrow, widen
+from ..tensors import narrow, widen
 
 
 class Exchanging(Protocol):

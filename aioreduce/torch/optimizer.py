@@ -33,7 +33,7 @@ from ..schemes import Result
 from ..sync import SyncNode
 from .grads import flatten_grads, write_grads
 from .process_group import ProcessGroupAioreduce
-from .tensors import to_numpy
+from ..tensors import to_numpy
 
 CommitPolicy = Callable[[list[Result]], bool]
 

@@ -47,7 +47,7 @@ from ..sync import SyncNode
 from . import direct
 from .completer import Completer, Context
 from .staging import Staged, Stager
-from .tensors import check_tensor
+from ..tensors import check_tensor
 
 log = logging.getLogger("aioreduce.torch")
 

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from .tensors import wire_dtype, wire_view
+from ..tensors import wire_dtype, wire_view
 
 ALIGN = 1 << 16  # buffers are rounded up to this, so buckets of nearby sizes share them
 

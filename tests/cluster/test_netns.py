@@ -98,7 +98,8 @@ def test_gloo_runs_side_by_side_on_the_emulated_hosts() -> None:
 def test_a_failed_rank_ends_the_cluster_run_and_is_named() -> None:
     # Rank 2 fails at once; the others would wait for it (as ranks wait for a peer that died).
     # The run must stop them and name rank 2, not wait for rank 0 until the timeout.
-    from aioreduce.bench.allreduce import Config, _run_on_cluster
+    from aioreduce.bench.allreduce import _run_on_cluster
+    from aioreduce.sim.config import Config
 
     worker = [sys.executable, "-c", "import os, sys, time\n"
               "sys.exit(3) if os.environ['RANK'] == '2' else time.sleep(600)"]

@@ -9,11 +9,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from aioreduce.bench.allreduce import Config
 from aioreduce.codes import TreeTopology
 from aioreduce.schemes.base import MAX_CHUNKS, chunk_bounds
 from aioreduce.sim import Costs, Platform, simulate
 from aioreduce.sim.calibrate import Measured, compare, emulation_start, fit
+from aioreduce.sim.config import Config
 from aioreduce.sim.engine import Graph, run
 from aioreduce.sim.steps import _frames, ring, tree
 from aioreduce.topology import heap_children
@@ -262,6 +262,7 @@ def test_advice_follows_the_stragglers() -> None:
 
 
 def test_sim_report_on_a_sweep_the_simulator_made(tmp_path) -> None:
+    from aioreduce.bench.sweep import row_config
     from aioreduce.sim.report import COSTS, REPORT, load_platforms, write
 
     truth = emulation_start()
@@ -274,7 +275,7 @@ def test_sim_report_on_a_sweep_the_simulator_made(tmp_path) -> None:
                              simulate(name, cfg, truth))),
                          "straggler": straggler, "compute_s": cfg.compute,
                          "link_mbit": 1000.0, "netns": True})
-    path, _ = write(tmp_path, rows)
+    path, _ = write(tmp_path, rows, row_config)
     text = path.read_text()
     assert path.name == REPORT and "right in **2 of 2** cells" in text
     assert "8 of 8 within 25 %" in text

@@ -24,7 +24,7 @@ dist = pytest.importorskip("torch.distributed")
 
 from aioreduce.torch import direct  # noqa: E402
 from aioreduce.torch.staging import ALIGN, HostPool, Stager  # noqa: E402
-from aioreduce.torch.tensors import narrow, widen, wire_view  # noqa: E402
+from aioreduce.tensors import narrow, widen, wire_view  # noqa: E402
 
 
 class FakeEvent:

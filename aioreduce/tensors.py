@@ -11,6 +11,10 @@ Two uses:
   bfloat16), a CPU copy the scheme sums (bfloat16 as float32); :func:`tensor_result` gives the
   result back as a tensor on the input's device and in its dtype. The result is a copy because
   a step's value may still be in flight to slower ranks (it is read-only for that reason).
+
+It imports torch, so the node imports it only when it is handed a tensor. It lives beside the
+node rather than in :mod:`aioreduce.torch`: importing that package registers the backend and
+imports the process group, which imports the node (an import cycle).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..schemes import Result
+from .schemes import Result
 
 # dtypes numpy holds as they are; bfloat16 travels as its bits (float8 types are refused)
 _NUMPY: dict[torch.dtype, np.dtype[Any]] = {

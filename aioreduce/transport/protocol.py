@@ -239,7 +239,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
             # One writelines call queues the whole frame, so concurrent sends cannot interleave
             # and need no lock; "drained" then covers every frame queued so far.
             self._check_open().writelines(buffers)
-            await self._wait_drained()
+            if not self._drained.is_set():  # checked here: a call less for most frames
+                await self._wait_drained()
             return
         async with self._send_lock:
             for buf in buffers:

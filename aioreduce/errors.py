@@ -55,10 +55,19 @@ class ConfigError(AioreduceError, ValueError):
     """The environment or arguments do not describe a valid job."""
 
 
+class LaneMismatch(AioreduceError):
+    """A lane message is not the one expected: ``got`` and ``want`` are (step, index, bytes)."""
+
+    def __init__(self, peer: int, got: tuple[int, int, int], want: tuple[int, int, int]) -> None:
+        super().__init__(f"rank {peer} sent (step, segment, bytes) {got}, expected {want}")
+        self.peer, self.got, self.want = peer, got, want
+
+
 __all__ = [
     "AioreduceError",
     "AuthError",
     "ConfigError",
+    "LaneMismatch",
     "PeerLost",
     "ProtocolError",
     "RecvTimeout",

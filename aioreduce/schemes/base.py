@@ -11,64 +11,73 @@ behind.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
 from ..errors import AioreduceError
 from ..wire import Header
 
-if TYPE_CHECKING:
-    from ..transport.lane import Lane
-
 OnInsufficient = Literal["raise", "approximate"]
 EarlyHandler = Callable[[Header, memoryview], None]
 
 
-def _through(comm: Comm, name: str) -> Any:
-    """The attribute ``name`` of ``comm`` or of the first comm it wraps (``.inner``) that has
-    one, else None: lanes and their byte counts are not part of the narrow interface."""
-    obj: Any = comm
-    while obj is not None:
-        found = getattr(obj, name, None)
-        if found is not None:
-            return found
-        obj = getattr(obj, "inner", None)
-    return None
+class BulkLink(Protocol):
+    """One direction of a blocking byte stream between two ranks, for a scheme's bulk data,
+    driven from a worker thread instead of the event loop (the mesh's lanes,
+    :mod:`aioreduce.transport.lane`). Each message is (step, index, payload, meta); the
+    receiver says what it expects and a mismatch raises :class:`~aioreduce.errors.LaneMismatch`.
+    """
+
+    peer: int  # the rank at the other end
+    sent: int  # payload bytes sent so far
+    latency: float  # emulated one-way latency of every message received (0: none)
+
+    def send(self, step: int, index: int, payload: memoryview, meta: bytes = b"") -> None:
+        """Queue one message (the sender thread writes it; a small one may go at once)."""
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued message is in the kernel; False after ``timeout``."""
+
+    def recv_into(self, step: int, index: int, out: memoryview) -> None:
+        """Receive the message (step, index) into ``out``, which has its exact size."""
+
+    def read_head(self) -> tuple[int, int, int, int]:
+        """The next message's (step, index, payload bytes, meta bytes)."""
+
+    def read_meta(self, nbytes: int) -> bytes:
+        """The next ``nbytes`` of meta."""
+
+    def wait_readable(self) -> None:
+        """Block until bytes can be read (or the link is interrupted)."""
+
+    def recv_now(self, view: memoryview) -> int:
+        """Read what is there into ``view`` without blocking; the bytes read."""
+
+    def skip(self, nbytes: int) -> None:
+        """Read and drop ``nbytes``."""
+
+    def interrupt(self) -> None:
+        """Make a blocked send or receive fail at once (from any thread)."""
+
+    def close(self) -> None:
+        """Close the link."""
 
 
-async def open_lanes(comm: Comm, send_to: int, recv_from: int, step: int
-                     ) -> tuple[Lane, Lane]:
-    """Blocking lanes to ``send_to`` and from ``recv_from`` (:mod:`aioreduce.transport.lane`)
-    through whatever wraps the mesh; ``NotImplementedError`` where there is none (the
-    in-memory network of the unit tests). Every rank's comm is built the same way, so every
-    rank gets the same answer."""
-    opener = _through(comm, "open_lanes")
-    if opener is None:
-        raise NotImplementedError(f"{type(comm).__name__} has no lanes")
-    lanes: tuple[Lane, Lane] = await opener(send_to, recv_from, step)
-    return lanes
+class BulkLinks(Protocol):
+    """The capability a comm may offer (:meth:`Comm.bulk_links`): blocking links to and from
+    other ranks, opened over the comm, every peer at the same step."""
 
+    async def open_links(self, send_to: Sequence[int], recv_from: Sequence[int], step: int
+                         ) -> tuple[Mapping[int, BulkLink], Mapping[int, BulkLink]]:
+        """Links to every rank of ``send_to`` and from every rank of ``recv_from``; all or
+        nothing (if one fails, the others are closed and its error raised)."""
 
-async def open_lane_set(comm: Comm, send_to: Sequence[int], recv_from: Sequence[int], step: int
-                        ) -> tuple[dict[int, Lane], dict[int, Lane]]:
-    """:func:`open_lanes` to and from several ranks at once (``Mesh.open_lane_set``)."""
-    opener = _through(comm, "open_lane_set")
-    if opener is None:
-        raise NotImplementedError(f"{type(comm).__name__} has no lanes")
-    lanes: tuple[dict[int, Lane], dict[int, Lane]] = await opener(send_to, recv_from, step)
-    return lanes
-
-
-def count_lane_bytes(comm: Comm, step: int, sent: int, src: int, received: int,
-                     frames: int) -> None:
-    """Tell step telemetry, if any wraps ``comm``, what a step moved over lanes (which
-    bypass the comm): ``sent`` bytes, and ``received`` bytes in ``frames`` from ``src``."""
-    counter = _through(comm, "lane_bytes")
-    if counter is not None:
-        counter(step, sent, src, received, frames)
+    def count_moved(self, step: int, sent: int, src: int, received: int, frames: int) -> None:
+        """What a step moved over links (they bypass the comm): ``sent`` bytes, and
+        ``received`` bytes in ``frames`` from ``src``, for step telemetry."""
 
 
 class Comm(Protocol):
@@ -111,11 +120,16 @@ class Comm(Protocol):
         remover. With ``since``, also the frames of steps >= ``since`` that arrived before
         the handler existed and are still unclaimed: soon after the call, once each."""
 
+    def bulk_links(self) -> BulkLinks | None:
+        """Blocking links for bulk data, if this comm offers them (the mesh does; the
+        in-memory network of the unit tests does not). Every rank's comm is built the same
+        way, so every rank gets the same answer."""
+
 
 class CommWrapper:
     """A :class:`Comm` that passes every call on to the comm it wraps (``inner``): the base of
     wrappers that change a few calls (a session's gate, step telemetry) and keep the rest.
-    Lanes are reached through ``inner`` (see :func:`open_lanes`)."""
+    Bulk links are the inner comm's."""
 
     def __init__(self, inner: Comm) -> None:
         self.inner = inner
@@ -148,6 +162,9 @@ class CommWrapper:
     def on_early(self, rank: int, min_tag: int, handler: EarlyHandler, *,
                  since: int | None = None) -> Callable[[], None]:
         return self.inner.on_early(rank, min_tag, handler, since=since)
+
+    def bulk_links(self) -> BulkLinks | None:
+        return self.inner.bulk_links()
 
 
 @dataclass(frozen=True)

@@ -47,11 +47,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import AioreduceError, PeerLost, VectorMismatch
+from ..errors import AioreduceError, LaneMismatch, PeerLost, VectorMismatch
 from ..topology import ring_neighbours
-from ..transport.lane import Lane, LaneMismatch
 from ..wire import Header, byte_view
-from .base import Comm, Result, count_lane_bytes, open_lanes
+from .base import BulkLink, Comm, Result
 from .pool import BufferPool
 
 ABORT_TAG = 1 << 30  # above every data tag of a step (those stay below 1 << 21)
@@ -149,9 +148,9 @@ def _depth(n: int, width_bytes: int) -> int:
     return min(n - 1, max(2, POSTED_AHEAD // max(1, width_bytes)))
 
 
-def _lane_ring(out: Lane, into: Lane, mine: np.ndarray, acc: np.ndarray, scratch: np.ndarray,
-               seg: tuple[tuple[int, int], ...], pos: int, step: int, divisor: float
-               ) -> tuple[int, int]:
+def _lane_ring(out: BulkLink, into: BulkLink, mine: np.ndarray, acc: np.ndarray,
+               scratch: np.ndarray, seg: tuple[tuple[int, int], ...], pos: int, step: int,
+               divisor: float) -> tuple[int, int]:
     """:func:`_ring` over lanes, on a worker thread: the same segments (``seg``) in the same
     order, each send queued to ``out``'s thread while this one receives from ``into``. The
     hazards are those of :func:`_ring`: a segment is written only after the send that reads
@@ -210,8 +209,9 @@ class RingSession:
         # Lanes: wanted (and not refused by the comm), the open pair (to the successor, from
         # the predecessor), and the thread the steps run on.
         self._want_lanes = lanes and not bidirectional and comm.world_size > 1
-        self._lanes: tuple[Lane, Lane] | None = None
-        self._dropped: tuple[Lane, Lane] | None = None  # a failed step's, closed after the abort
+        self._lanes: tuple[BulkLink, BulkLink] | None = None
+        # a failed step's, closed after the abort
+        self._dropped: tuple[BulkLink, BulkLink] | None = None
         self._thread: ThreadPoolExecutor | None = None
         self._step = -1
         self._aborted: asyncio.Future[AioreduceError] | None = None
@@ -353,10 +353,12 @@ class RingSession:
         prev, nxt = ring_neighbours(rank, n)
         if self._want_lanes:
             if self._lanes is None:
-                try:
-                    self._lanes = await open_lanes(comm, nxt, prev, step)
-                except NotImplementedError:
+                links = comm.bulk_links()
+                if links is None:
                     self._want_lanes = False  # no mesh under this comm: the event loop's way
+                else:
+                    outs, ins = await links.open_links([nxt], [prev], step)
+                    self._lanes = (outs[nxt], ins[prev])
             if self._lanes is not None:
                 await self._lane_exchange(self._lanes, mine, acc, step, divisor)
                 return
@@ -371,8 +373,8 @@ class RingSession:
         else:
             await _ring(comm, mine, acc, self.pool, nxt, prev, rank, step, 0, divisor)
 
-    async def _lane_exchange(self, lanes: tuple[Lane, Lane], mine: np.ndarray, acc: np.ndarray,
-                             step: int, divisor: float) -> None:
+    async def _lane_exchange(self, lanes: tuple[BulkLink, BulkLink], mine: np.ndarray,
+                             acc: np.ndarray, step: int, divisor: float) -> None:
         """The step on the session's thread over ``lanes``. If it fails here, or is cancelled
         because it failed elsewhere, the lanes are interrupted (which releases the thread),
         the thread is waited for (it must not touch the vectors after the step), and they are
@@ -387,8 +389,10 @@ class RingSession:
             step, divisor)
         try:
             sent, got = await asyncio.shield(job)
-            count_lane_bytes(comm, step, sent, ring_neighbours(comm.rank, comm.world_size)[0],
-                             got, 2 * (comm.world_size - 1))
+            links = comm.bulk_links()
+            assert links is not None  # the lanes came from them
+            links.count_moved(step, sent, ring_neighbours(comm.rank, comm.world_size)[0],
+                              got, 2 * (comm.world_size - 1))
         except BaseException as exc:
             self._lanes = None
             if job.done():
@@ -447,7 +451,7 @@ class RingSession:
             remove()
 
 
-def _close_lanes(lanes: tuple[Lane, Lane]) -> None:
+def _close_lanes(lanes: tuple[BulkLink, BulkLink]) -> None:
     for lane in lanes:
         lane.close()
 

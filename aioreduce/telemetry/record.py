@@ -17,13 +17,13 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
 import numpy as np
 
-from ..schemes.base import Comm, CommWrapper, EarlyHandler, Result
+from ..schemes.base import BulkLink, BulkLinks, Comm, CommWrapper, EarlyHandler, Result
 from ..wire import Header
 
 #: Steps whose counters are kept while they have not been written (frames far ahead of us).
@@ -195,10 +195,9 @@ class TracingComm(CommWrapper):
         fut.add_done_callback(arrived)
         return fut
 
-    def lane_bytes(self, step: int, sent: int, src: int, received: int, frames: int) -> None:
-        """What a step moved over lanes, which bypass this comm (see schemes.base)."""
-        self.tracer.sent(step, sent)
-        self.tracer.received(src, step, received, frames)
+    def bulk_links(self) -> BulkLinks | None:
+        links = self.inner.bulk_links()
+        return None if links is None else _CountedLinks(links, self.tracer)
 
     def on_early(self, rank: int, min_tag: int, handler: EarlyHandler, *,
                  since: int | None = None) -> Callable[[], None]:
@@ -207,3 +206,20 @@ class TracingComm(CommWrapper):
             handler(header, payload)
 
         return self.inner.on_early(rank, min_tag, counted, since=since)
+
+
+class _CountedLinks:
+    """The inner comm's bulk links, with what a step moves over them counted by the tracer
+    (they bypass the comm's own calls)."""
+
+    def __init__(self, inner: BulkLinks, tracer: Tracer) -> None:
+        self.inner, self.tracer = inner, tracer
+
+    async def open_links(self, send_to: Sequence[int], recv_from: Sequence[int], step: int
+                         ) -> tuple[Mapping[int, BulkLink], Mapping[int, BulkLink]]:
+        return await self.inner.open_links(send_to, recv_from, step)
+
+    def count_moved(self, step: int, sent: int, src: int, received: int, frames: int) -> None:
+        self.tracer.sent(step, sent)
+        self.tracer.received(src, step, received, frames)
+        self.inner.count_moved(step, sent, src, received, frames)

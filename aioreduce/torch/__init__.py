@@ -16,12 +16,12 @@
 
 from __future__ import annotations
 
+from ..tensors import TensorResult, to_numpy
 from .coded import CodedSampler, apply_flat, flat_grad, weighted_loss
 from .ddp import DistributedDataParallel, aioreduce_hook, check_same_model
 from .ddp import register as register_hook
 from .optimizer import DistributedOptimizer, min_received, require_exact
 from .process_group import ProcessGroupAioreduce, configure, connect, register
-from ..tensors import TensorResult, to_numpy
 
 register()
 

@@ -31,9 +31,9 @@ import torch
 from ..node import ReduceOp
 from ..schemes import Result
 from ..sync import SyncNode
+from ..tensors import to_numpy
 from .grads import flatten_grads, write_grads
 from .process_group import ProcessGroupAioreduce
-from ..tensors import to_numpy
 
 CommitPolicy = Callable[[list[Result]], bool]
 

@@ -44,10 +44,10 @@ from ..node import Node, env_extras
 from ..schemes import Result, Scheme
 from ..schemes.registry import by_name
 from ..sync import SyncNode
+from ..tensors import check_tensor
 from . import direct
 from .completer import Completer, Context
 from .staging import Staged, Stager
-from ..tensors import check_tensor
 
 log = logging.getLogger("aioreduce.torch")
 

@@ -52,7 +52,7 @@ import threading
 import time
 from typing import cast
 
-from ..errors import AioreduceError, PeerLost
+from ..errors import LaneMismatch, PeerLost
 from .sockopts import send_queue_bytes, tune
 
 HEADER = struct.Struct("<qqqq")  # step, index, payload bytes, meta bytes
@@ -73,14 +73,6 @@ LOCAL_NONCE_BYTES = 16
 def _flat(view: memoryview) -> memoryview:
     """``view`` as one-dimensional bytes (what socket calls slice by byte offsets)."""
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
-
-
-class LaneMismatch(AioreduceError):
-    """A lane message is not the one expected: ``got`` and ``want`` are (step, index, bytes)."""
-
-    def __init__(self, peer: int, got: tuple[int, int, int], want: tuple[int, int, int]) -> None:
-        super().__init__(f"rank {peer} sent (step, segment, bytes) {got}, expected {want}")
-        self.peer, self.got, self.want = peer, got, want
 
 
 def proof(secret: bytes, nonce: bytes, src: int, dst: int) -> bytes:

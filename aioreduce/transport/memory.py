@@ -152,6 +152,10 @@ class MemoryComm:
         self._lost_peers: set[int] = set()
 
     # -- the Comm interface -------------------------------------------------------------------
+    def bulk_links(self) -> None:
+        """No blocking links in one process: schemes take the event loop's way."""
+        return None
+
     async def send(self, rank: int, array: np.ndarray, *, step: int, tag: int = 0,
                    meta: dict[str, Any] | None = None) -> None:
         self._check(rank)

@@ -503,16 +503,23 @@ class Mesh:
         """A lane to ``send_to`` and one from ``recv_from`` (see :mod:`.lane`), opened with
         both peers at their step ``step``: each rank tells the rank it receives from where to
         connect and which nonce to prove, over this mesh."""
-        outs, ins = await self.open_lane_set([send_to], [recv_from], step, timeout)
+        outs, ins = await self.open_links([send_to], [recv_from], step, timeout)
         return outs[send_to], ins[recv_from]
 
-    async def open_lane_set(self, send_to: Sequence[int], recv_from: Sequence[int], step: int,
+    def bulk_links(self) -> Mesh:
+        """This mesh offers its lanes as the schemes' bulk links (``Comm.bulk_links``)."""
+        return self
+
+    def count_moved(self, step: int, sent: int, src: int, received: int, frames: int) -> None:
+        """Nothing to count: the mesh keeps no step telemetry (a tracing comm does)."""
+
+    async def open_links(self, send_to: Sequence[int], recv_from: Sequence[int], step: int,
                             timeout: float = ACCEPT_TIMEOUT_S
                             ) -> tuple[dict[int, Lane], dict[int, Lane]]:
         """Lanes to every rank of ``send_to`` and from every rank of ``recv_from`` at once
-        (what :meth:`open_lanes` does for one of each); every peer must open its side at the
-        same ``step``. All or nothing: if one fails, the others are closed and its error
-        raised."""
+        (what :meth:`open_lanes` does for one of each): the schemes' bulk links. Every peer
+        must open its side at the same ``step``. All or nothing: if one fails, the others are
+        closed and its error raised."""
         for rank in (*send_to, *recv_from):
             self._check_rank(rank)
         listeners: dict[int, LaneListener] = {}

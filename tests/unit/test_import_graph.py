@@ -144,3 +144,11 @@ def test_the_runtime_never_imports_the_tools() -> None:
     found = {(mod, dep) for mod, deps in graph.items() for dep in deps
              if mod.startswith(RUNTIME) and dep.startswith(TOOLS)}
     assert found == KNOWN_RUNTIME_TO_TOOLS
+
+
+def test_no_scheme_imports_the_transport() -> None:
+    """Schemes reach the lanes through the comm's typed capability (Comm.bulk_links)."""
+    graph = _graph()
+    found = {(mod, dep) for mod, deps in graph.items() for dep in deps
+             if mod.startswith("aioreduce.schemes") and dep.startswith("aioreduce.transport")}
+    assert found == set()

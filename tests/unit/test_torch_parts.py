@@ -12,8 +12,8 @@ import aioreduce as ar
 
 torch = pytest.importorskip("torch")
 
-from aioreduce.torch.coded import CodedSampler, weighted_loss  # noqa: E402
 from aioreduce.tensors import tensor_result, to_numpy  # noqa: E402
+from aioreduce.torch.coded import CodedSampler, weighted_loss  # noqa: E402
 
 
 def test_aioreduce_imports_and_runs_without_torch() -> None:

@@ -22,9 +22,9 @@ from aioreduce.wire.decoder import Frame
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
+from aioreduce.tensors import narrow, widen, wire_view  # noqa: E402
 from aioreduce.torch import direct  # noqa: E402
 from aioreduce.torch.staging import ALIGN, HostPool, Stager  # noqa: E402
-from aioreduce.tensors import narrow, widen, wire_view  # noqa: E402
 
 
 class FakeEvent:

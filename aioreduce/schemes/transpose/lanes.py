@@ -30,15 +30,15 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from ...errors import PeerLost
-from ...transport.lane import Lane, LaneMismatch
+from ...errors import LaneMismatch, PeerLost
 from ...wire import Header, Kind, byte_view
 from ...wire.frame import ProtocolError
-from ..base import Comm, count_lane_bytes
+from ..base import BulkLink, Comm
 from .layout import NOTICE_TAG
 from .posts import Post, PostBook, Wait
 
@@ -50,7 +50,7 @@ class LaneLinks:
     """:class:`~.links.Links` over lanes ``outs`` (to each peer) and ``ins`` (from each), which
     this object owns from now on (see the module docstring)."""
 
-    def __init__(self, comm: Comm, outs: dict[int, Lane], ins: dict[int, Lane],
+    def __init__(self, comm: Comm, outs: Mapping[int, BulkLink], ins: Mapping[int, BulkLink],
                  backlog_steps: int, newest: int = -1) -> None:
         self.comm = comm
         self._loop = asyncio.get_running_loop()
@@ -153,7 +153,9 @@ class LaneLinks:
         if not got:
             got = {next(iter(self._ins), self.comm.rank): [0, 0]}
         for src, (nbytes, messages) in got.items():
-            count_lane_bytes(self.comm, step, sent, src, nbytes, messages)
+            links = self.comm.bulk_links()
+            if links is not None:
+                links.count_moved(step, sent, src, nbytes, messages)
             sent = 0
         for old in [s for s in self._sent if s < step]:  # steps that ended in an error
             del self._sent[old]
@@ -178,7 +180,7 @@ class LaneLinks:
             reader.join(timeout=5)
 
     # -- the readers (one thread per peer) ----------------------------------------------------
-    def _read(self, src: int, lane: Lane) -> None:
+    def _read(self, src: int, lane: BulkLink) -> None:
         try:
             while True:
                 step, tag, nbytes, meta_bytes = lane.read_head()
@@ -215,7 +217,7 @@ class LaneLinks:
                     return post
                 self._cond.wait()
 
-    def _fill(self, lane: Lane, post: Post, nbytes: int) -> bool:
+    def _fill(self, lane: BulkLink, post: Post, nbytes: int) -> bool:
         """Read the payload into the post's buffer; False if it was withdrawn meanwhile (the
         rest is read and dropped)."""
         got = 0

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...codes.hadamard import Rotation
-from ..base import Comm, FellBehind, Result, StragglerError, open_lane_set
+from ..base import Comm, FellBehind, Result, StragglerError
 from ..pool import BufferPool
 from .clock import StageClock
 from .lanes import LaneLinks
@@ -89,10 +89,10 @@ class TransposeSession:
         same way, so every rank makes the same choice)."""
         self._want_lanes = False
         peers = [p for p in range(self.comm.world_size) if p != self.comm.rank]
-        try:
-            outs, ins = await open_lane_set(self.comm, peers, peers, step)
-        except NotImplementedError:
+        links = self.comm.bulk_links()
+        if links is None:
             return  # no mesh under this comm: the event loop's way
+        outs, ins = await links.open_links(peers, peers, step)
         old = self.links
         self.links = LaneLinks(self.comm, outs, ins, self.opts.backlog_steps, old.newest)
         await old.close(0)

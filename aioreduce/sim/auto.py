@@ -10,15 +10,24 @@ are not chosen automatically: they change what each rank computes.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from ..schemes import Ring, Scheme, Tree
 from . import Platform
 from .advise import Option, advise
 from .config import Config
 from .steps import Costs
+
+if TYPE_CHECKING:
+    from ..node import Node
+
+log = logging.getLogger("aioreduce")
 
 # A host per rank, 10 Gbit/s, a cloud hop's latency, our runtime's per-message cost as fitted
 # on the emulated cluster (a few hundred microseconds at most; 100 us on a core of its own).
@@ -54,3 +63,30 @@ def build(option: Option) -> Scheme:
     if option.scheme == "ring":
         return Ring()
     return Tree(fanout=option.settings["fanout"])
+
+
+async def pick(node: Node, array: Any) -> Any:
+    """``scheme="auto"`` at the node's first ``allreduce``: rank 0 ranks the uncoded schemes
+    by simulated step time for this vector and every rank uses its pick (one broadcast step).
+    A compute function is called here, once, to learn the vector's size; what it returns is
+    what the step sums, and is returned."""
+    from ..inputs import is_tensor, nbytes
+
+    value: Any = array() if callable(array) and not is_tensor(array) else array
+    size = nbytes(value)
+    opts = options(node.world_size)
+    choice = np.zeros(1, np.int64)
+    ranked: list[Option] = []
+    if node.rank == 0:
+        ranked = choose(node.world_size, size, platform_for(node.world_size))
+        best = ranked[0]
+        choice[0] = next(i for i, o in enumerate(opts)
+                         if (o.scheme, o.settings) == (best.scheme, best.settings))
+    picked = (await node.broadcast(choice, root=0)).value
+    option = opts[int(picked[0])]
+    if node.rank == 0:
+        log.info("rank 0: scheme='auto' chose %s for %d bytes on %d ranks (predicted %s)",
+                 option.label, size, node.world_size,
+                 ", ".join(f"{o.label} {o.median * 1e3:.1f} ms" for o in ranked[:3]))
+    await node.use(build(option))
+    return value

@@ -40,9 +40,10 @@ from torch._C._distributed_c10d import _create_work_from_future as _work_of  # t
 
 from ..env import NodeEnv
 from ..errors import ConfigError
-from ..node import Node, env_extras
+from ..node import Node
 from ..schemes import Result, Scheme
 from ..schemes.registry import by_name
+from ..settings import env_extras
 from ..sync import SyncNode
 from ..tensors import check_tensor
 from . import direct

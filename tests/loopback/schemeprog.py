@@ -120,7 +120,7 @@ async def main(args: argparse.Namespace) -> None:
                    "t1": time.time(), "link": _link(node), "received": res.received,
                    "stand_in": res.stand_in, "deadline": res.deadline,
                    "into_own": bool(np.shares_memory(res.value, mine)),
-                   "lanes": getattr(node._session, "lanes_open", None),
+                   "lanes": getattr(node.session, "lanes_open", None),
                    "wall": time.monotonic() - t0}
             if part_norms is not None and not res.exact:
                 out["abs_err"] = float(np.linalg.norm(res.value - truth))
@@ -173,13 +173,13 @@ def _paced(vector: np.ndarray, seconds: float):  # type: ignore[no-untyped-def]
 
 def _link(node: ar.Node) -> str | None:
     """Where this rank takes results from (its failover state), for the soak's checks."""
-    failover = getattr(getattr(node, "_session", None), "failover", None)
+    failover = getattr(node.session, "failover", None)
     return None if failover is None else str(failover.state.value)
 
 
 def _deadline(node: ar.Node) -> float | None:
     """The stage bound a bounded-time session used last (None for other schemes)."""
-    return getattr(getattr(node, "_session", None), "last_deadline", None)
+    return getattr(node.session, "last_deadline", None)
 
 
 def _fit(scheme: ar.CodedTree) -> int:

@@ -137,11 +137,11 @@ async def test_use_keep_resumes_a_kept_session_with_its_learned_state() -> None:
     env = NodeEnv(0, 1, "127.0.0.1", free_port(), b"k" * 32)
     async with Node(env, scheme=ar.Transpose(warmup=1)) as node:
         await node.allreduce(np.ones(10))
-        first = node._session
+        first = node.session
         await node.use(ar.Ring(), keep=True)
         assert (await node.allreduce(np.ones(10))).value.tolist() == [1.0] * 10
         await node.use(ar.Transpose(warmup=1), keep=True)
-        assert node._session is first
+        assert node.session is first
         assert first.clocks[0].bound is not None  # type: ignore[union-attr]  (warmed up)
         await node.use(ar.Transpose(warmup=2))  # a different scheme: a new session
-        assert node._session is not first
+        assert node.session is not first

@@ -112,7 +112,7 @@ def optim() -> None:
         # no result buffer is taken from its pool, only its scratch: on two ranks one half of
         # the vector per sum, reused), and the group keeps their reports, not their values.
         pg = art.ProcessGroupAioreduce(node)
-        pool = node.node._session.pool  # type: ignore[union-attr]
+        pool = node.node.session.pool  # type: ignore[union-attr]
         before = pool.reused
         grad = torch.full((4096,), float(node.rank))
         for _ in range(6):

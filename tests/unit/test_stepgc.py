@@ -14,8 +14,9 @@ import pytest
 from aioreduce.env import NodeEnv
 from aioreduce.errors import ConfigError
 from aioreduce.jobplan import free_port
-from aioreduce.node import Node, env_extras
+from aioreduce.node import Node
 from aioreduce.schemes import Ring
+from aioreduce.settings import env_extras
 from aioreduce.stepgc import StepGC
 
 

@@ -19,7 +19,7 @@ from aioreduce.torch.coded import CodedSampler, weighted_loss  # noqa: E402
 def test_aioreduce_imports_and_runs_without_torch() -> None:
     code = ("import sys; sys.modules['torch'] = None\n"  # any 'import torch' now fails
             "import numpy as np, aioreduce as ar\n"
-            "from aioreduce.node import _is_tensor\n"
+            "from aioreduce.inputs import is_tensor as _is_tensor\n"
             "assert not _is_tensor(np.zeros(3)) and not _is_tensor([1])\n"
             "try:\n    import aioreduce.torch\nexcept ImportError:\n    print('no torch ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

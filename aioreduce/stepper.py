@@ -1,0 +1,161 @@
+"""Running one step of a node's scheme session: numbering it, checking the vector, overlapping
+the compute with arrival, injected stragglers, telemetry and garbage collection around it.
+
+The node (:mod:`aioreduce.node`) decides *which* session runs and turns tensors into arrays
+(:mod:`aioreduce.inputs`); a :class:`Stepper` runs the steps and keeps what lives from one to
+the next: the step number, the vector's shape and dtype, and when the caller last got a result
+(the compute time an injected ``slow=K`` stretches).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from .errors import VectorMismatch
+from .schemes import FellBehind, Result, Session
+from .schemes.base import DecodeTimed, SumsInPlace, WritesInto
+from .stepgc import StepGC
+from .straggle import StraggleModel
+from .telemetry import Tracer
+
+
+class Stepper:
+    """The steps of one node (see the module docstring)."""
+
+    def __init__(self, rank: int, world_size: int, straggle: StraggleModel,
+                 tracer: Tracer | None, stepgc: StepGC | None) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.straggle, self.tracer, self.stepgc = straggle, tracer, stepgc
+        self.step = 0  # the number of the next step
+        self.like: np.ndarray | None = None  # shape and dtype of this scheme's steps
+        self._last_return = time.perf_counter()
+
+    def take(self) -> int:
+        """A step number for a collective step (allgather, broadcast, exchange)."""
+        step = self.step
+        self.step += 1
+        return step
+
+    def check_input(self, vector: object) -> None:
+        """Refuse a bad argument before a step number is taken, so a corrected retry joins
+        the same step as the other ranks."""
+        if callable(vector):
+            return
+        if not isinstance(vector, np.ndarray):
+            hint = (" (a torch tensor: pass tensor.numpy(), or use aioreduce.torch)"
+                    if type(vector).__module__.startswith("torch") else "")
+            raise TypeError(f"rank {self.rank}: pass a numpy array or a function that returns "
+                            f"one, not {type(vector).__name__}{hint}")
+        if vector.dtype.hasobject:
+            raise TypeError(f"rank {self.rank}: an object array cannot be aggregated; pass a "
+                            "numeric array")
+        like = self.like
+        if like is not None and (vector.shape != like.shape or vector.dtype != like.dtype):
+            raise ValueError(f"rank {self.rank}, step {self.step}: this vector is "
+                             f"{vector.dtype} {list(vector.shape)}, earlier steps were "
+                             f"{like.dtype} {list(like.shape)}; every step of a scheme needs "
+                             "the same shape and dtype on every rank (Node.use() starts anew)")
+
+    async def run(self, session: Session, label: str,
+                  vector: np.ndarray | Callable[[], np.ndarray],
+                  into: np.ndarray | None = None, divisor: float = 1) -> Result:
+        """One step of ``session`` (``label``: the scheme, for telemetry); with ``into``, the
+        result lands there (divided by ``divisor`` if the session sums in place; others
+        ignore it)."""
+        self.check_input(vector)
+        step = self.take()
+        loop = asyncio.get_running_loop()
+        since_return = time.perf_counter() - self._last_return
+        if callable(vector) and self.like is None:
+            # First step: the shape is not known before computing.
+            t = time.perf_counter()
+            vector = await loop.run_in_executor(None, vector)
+            since_return = time.perf_counter() - t  # the compute time, not the start-up
+        if callable(vector) and self.like is not None and session.known(step):
+            # This rank is behind and the step's result is already here: skip the compute
+            # (and any injected delay), so a rank that was paused catches up instead of
+            # replaying at compute speed.
+            skipped: asyncio.Future[np.ndarray] = loop.create_future()
+            skipped.set_result(np.zeros_like(self.like))
+            return await self._session_step(session, label, step, self.like, skipped)
+        if callable(vector):
+            compute = vector
+
+            async def produce() -> np.ndarray:
+                t = time.perf_counter()
+                out = await loop.run_in_executor(None, compute)
+                return await self._straggle(step, out, time.perf_counter() - t)
+
+            own = asyncio.ensure_future(produce())
+            assert self.like is not None
+            like = self.like
+        else:
+            vec = np.ascontiguousarray(vector)
+            like = self.like = np.empty_like(vec)
+            own = asyncio.ensure_future(self._straggle(step, vec, since_return))
+        return await self._session_step(session, label, step, like, own, into, divisor)
+
+    async def _session_step(self, session: Session, label: str, step: int, like: np.ndarray,
+                            own: asyncio.Future[np.ndarray], into: np.ndarray | None = None,
+                            divisor: float = 1) -> Result:
+        tracer = self.tracer
+        if tracer is not None:
+            tracer.begin(step, label)
+            own.add_done_callback(lambda f: None if f.cancelled() else tracer.ready(step))
+        result: Result | None = None
+        error: BaseException | None = None
+        try:
+            if into is None:
+                result = await session.step(step, like, own)
+            elif isinstance(session, SumsInPlace):
+                result = await session.step_into(step, like, own, into, divisor)
+            elif isinstance(session, WritesInto):
+                result = await session.step_to(step, like, own, into)
+            else:
+                result = await session.step(step, like, own)
+                np.copyto(into.reshape(result.value.shape), result.value)
+                result = dataclasses.replace(result, value=into)
+            return result
+        except BaseException as exc:
+            error = exc
+            if isinstance(exc, FellBehind):
+                self.step = max(self.step, exc.current_step)
+            elif isinstance(exc, VectorMismatch):
+                # The ranks did not agree on the shape: the next step starts anew (a corrected
+                # vector is not refused as "differs from earlier steps").
+                self.like = None
+            raise
+        finally:
+            own.cancel()
+            if self.stepgc is not None:
+                self.stepgc.after(step)
+            self._last_return = time.perf_counter()
+            if tracer is not None:
+                decode = session.decode_seconds(step) if isinstance(session, DecodeTimed) else 0
+                tracer.finish(step, result, error, decode)
+
+    async def _straggle(self, step: int, vec: np.ndarray, compute_seconds: float
+                        ) -> np.ndarray:
+        """Apply injected straggling (a delay model per rank) to this rank's vector."""
+        if self.straggle.kills(self.rank, step):
+            # A real death, as a crashed or preempted machine: no cleanup, no goodbye.
+            os.kill(os.getpid(), signal.SIGKILL)
+        delay = self.straggle.extra_delay(self.rank, step, compute_seconds, self.world_size)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return vec
+
+
+def mean_divisor(res: Result, world_size: int) -> float:
+    """How many contributions ``res.value`` sums: every rank it used, or for a bounded-time
+    result the fraction that arrived of all ranks' contributions."""
+    if res.received < 1.0:
+        return max(world_size * res.received, 1.0)
+    return float(max(len(res.used), 1))

@@ -1,8 +1,9 @@
 """``aioreduce-bench p2p``: aioreduce's framed transfer against a raw blocking socket.
 
-Two rank processes on 127.0.0.1. For each size, trials alternate between the two transports
-in ABBA order (raw, aioreduce, aioreduce, raw, ...) so that both see the same machine noise and
-neither always goes first; every trial
+Two rank processes on one host; the raw socket is of the kind the mesh uses between them
+(an abstract Unix socket, or TCP on 127.0.0.1 with ``AIOREDUCE_LOCAL_UNIX=0``). For each
+size, trials alternate between the two transports in ABBA order (raw, aioreduce, aioreduce,
+raw, ...) so that both see the same machine noise and neither always goes first; every trial
 streams enough messages to move at least ``--min-bytes`` and ends with an 8-byte ack, and the
 receiver lands every message in one preallocated array on both sides. Reported: medians, GB/s
 and the ratio aioreduce/raw; then the small-message round trip of both.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -41,17 +43,35 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
         me = node.rank
         ack = np.zeros(ACK, np.uint8)
         step = 0
-        # The raw baseline's connection: rank 1 listens, tells rank 0 the port over the mesh.
+        # The raw baseline's connection, of the kind the mesh uses between these two ranks
+        # (a Unix socket on one host unless AIOREDUCE_LOCAL_UNIX=0, else TCP): rank 1
+        # listens and tells rank 0 where over the mesh.
+        unix = node.mesh.options.local_unix
         if me == 1:
-            lsock = socket.create_server(("127.0.0.1", 0))
-            await node.send(0, np.array([lsock.getsockname()[1]], np.int64), step=0, tag=1)
+            if unix:
+                lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                lsock.bind(b"\0aioreduce-p2p-bench-" + os.urandom(8).hex().encode())
+                lsock.listen(1)
+                where = np.frombuffer(lsock.getsockname(), np.uint8).copy()
+            else:
+                lsock = socket.create_server(("127.0.0.1", 0))
+                where = np.frombuffer(str(lsock.getsockname()[1]).encode(), np.uint8).copy()
+            await node.send(0, np.array([where.size], np.int64), step=0, tag=1)
+            await node.send(0, where, step=0, tag=3)
             raw, _ = await asyncio.get_running_loop().run_in_executor(None, lsock.accept)
             lsock.close()
         else:
-            port = np.zeros(1, np.int64)
-            await node.recv_into(1, port, step=0, tag=1, timeout=30)
-            raw = socket.create_connection(("127.0.0.1", int(port[0])))
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            wlen = np.zeros(1, np.int64)
+            await node.recv_into(1, wlen, step=0, tag=1, timeout=30)
+            where = np.zeros(int(wlen[0]), np.uint8)
+            await node.recv_into(1, where, step=0, tag=3, timeout=30)
+            if unix:
+                raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                raw.connect(where.tobytes())
+            else:
+                raw = socket.create_connection(("127.0.0.1", int(where.tobytes())))
+        if not unix:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         raw_ack = memoryview(bytearray(ACK))
 
         for size in sizes:

@@ -447,18 +447,18 @@ class Mesh:
     async def recv_into(self, rank: int, out: np.ndarray, *, step: int, tag: int = 0,
                         timeout: float | None = None) -> Header:
         """Receive the frame (step, tag) from ``rank`` straight into ``out``."""
-        fut = self.post_recv(rank, out, step=step, tag=tag)
+        key = (step, tag)
+        fut = self._post(rank, out, key)
+        inbox = self._inbox[rank]
         if fut.done():
             return fut.result()
-        # A timer instead of asyncio.timeout + shield: this path runs once per frame, and those
-        # helpers cost more than the rest of a receive together.
+        # A timer instead of asyncio.timeout + shield, and no done-callback: this path runs
+        # once per frame, and those helpers cost more than the rest of a receive together.
         timer = None
         if timeout is not None:
-            inbox = self._inbox[rank]
-
             def expire() -> None:
                 if not fut.done():
-                    inbox.cancel((step, tag), fut)
+                    inbox.cancel(key, fut)
                     fut.set_exception(RecvTimeout(rank, step, tag, timeout))
 
             timer = asyncio.get_running_loop().call_later(timeout, expire)
@@ -467,6 +467,8 @@ class Mesh:
         finally:
             if timer is not None:
                 timer.cancel()
+            if fut.cancelled():  # our caller was cancelled: withdraw the receive
+                inbox.cancel(key, fut)
 
     def post_recv(self, rank: int, out: np.ndarray, *, step: int, tag: int = 0
                   ) -> asyncio.Future[Header]:
@@ -477,13 +479,9 @@ class Mesh:
         again. Schemes post all the receives of a step at once and wait on the futures with
         their own deadlines, without a task per receive.
         """
-        self._check_rank(rank)
-        if not out.flags.c_contiguous or not out.flags.writeable:
-            raise ValueError("recv_into needs a writable C-contiguous array (receiving into a "
-                             "strided view would need a copy)")
-        inbox = self._inbox[rank]
         key = (step, tag)
-        fut = inbox.post(key, byte_view(out), out.dtype.str)
+        fut = self._post(rank, out, key)
+        inbox = self._inbox[rank]
 
         def withdrawn(f: asyncio.Future[Header]) -> None:
             if f.cancelled():
@@ -491,6 +489,13 @@ class Mesh:
 
         fut.add_done_callback(withdrawn)
         return fut
+
+    def _post(self, rank: int, out: np.ndarray, key: tuple[int, int]) -> asyncio.Future[Header]:
+        self._check_rank(rank)
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError("recv_into needs a writable C-contiguous array (receiving into a "
+                             "strided view would need a copy)")
+        return self._inbox[rank].post(key, byte_view(out), out.dtype.str)
 
     def discard_before(self, step: int, tag: int = 0) -> None:
         """Unclaimed frames of steps below ``step`` (and of ``step`` with a tag below

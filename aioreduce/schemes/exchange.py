@@ -13,9 +13,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from ..wire import tags
 from .base import Comm
 
-EXCHANGE_TAG = (1 << 30) + 5
+EXCHANGE_TAG = tags.EXCHANGE
 
 
 async def exchange(comm: Comm, step: int, sends: Mapping[int, np.ndarray],

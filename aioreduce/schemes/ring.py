@@ -49,11 +49,11 @@ import numpy as np
 
 from ..errors import AioreduceError, LaneMismatch, PeerLost, VectorMismatch
 from ..topology import ring_neighbours
-from ..wire import Header, byte_view
+from ..wire import Header, byte_view, tags
 from .base import BulkLink, Comm, Result
 from .pool import BufferPool
 
-ABORT_TAG = 1 << 30  # above every data tag of a step (those stay below 1 << 21)
+ABORT_TAG = tags.ABORT  # above every data tag of a step
 MAX_TEXT = 1000
 MAX_AHEAD = 4
 POSTED_AHEAD = 4 << 20  # bytes of reduce-scatter scratch posted ahead (see _depth)
@@ -369,7 +369,7 @@ class RingSession:
                 _ring(comm, mine[:half], acc[:half], self.pool, nxt, prev, rank, step, 0,
                       divisor),
                 _ring(comm, mine[half:], acc[half:], self.pool, prev, nxt, (-rank) % n, step,
-                      1 << 20, divisor))
+                      tags.SECOND, divisor))
         else:
             await _ring(comm, mine, acc, self.pool, nxt, prev, rank, step, 0, divisor)
 

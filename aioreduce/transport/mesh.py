@@ -36,7 +36,7 @@ from typing import Any, cast
 import numpy as np
 
 from ..errors import AuthError, PeerLost, RecvTimeout
-from ..wire import Header, Kind, as_payload, byte_view, encode_data, encode_frame
+from ..wire import Header, Kind, as_payload, byte_view, encode_data, encode_frame, tags
 from ..wire.handshake import (
     Accepted,
     ConnectorHandshake,
@@ -53,7 +53,7 @@ from .sockopts import raise_fd_limit
 
 log = logging.getLogger("aioreduce.transport")
 
-LANE_TAG = (1 << 30) + 8  # lane offers (see open_lanes): above every scheme's data tags
+LANE_TAG = tags.LANE_OFFER  # lane offers (see open_lanes)
 _NOTHING = np.empty(0, np.uint8)
 
 

@@ -23,6 +23,8 @@ from typing import Any, NamedTuple
 import msgpack
 import numpy as np
 
+from . import tags
+
 MAGIC = b"AIOR"
 VERSION = 1
 PREFIX = struct.Struct("<4sBBHQ")
@@ -56,7 +58,7 @@ class Kind(enum.IntEnum):
     CONTROL = 5  # rendezvous and runtime messages (meta only, no payload)
 
 
-P2P_TAG = 1 << 40
+P2P_TAG = tags.P2P
 """Tags at or above this carry point-to-point messages (torch's ``send``/``recv``): their
 ``step`` is a per-pair sequence number, not a collective step, so no step floor makes them
 stale and no step bound refuses them (the staged-bytes and -frames budgets still hold)."""

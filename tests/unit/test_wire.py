@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import struct
 
 import msgpack
@@ -417,3 +418,22 @@ def test_payload_left_counts_down_a_payload_landing_in_its_destination_only() ->
     assert seen[start:start + 1000] == list(range(1000, 0, -1))  # step 1, byte by byte
     assert set(seen[:start]) == {0} and set(seen[start + 1000:]) == {0}  # step 2: discarded
     assert (out == 3).all()
+
+
+def test_every_tag_has_a_range_of_its_own_and_control_sits_above_data() -> None:
+    from aioreduce.schemes.exchange import EXCHANGE_TAG
+    from aioreduce.schemes.reduce.family import DOWN, REQUEST_TAG, VERDICT_TAG
+    from aioreduce.schemes.ring import ABORT_TAG
+    from aioreduce.schemes.transpose.layout import NOTICE_TAG, PHASE2_TAG
+    from aioreduce.transport.mesh import LANE_TAG
+    from aioreduce.wire import P2P_TAG, tags
+
+    spans = sorted(tags.RANGES.values())
+    assert all(lo < hi for lo, hi in spans)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), spans
+    # What the modules use is the registry's (no tag defined anywhere else).
+    assert (PHASE2_TAG, NOTICE_TAG, DOWN) == (tags.SECOND, tags.NOTICE, tags.RESULT)
+    assert (ABORT_TAG, VERDICT_TAG, REQUEST_TAG) == (tags.ABORT, tags.VERDICT, tags.REQUEST)
+    assert (EXCHANGE_TAG, LANE_TAG, P2P_TAG) == (tags.EXCHANGE, tags.LANE_OFFER, tags.P2P)
+    control = [tags.ABORT, tags.VERDICT, tags.REQUEST, tags.EXCHANGE, tags.LANE_OFFER]
+    assert min(control) >= tags.RANGES["RESULT"][1]  # a stage floor never drops control

@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...codes import GradientCode
+from ...wire import tags
 
 # Frame tags within one step. Upward chunks use 0..DOWN-1, the result's chunks DOWN + c.
-DOWN = 1 << 24
-VERDICT_TAG = (1 << 30) + 1  # no payload; meta says why there is no result (see Verdict)
-REQUEST_TAG = (1 << 30) + 2  # no payload; "send me the outcomes from this frame's step on"
+DOWN = tags.RESULT
+VERDICT_TAG = tags.VERDICT  # no payload; meta says why there is no result (see Verdict)
+REQUEST_TAG = tags.REQUEST  # no payload; "send me the outcomes from this frame's step on"
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-PHASE2_TAG = 1 << 20  # phase-2 slice i travels on tag PHASE2_TAG + i; phase 1 on tag i
-NOTICE_TAG = 1 << 21  # over the mesh, to a peer whose lane is full: the step we are at
+from ...wire import tags
+
+PHASE2_TAG = tags.SECOND  # phase-2 slice i travels on tag PHASE2_TAG + i; phase 1 on tag i
+NOTICE_TAG = tags.NOTICE  # over the mesh, to a peer whose lane is full: the step we are at
 TAIL = 0.99  # a slice at or past this fraction of its shard is a "tail" slice
 
 

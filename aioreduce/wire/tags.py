@@ -1,0 +1,56 @@
+"""Every frame tag the runtime uses, in one registry.
+
+A receive matches a frame by (source, step, tag), so two uses of one tag in one step would
+mix their frames; each use below has a tag or a range of its own (``tests/unit/test_wire.py``
+checks that none overlaps another). The order matters too: a scheme with stages inside a step
+drops a stage's late frames by moving the step floor to (step, first tag of the next stage),
+and the control tags sit above every data tag so that such a floor never drops them.
+"""
+
+from __future__ import annotations
+
+DATA = 0
+"""A step's data: segment, chunk or slice ``i`` on tag ``DATA + i`` (fewer than ``SECOND``)."""
+
+SECOND = 1 << 20
+"""The second stream of a step: a bidirectional ring's reversed half, the transpose's phase 2
+(``SECOND + i``)."""
+
+NOTICE = 1 << 21
+"""The transpose, over the mesh, to a peer whose lane is full: the step this rank is at."""
+
+RESULT = 1 << 24
+"""A tree's result chunks on their way down: chunk ``c`` on ``RESULT + c``."""
+
+ABORT = 1 << 30
+"""The ring's abort: the step failed, and why (meta), sent to every rank."""
+
+VERDICT = ABORT + 1
+"""A tree's step without a result (meta says why: missing ranks, a mismatch, behind)."""
+
+REQUEST = ABORT + 2
+"""A tree rank asks a parent or grandparent for the outcomes from this frame's step on."""
+
+EXCHANGE = ABORT + 5
+"""A collective exchange step (allgather, broadcast, all-to-all, the owners' reductions)."""
+
+LANE_OFFER = ABORT + 8
+"""Where to open a lane and the nonce to prove (meta), from its receiver to its sender."""
+
+P2P = 1 << 40
+"""Point-to-point messages (torch's ``send``/``recv``): from here up; their ``step`` is a
+per-pair sequence number, so no step floor makes them stale."""
+
+# (first tag, end) of every use above, for the overlap check and for readers.
+RANGES: dict[str, tuple[int, int]] = {
+    "DATA": (DATA, SECOND),
+    "SECOND": (SECOND, NOTICE),
+    "NOTICE": (NOTICE, NOTICE + 1),
+    "RESULT": (RESULT, ABORT),
+    "ABORT": (ABORT, ABORT + 1),
+    "VERDICT": (VERDICT, VERDICT + 1),
+    "REQUEST": (REQUEST, REQUEST + 1),
+    "EXCHANGE": (EXCHANGE, EXCHANGE + 1),
+    "LANE_OFFER": (LANE_OFFER, LANE_OFFER + 1),
+    "P2P": (P2P, 1 << 63),
+}

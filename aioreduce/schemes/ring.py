@@ -50,11 +50,11 @@ import numpy as np
 from ..errors import AioreduceError, LaneMismatch, PeerLost, VectorMismatch
 from ..topology import ring_neighbours
 from ..wire import Header, byte_view, tags
+from ..wire.control import StepFailed, decode_failed, failed_meta
 from .base import BulkLink, Comm, Result
 from .pool import BufferPool
 
 ABORT_TAG = tags.ABORT  # above every data tag of a step
-MAX_TEXT = 1000
 MAX_AHEAD = 4
 POSTED_AHEAD = 4 << 20  # bytes of reduce-scatter scratch posted ahead (see _depth)
 EMPTY = np.empty(0, np.uint8)
@@ -261,10 +261,9 @@ class RingSession:
         """Send every other rank this step's failure (in the background, best effort);
         returns the sends."""
         if isinstance(exc, VectorMismatch):
-            meta: dict[str, object] = {"kind": "mismatch", "text": str(exc)[:MAX_TEXT],
-                                       "ranks": list(exc.ranks)}
+            meta = failed_meta(StepFailed("mismatch", str(exc), tuple(exc.ranks)))
         elif isinstance(exc, PeerLost):
-            meta = {"kind": "lost", "rank": exc.rank, "text": exc.reason[:MAX_TEXT]}
+            meta = failed_meta(StepFailed("lost", exc.reason, rank=exc.rank))
         else:
             return []
         return [self._spawn_send(self._send_abort(peer, step, meta))
@@ -466,11 +465,8 @@ def _mismatch(step: int, exc: VectorMismatch, me: int, mine: np.ndarray) -> Vect
 
 def _abort_error(peer: int, meta: dict[str, object]) -> AioreduceError:
     """The error a rank raises when ``peer`` says the step failed there."""
-    text = str(meta.get("text", ""))[:MAX_TEXT]
-    if meta.get("kind") == "mismatch":
-        ranks = meta.get("ranks")
-        return VectorMismatch(text, [r for r in ranks if isinstance(r, int)]
-                              if isinstance(ranks, list) else [])
-    lost = meta.get("rank")
-    return PeerLost(lost if isinstance(lost, int) else peer,
-                    f"{text} (reported by rank {peer}, its ring neighbour)")
+    failed = decode_failed(meta, peer)
+    if failed.kind == "mismatch":
+        return VectorMismatch(failed.text, list(failed.ranks))
+    assert failed.rank is not None
+    return PeerLost(failed.rank, f"{failed.text} (reported by rank {peer}, its ring neighbour)")

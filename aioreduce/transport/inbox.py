@@ -51,6 +51,7 @@ import numpy as np
 
 from ..errors import PeerLost, VectorMismatch
 from ..wire import DEFER, Frame, Header, Kind, ProtocolError, is_p2p
+from ..wire.control import Notice
 from ..wire.decoder import Destination
 
 if TYPE_CHECKING:
@@ -237,7 +238,7 @@ class Inbox:
     def delivered(self, conn: FrameProtocol, frame: Frame) -> None:
         header = frame.header
         if header.kind is Kind.CONTROL:
-            if header.meta.get("op") == "notice":  # for the log only, never queued
+            if header.meta.get("op") == Notice.op:  # for the log only, never queued
                 log.error("rank %d says: %s", self.rank, str(header.meta.get("text"))[:500])
                 return
             if self.control.qsize() >= self.budget.control:

@@ -36,7 +36,7 @@ from typing import Any, cast
 import numpy as np
 
 from ..errors import AuthError, PeerLost, RecvTimeout
-from ..wire import Header, Kind, as_payload, byte_view, encode_data, encode_frame, tags
+from ..wire import Header, Kind, as_payload, byte_view, control, encode_data, encode_frame, tags
 from ..wire.handshake import (
     Accepted,
     ConnectorHandshake,
@@ -297,7 +297,7 @@ class Mesh:
 
     async def _notify_all(self, text: str) -> None:
         peers = [r for r in range(self.world_size) if r != self.rank]
-        await asyncio.gather(*(self.send_control(r, {"op": "notice", "text": text})
+        await asyncio.gather(*(self.send_control(r, control.Notice(text))
                                for r in peers), return_exceptions=True)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -536,19 +536,23 @@ class Mesh:
             told = {dst: self.post_recv(dst, _NOTHING, step=step, tag=LANE_TAG) for dst in send_to}
             await asyncio.gather(*(
                 self.send(src, _NOTHING, step=step, tag=LANE_TAG,
-                          meta=_lane_offer(listeners[src], nonces[src]))
+                          meta=control.offer_meta(control.LaneOffer(
+                              listeners[src].port, nonces[src].hex(), listeners[src].unix)))
                 for src in recv_from))
             offers: dict[int, tuple[int, str, str | None]] = {}
             for dst, fut in told.items():
                 header = await asyncio.wait_for(fut, timeout)
-                port, theirs = header.meta.get("port"), header.meta.get("nonce")
-                offered = header.meta.get("unix")
-                unix = local_name(offered)
-                if (type(port) is not int or type(theirs) is not str or len(theirs) != 32
-                        or (offered is not None and unix is None)):
+                try:
+                    offer = control.decode_offer(header.meta)
+                except control.MalformedControl as exc:
+                    raise PeerLost(dst, f"rank {dst} sent a malformed lane offer: {exc}"
+                                   ) from None
+                unix = local_name(offer.unix)
+                if offer.unix is not None and unix is None:
                     raise PeerLost(dst, f"rank {dst} sent a malformed lane offer")
                 # Our own option decides too: local_unix=False never dials a Unix socket.
-                offers[dst] = (port, theirs, unix if self.options.local_unix else None)
+                offers[dst] = (offer.port, offer.nonce,
+                               unix if self.options.local_unix else None)
             # Every dial and accept blocks a thread until its peer does its part: one thread
             # each, not the shared default executor (a few workers, which all ranks' accepts
             # could fill while the dials they wait for queue behind them).
@@ -579,11 +583,15 @@ class Mesh:
                 dict(zip(recv_from, lanes[len(send_to):], strict=True)))
 
     # -- control messages (rendezvous, barriers) ----------------------------------------------
-    async def send_control(self, rank: int, meta: dict[str, object]) -> None:
+    async def send_control(self, rank: int, event: control.Control) -> None:
+        """Send a control event (:mod:`aioreduce.wire.control`) to ``rank``."""
         conn = await self.connect(rank)
-        await conn.send(encode_frame(Header(Kind.CONTROL, src=self.rank, meta=meta)))
+        await conn.send(encode_frame(Header(Kind.CONTROL, src=self.rank,
+                                            meta=control.encode(event))))
 
-    async def recv_control(self, rank: int, timeout: float | None = None) -> dict[str, object]:
+    async def recv_control(self, rank: int, timeout: float | None = None) -> control.Control:
+        """The next control event from ``rank``; :class:`~aioreduce.wire.control.
+        MalformedControl` if what it sent is none."""
         inbox = self._inbox[rank]
         if inbox.lost is not None and not inbox.conns and inbox.control.empty():
             raise inbox.lost
@@ -591,7 +599,7 @@ class Mesh:
             msg = await inbox.control.get()
         if msg is None:
             raise inbox.lost or PeerLost(rank, "connection closed")
-        return msg
+        return control.decode(msg)
 
     # -- teardown -----------------------------------------------------------------------------
     def unacked(self) -> int:
@@ -650,11 +658,3 @@ def local_mesh_name(job: str, rank: int, port: int) -> bytes:
     listens: its rank in it, so a rank of the same job never answers for another one."""
     digest = hashlib.sha256(job.encode()).hexdigest()[:16]
     return f"\0aioreduce-mesh-{digest}-{rank}-{port}".encode("ascii")
-
-
-def _lane_offer(listener: LaneListener, nonce: bytes) -> dict[str, object]:
-    """What a lane's receiver tells its sender: where to connect, and the nonce to prove."""
-    offer: dict[str, object] = {"port": listener.port, "nonce": nonce.hex()}
-    if listener.unix is not None:
-        offer["unix"] = listener.unix
-    return offer

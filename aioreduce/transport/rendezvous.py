@@ -13,6 +13,15 @@ import asyncio
 import time
 
 from ..errors import AuthError, PeerLost, RendezvousError
+from ..wire.control import (
+    Abort,
+    Arrive,
+    Control,
+    MalformedControl,
+    Register,
+    Release,
+    Table,
+)
 from .mesh import Mesh
 
 ABORT_GRACE_S = 2.0
@@ -21,10 +30,12 @@ MISSING_HINT = ("check that they were started, with the same world size, AIOREDU
 SETTLE_S = 1.0  # at most this long for handshakes in flight when everyone has registered
 
 
-async def _gather_from(mesh: Mesh, ranks: list[int], op: str, deadline: float,
-                       excused: dict[int, str] | None = None) -> dict[int, dict[str, object]]:
-    """Receive one control message ``op`` from each of ``ranks`` before ``deadline``; ranks
-    that land in ``excused`` meanwhile (started for another job) are not waited for."""
+async def _gather_from(mesh: Mesh, ranks: list[int], want: type[Control], deadline: float,
+                       excused: dict[int, str] | None = None) -> dict[int, Control]:
+    """Receive one control event of type ``want`` (or an :class:`Abort`) from each of
+    ``ranks`` before ``deadline``; ranks that land in ``excused`` meanwhile (started for
+    another job) are not waited for."""
+    op = want.op
     tasks = {r: asyncio.ensure_future(mesh.recv_control(r)) for r in ranks}
     excused = {} if excused is None else excused
     try:
@@ -40,13 +51,18 @@ async def _gather_from(mesh: Mesh, ranks: list[int], op: str, deadline: float,
             if wake is not None:
                 wake.cancel()
         tasks = {r: t for r, t in tasks.items() if r not in excused or t.done()}
+        malformed = sorted(r for r, t in tasks.items() if t.done() and not t.cancelled()
+                           and isinstance(t.exception(), MalformedControl))
+        if malformed:
+            raise RendezvousError(f"ranks {malformed} sent a malformed control message during "
+                                  f"{op}: {tasks[malformed[0]].exception()}")
         missing = sorted(r for r, t in tasks.items() if not t.done() or t.exception())
         if missing:
             hint = f": {MISSING_HINT}" if op == "register" else ""
             raise RendezvousError(f"rank {mesh.rank}: ranks {missing} did not reach {op} "
                                   f"in time{hint}", missing=missing)
         out = {r: t.result() for r, t in tasks.items()}
-        wrong = sorted(r for r, m in out.items() if m.get("op") not in (op, "abort"))
+        wrong = sorted(r for r, m in out.items() if not isinstance(m, want | Abort))
         if wrong:
             raise RendezvousError(f"ranks {wrong} sent the wrong control message during {op}")
         return out
@@ -63,7 +79,7 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
         mesh.addresses[0] = (advertise or master[0], master[1])
         others = list(range(1, mesh.world_size))
         try:
-            regs = await _gather_from(mesh, others, "register", deadline,
+            regs = await _gather_from(mesh, others, Register, deadline,
                                       excused=mesh.wrong_jobs)
         except RendezvousError as exc:
             # Tell the ranks that did come which ones are missing, so every log names them.
@@ -75,9 +91,8 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
         if problem:
             await _abort(mesh, others, problem, [])
             raise RendezvousError(f"rank 0: {problem}")
-        addresses = [list(mesh.addresses[r]) for r in range(mesh.world_size)]
-        await asyncio.gather(*(mesh.send_control(r, {"op": "table", "table": addresses})
-                               for r in others))
+        table = Table(tuple(mesh.addresses[r] for r in range(mesh.world_size)))
+        await asyncio.gather(*(mesh.send_control(r, table) for r in others))
         return
 
     delay = 0.02
@@ -102,34 +117,27 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
     # address is one of ours.
     local = master[0] if conn.local else conn.transport.get_extra_info("sockname")[0]
     host, port = await mesh.listen(bind or advertise or local, 0)
-    await mesh.send_control(0, {"op": "register", "host": advertise or host, "port": port,
-                                "world": mesh.world_size})
+    await mesh.send_control(0, Register(advertise or host, port, mesh.world_size))
     # Rank 0 gives up at the same deadline and then says who is missing: allow for that.
     try:
-        msg = (await _gather_from(mesh, [0], "table", deadline + ABORT_GRACE_S))[0]
+        msg = (await _gather_from(mesh, [0], Table, deadline + ABORT_GRACE_S))[0]
     except RendezvousError:
         raise RendezvousError(f"rank {mesh.rank}: rank 0 sent no address table within "
                               f"{timeout} s (rank 0 is alive but waited for other ranks or for "
                               "this one: check its log)", missing=[0]) from None
-    if msg.get("op") == "abort":
-        listed = msg.get("missing")
-        missing = [int(r) for r in listed] if isinstance(listed, list) else []
-        reason = msg.get("reason")
-        if missing:
-            raise RendezvousError(f"rank {mesh.rank}: ranks {missing} never joined the job: "
-                                  f"{MISSING_HINT}", missing=missing)
-        raise RendezvousError(f"rank {mesh.rank}: rank 0 stopped the job: {reason}")
-    table = msg.get("table")
-    if not isinstance(table, list) or len(table) != mesh.world_size:
+    if isinstance(msg, Abort):
+        if msg.missing:
+            raise RendezvousError(f"rank {mesh.rank}: ranks {list(msg.missing)} never joined "
+                                  f"the job: {MISSING_HINT}", missing=list(msg.missing))
+        raise RendezvousError(f"rank {mesh.rank}: rank 0 stopped the job: {msg.reason}")
+    assert isinstance(msg, Table)
+    if len(msg.addresses) != mesh.world_size:
         raise RendezvousError("rank 0 sent a malformed address table")
-    for r, entry in enumerate(table):
-        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
-                and isinstance(entry[1], int)):
-            raise RendezvousError(f"rank 0 sent a malformed address for rank {r}")
-        mesh.addresses[r] = (entry[0], entry[1])
+    for r, address in enumerate(msg.addresses):
+        mesh.addresses[r] = address
 
 
-def _check_registrations(mesh: Mesh, regs: dict[int, dict[str, object]]) -> str:
+def _check_registrations(mesh: Mesh, regs: dict[int, Control]) -> str:
     """What is wrong with the job as registered ("" if nothing), saying what to check."""
     for r, job in sorted(mesh.wrong_jobs.items()):
         if r not in regs:
@@ -140,20 +148,18 @@ def _check_registrations(mesh: Mesh, regs: dict[int, dict[str, object]]) -> str:
         return (f"rank {r} was started twice (from {' and '.join(where)}): check the launch, "
                 "every rank must be started exactly once")
     for r, msg in sorted(regs.items()):
-        if msg.get("world") != mesh.world_size:
-            return (f"rank {r} believes the world size is {msg.get('world')}, rank 0 believes "
+        if not isinstance(msg, Register):
+            return f"rank {r} sent {type(msg).__name__} instead of registering"
+        if msg.world != mesh.world_size:
+            return (f"rank {r} believes the world size is {msg.world}, rank 0 believes "
                     f"{mesh.world_size}: check WORLD_SIZE / -n on every host")
-        host, port = msg.get("host"), msg.get("port")
-        if not isinstance(host, str) or not isinstance(port, int):
-            return f"rank {r} registered a malformed address"
-        mesh.addresses[r] = (host, port)
+        mesh.addresses[r] = (msg.host, msg.port)
     return ""
 
 
 async def _abort(mesh: Mesh, ranks: list[int], reason: str, missing: list[int]) -> None:
     """Tell ``ranks`` why the job will not start, so every rank's log names the cause."""
-    await asyncio.gather(*(mesh.send_control(r, {"op": "abort", "reason": reason,
-                                                 "missing": missing}) for r in ranks),
+    await asyncio.gather(*(mesh.send_control(r, Abort(reason, tuple(missing))) for r in ranks),
                          return_exceptions=True)  # each send returns once in the kernel
 
 
@@ -170,16 +176,16 @@ async def barrier(mesh: Mesh, timeout: float, *, closing: bool = False) -> None:
     if mesh.rank == 0:
         others = list(range(1, mesh.world_size))
         try:
-            await _gather_from(mesh, others, "barrier", deadline)
+            await _gather_from(mesh, others, Arrive, deadline)
             missing: list[int] = []
         except RendezvousError as exc:  # release the ranks that came anyway, then report
             missing = exc.missing
         if closing:
             mesh.stop_listening()
-        await asyncio.gather(*(mesh.send_control(r, {"op": "release"})
+        await asyncio.gather(*(mesh.send_control(r, Release())
                                for r in others if r not in missing), return_exceptions=True)
         if missing:
             raise RendezvousError(f"ranks {missing} did not reach the barrier", missing=missing)
         return
-    await mesh.send_control(0, {"op": "barrier"})
-    await _gather_from(mesh, [0], "release", deadline)
+    await mesh.send_control(0, Arrive())
+    await _gather_from(mesh, [0], Release, deadline)

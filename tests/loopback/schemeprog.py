@@ -26,6 +26,7 @@ import numpy as np
 import aioreduce as ar
 from aioreduce.codes import cyclic_mds, frc, gaussian_mds
 from aioreduce.schemes import by_name
+from aioreduce.wire.control import Register
 
 SAMPLES = 0  # set per scheme
 
@@ -151,7 +152,7 @@ async def _flood(node: ar.Node, kind: str, to: int, step: int) -> dict[str, obje
             elif kind == "tiny":
                 await mesh.send(to, empty, step=step + 2 + i % 1000, tag=REQUEST_TAG + 1 + i)
             else:
-                await mesh.send_control(to, {"op": "junk", "pad": "x" * 60_000})
+                await mesh.send_control(to, Register("x" * 60_000, 0, 0))  # never read
             sent += 1
             if i % 256 == 0:
                 await asyncio.sleep(0)  # let the connection notice it was closed

@@ -16,6 +16,7 @@ import pytest
 from aioreduce.transport import Mesh
 from aioreduce.transport.mesh import MeshOptions
 from aioreduce.transport.protocol import _MIN_LOWAT, FrameProtocol
+from aioreduce.wire.control import Release
 
 pytestmark = pytest.mark.loopback
 
@@ -80,7 +81,7 @@ async def _receive(lowat: int, monkeypatch: pytest.MonkeyPatch
             assert (out == _data(step)).all(), step
         sock = conn.transport.get_extra_info("socket")  # type: ignore[union-attr]
         after = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
-        await a.send_control(1, {"done": True})
+        await a.send_control(1, Release())
         await asyncio.to_thread(thread.join, 60)
     finally:
         await a.close()

@@ -437,3 +437,39 @@ def test_every_tag_has_a_range_of_its_own_and_control_sits_above_data() -> None:
     assert (EXCHANGE_TAG, LANE_TAG, P2P_TAG) == (tags.EXCHANGE, tags.LANE_OFFER, tags.P2P)
     control = [tags.ABORT, tags.VERDICT, tags.REQUEST, tags.EXCHANGE, tags.LANE_OFFER]
     assert min(control) >= tags.RANGES["RESULT"][1]  # a stage floor never drops control
+
+
+def test_control_events_round_trip_and_malformed_ones_are_named() -> None:
+    from aioreduce.wire import control as c
+
+    events: list[c.Control] = [c.Register("10.0.0.1", 4000, 13),
+                               c.Table((("10.0.0.1", 4000), ("10.0.0.2", 4001))),
+                               c.Abort("ranks missing", (3, 4)), c.Arrive(), c.Release(),
+                               c.Notice("rank 2 failed")]
+    for event in events:  # through msgpack, as a frame carries them
+        meta = msgpack.unpackb(msgpack.packb(c.encode(event)), raw=False)
+        assert c.decode(meta) == event
+    for bad in ({"op": "register", "host": "h", "port": "80", "world": 2},
+                {"op": "register", "host": "h", "port": True, "world": 2},
+                {"op": "table", "table": [["h", 1], ["h"]]},
+                {"op": "abort", "missing": ["3"]}, {"op": "junk"}, {}):
+        with pytest.raises(c.MalformedControl):
+            c.decode(bad)
+    offer = c.LaneOffer(4000, "ab" * 16, "aioreduce-lane-" + "cd" * 16)
+    assert c.decode_offer(c.offer_meta(offer)) == offer
+    assert c.decode_offer({"port": 1, "nonce": "ab" * 16}) == c.LaneOffer(1, "ab" * 16)
+    for bad_offer in ({"port": 1, "nonce": "xy" * 16}, {"port": 1, "nonce": "ab"},
+                      {"port": "1", "nonce": "ab" * 16}, {"port": 1, "nonce": "ab" * 16,
+                                                          "unix": 5}):
+        with pytest.raises(c.MalformedControl):
+            c.decode_offer(bad_offer)
+
+
+def test_a_step_failure_reads_back_and_an_unreadable_one_names_its_sender() -> None:
+    from aioreduce.wire import control as c
+
+    for event in (c.StepFailed("mismatch", "rank 3's vector differs", (1, 3)),
+                  c.StepFailed("lost", "connection reset", rank=5)):
+        assert c.decode_failed(c.failed_meta(event), sender=2) == event
+    assert c.decode_failed({"kind": "?", "rank": "x"}, sender=2) == c.StepFailed("lost", "",
+                                                                                 rank=2)

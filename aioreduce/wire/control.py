@@ -1,0 +1,184 @@
+"""Control messages as typed events: what ranks tell each other besides data.
+
+Each event is a frozen dataclass; :func:`encode` gives the msgpack-ready map a frame carries in
+its header's ``meta`` (with an ``op`` naming the event), and :func:`decode` checks a received
+map field by field and gives the event back, or raises :class:`MalformedControl` saying what
+is wrong. The maps come from authenticated peers, but a peer of another version (or a bug)
+must produce a clear error, never a ``KeyError`` deep in the rendezvous.
+
+Carried in CONTROL frames (:meth:`aioreduce.transport.Mesh.send_control`): the rendezvous
+(:class:`Register`, :class:`Table`, :class:`Abort`), the barrier (:class:`Arrive`,
+:class:`Release`) and :class:`Notice` (a line for the peers' logs). Carried as the meta of a
+data frame on a tag of its own: :class:`LaneOffer` (:data:`~aioreduce.wire.tags.LANE_OFFER`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+MAX_TEXT = 1000  # characters of a reason or notice kept: a message, bounded for a log line
+_NONCE = re.compile(r"[0-9a-f]{32}")
+
+
+class MalformedControl(ValueError):
+    """A control map that is not one of the events, or whose fields have the wrong types."""
+
+
+@dataclass(frozen=True)
+class Register:
+    """A rank to rank 0 at the rendezvous: where it listens, and the world size it believes."""
+
+    op: ClassVar[str] = "register"
+    host: str
+    port: int
+    world: int
+
+
+@dataclass(frozen=True)
+class Table:
+    """Rank 0 to every rank: every rank's (host, port), by rank."""
+
+    op: ClassVar[str] = "table"
+    addresses: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Rank 0 to the ranks that came: the job will not start, and which ranks never joined."""
+
+    op: ClassVar[str] = "abort"
+    reason: str
+    missing: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Arrive:
+    """A rank to rank 0: it reached the barrier."""
+
+    op: ClassVar[str] = "barrier"
+
+
+@dataclass(frozen=True)
+class Release:
+    """Rank 0 to a rank: every rank reached the barrier."""
+
+    op: ClassVar[str] = "release"
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A line for the peers' logs (never queued for a receiver)."""
+
+    op: ClassVar[str] = "notice"
+    text: str
+
+
+@dataclass(frozen=True)
+class LaneOffer:
+    """A lane's receiver to its sender: the TCP port to dial, the nonce to prove, and an
+    abstract Unix name to try first (ranks on one host)."""
+
+    port: int
+    nonce: str  # 16 random bytes in hex
+    unix: str | None = None
+
+
+@dataclass(frozen=True)
+class StepFailed:
+    """A step of a scheme failed on the sender (a ring's abort, to every rank): every rank
+    raises the same error. ``kind`` "mismatch": the vectors of ``ranks`` differ; "lost":
+    rank ``rank`` was lost."""
+
+    kind: Literal["mismatch", "lost"]
+    text: str
+    ranks: tuple[int, ...] = ()
+    rank: int | None = None
+
+
+Control = Register | Table | Abort | Arrive | Release | Notice
+
+
+def encode(event: Control) -> dict[str, object]:
+    """The map a CONTROL frame carries for ``event``."""
+    if isinstance(event, Register):
+        return {"op": event.op, "host": event.host, "port": event.port, "world": event.world}
+    if isinstance(event, Table):
+        return {"op": event.op, "table": [list(a) for a in event.addresses]}
+    if isinstance(event, Abort):
+        return {"op": event.op, "reason": event.reason[:MAX_TEXT],
+                "missing": list(event.missing)}
+    if isinstance(event, Notice):
+        return {"op": event.op, "text": event.text[:MAX_TEXT]}
+    return {"op": event.op}
+
+
+def decode(meta: dict[str, Any]) -> Control:
+    """The event a CONTROL frame's map describes; :class:`MalformedControl` if none."""
+    op = meta.get("op")
+    if op == Register.op:
+        host, port, world = meta.get("host"), meta.get("port"), meta.get("world")
+        if type(host) is not str or type(port) is not int or type(world) is not int:
+            raise MalformedControl("a registration needs a host, a port and a world size")
+        return Register(host, port, world)
+    if op == Table.op:
+        table = meta.get("table")
+        if not isinstance(table, list) or not all(
+                isinstance(e, list) and len(e) == 2 and type(e[0]) is str
+                and type(e[1]) is int for e in table):
+            raise MalformedControl("an address table needs a [host, port] per rank")
+        return Table(tuple((e[0], e[1]) for e in table))
+    if op == Abort.op:
+        missing = meta.get("missing", [])
+        if not isinstance(missing, list) or not all(type(r) is int for r in missing):
+            raise MalformedControl("an abort lists the missing ranks as integers")
+        return Abort(str(meta.get("reason", ""))[:MAX_TEXT], tuple(missing))
+    if op == Arrive.op:
+        return Arrive()
+    if op == Release.op:
+        return Release()
+    if op == Notice.op:
+        return Notice(str(meta.get("text", ""))[:MAX_TEXT])
+    raise MalformedControl(f"unknown control message {str(op)[:40]!r}")
+
+
+def offer_meta(offer: LaneOffer) -> dict[str, object]:
+    """The meta of a lane offer's frame."""
+    meta: dict[str, object] = {"port": offer.port, "nonce": offer.nonce}
+    if offer.unix is not None:
+        meta["unix"] = offer.unix
+    return meta
+
+
+def decode_offer(meta: dict[str, Any]) -> LaneOffer:
+    """A lane offer from its frame's meta; :class:`MalformedControl` if it is not one (the
+    Unix name's own shape is checked where it is dialed)."""
+    port, nonce, unix = meta.get("port"), meta.get("nonce"), meta.get("unix")
+    if (type(port) is not int or type(nonce) is not str or not _NONCE.fullmatch(nonce)
+            or (unix is not None and type(unix) is not str)):
+        raise MalformedControl("a lane offer needs a port, a 32-digit hex nonce and "
+                               "optionally a Unix name")
+    return LaneOffer(port, nonce, unix)
+
+
+def failed_meta(event: StepFailed) -> dict[str, object]:
+    """The meta of a step-failed frame."""
+    meta: dict[str, object] = {"kind": event.kind, "text": event.text[:MAX_TEXT]}
+    if event.kind == "mismatch":
+        meta["ranks"] = list(event.ranks)
+    elif event.rank is not None:
+        meta["rank"] = event.rank
+    return meta
+
+
+def decode_failed(meta: dict[str, Any], sender: int) -> StepFailed:
+    """A step-failed event from its frame's meta. Lenient: the step has failed whatever the
+    map says, so what cannot be read becomes "``sender`` was lost"."""
+    text = str(meta.get("text", ""))[:MAX_TEXT]
+    if meta.get("kind") == "mismatch":
+        ranks = meta.get("ranks")
+        return StepFailed("mismatch", text, tuple(r for r in ranks if type(r) is int)
+                          if isinstance(ranks, list) else ())
+    lost = meta.get("rank")
+    return StepFailed("lost", text, rank=lost if type(lost) is int else sender)

@@ -45,7 +45,7 @@ from ..wire.handshake import (
     Refused,
     WrongJob,
 )
-from .inbox import Inbox, PeerBudget
+from .inbox import NO_FLOOR, Inbox, PeerBudget
 from .lane import ACCEPT_TIMEOUT_S, Lane, LaneListener, dial, local_name, proof
 from .protocol import FrameProtocol
 from .ratelog import RateLimitedLog
@@ -110,6 +110,7 @@ class Mesh:
                                 self.options.peer_budget, self.options.latency)
                        for r in range(world_size)}
         self._dial_locks: dict[int, asyncio.Lock] = {}
+        self._floor: tuple[int, int] = (NO_FLOOR, 0)  # what discard_before set last
         self._server: asyncio.Server | None = None
         self._local_server: asyncio.AbstractServer | None = None  # the Unix socket beside it
         self._conns: set[FrameProtocol] = set()
@@ -500,6 +501,10 @@ class Mesh:
     def discard_before(self, step: int, tag: int = 0) -> None:
         """Unclaimed frames of steps below ``step`` (and of ``step`` with a tag below
         ``tag``) from any peer are stale: drop them, now and later."""
+        key = (step, tag)
+        if key <= self._floor:  # schemes call this twice a step: once per peer is enough
+            return
+        self._floor = key
         for inbox in self._inbox.values():
             inbox.set_floor(step, tag)
 

@@ -51,7 +51,7 @@ from ..errors import AioreduceError, LaneMismatch, PeerLost, VectorMismatch
 from ..topology import ring_neighbours
 from ..wire import Header, byte_view, tags
 from ..wire.control import StepFailed, decode_failed, failed_meta
-from .base import BulkLink, Comm, Result
+from .base import BulkLink, BulkLinks, Comm, Result
 from .pool import BufferPool
 
 ABORT_TAG = tags.ABORT  # above every data tag of a step
@@ -210,6 +210,7 @@ class RingSession:
         # the predecessor), and the thread the steps run on.
         self._want_lanes = lanes and not bidirectional and comm.world_size > 1
         self._lanes: tuple[BulkLink, BulkLink] | None = None
+        self._links: BulkLinks | None = None  # the comm's, which the lanes came from
         # a failed step's, closed after the abort
         self._dropped: tuple[BulkLink, BulkLink] | None = None
         self._thread: ThreadPoolExecutor | None = None
@@ -352,11 +353,11 @@ class RingSession:
         prev, nxt = ring_neighbours(rank, n)
         if self._want_lanes:
             if self._lanes is None:
-                links = comm.bulk_links()
-                if links is None:
+                self._links = comm.bulk_links()
+                if self._links is None:
                     self._want_lanes = False  # no mesh under this comm: the event loop's way
                 else:
-                    outs, ins = await links.open_links([nxt], [prev], step)
+                    outs, ins = await self._links.open_links([nxt], [prev], step)
                     self._lanes = (outs[nxt], ins[prev])
             if self._lanes is not None:
                 await self._lane_exchange(self._lanes, mine, acc, step, divisor)
@@ -388,10 +389,9 @@ class RingSession:
             step, divisor)
         try:
             sent, got = await asyncio.shield(job)
-            links = comm.bulk_links()
-            assert links is not None  # the lanes came from them
-            links.count_moved(step, sent, ring_neighbours(comm.rank, comm.world_size)[0],
-                              got, 2 * (comm.world_size - 1))
+            assert self._links is not None  # the lanes came from them
+            self._links.count_moved(step, sent, ring_neighbours(comm.rank, comm.world_size)[0],
+                                    got, 2 * (comm.world_size - 1))
         except BaseException as exc:
             self._lanes = None
             if job.done():

@@ -44,9 +44,6 @@ class _Comm:
     async def send(self, rank: int, array: np.ndarray, *, step: int, tag: int = 0) -> None:
         self.told.append((rank, step, tag))
 
-    def bulk_links(self) -> None:
-        return None
-
 
 def _message(step: int, tag: int, payload: np.ndarray, meta: dict[str, object]) -> bytes:
     head = Header(Kind.DATA, step, tag, PEER, meta=meta).to_bytes()

@@ -38,7 +38,7 @@ import numpy as np
 from ...errors import LaneMismatch, PeerLost
 from ...wire import Header, Kind, byte_view
 from ...wire.frame import ProtocolError
-from ..base import BulkLink, Comm
+from ..base import BulkLink, BulkLinks, Comm
 from .layout import NOTICE_TAG
 from .posts import Post, PostBook, Wait
 
@@ -48,11 +48,14 @@ _NOTHING = np.empty(0, np.uint8)
 
 class LaneLinks:
     """:class:`~.links.Links` over lanes ``outs`` (to each peer) and ``ins`` (from each), which
-    this object owns from now on (see the module docstring)."""
+    this object owns from now on (see the module docstring); ``opened_by``, the comm's bulk
+    links they came from, is told what each step moved over them (step telemetry)."""
 
     def __init__(self, comm: Comm, outs: Mapping[int, BulkLink], ins: Mapping[int, BulkLink],
-                 backlog_steps: int, newest: int = -1) -> None:
+                 backlog_steps: int, newest: int = -1, *,
+                 opened_by: BulkLinks | None = None) -> None:
         self.comm = comm
+        self._opened_by = opened_by
         self._loop = asyncio.get_running_loop()
         self._outs, self._ins = outs, ins
         self._backlog = backlog_steps
@@ -153,9 +156,8 @@ class LaneLinks:
         if not got:
             got = {next(iter(self._ins), self.comm.rank): [0, 0]}
         for src, (nbytes, messages) in got.items():
-            links = self.comm.bulk_links()
-            if links is not None:
-                links.count_moved(step, sent, src, nbytes, messages)
+            if self._opened_by is not None:
+                self._opened_by.count_moved(step, sent, src, nbytes, messages)
             sent = 0
         for old in [s for s in self._sent if s < step]:  # steps that ended in an error
             del self._sent[old]

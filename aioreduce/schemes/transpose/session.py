@@ -94,7 +94,8 @@ class TransposeSession:
             return  # no mesh under this comm: the event loop's way
         outs, ins = await links.open_links(peers, peers, step)
         old = self.links
-        self.links = LaneLinks(self.comm, outs, ins, self.opts.backlog_steps, old.newest)
+        self.links = LaneLinks(self.comm, outs, ins, self.opts.backlog_steps, old.newest,
+                               opened_by=links)
         await old.close(0)
 
     def _rotation_for(self, length: int) -> Rotation:

@@ -47,29 +47,28 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
         # (a Unix socket on one host unless AIOREDUCE_LOCAL_UNIX=0, else TCP): rank 1
         # listens and tells rank 0 where over the mesh.
         unix = node.mesh.options.local_unix
+        nothing = np.empty(0, np.uint8)
         if me == 1:
             if unix:
                 lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                lsock.bind(b"\0aioreduce-p2p-bench-" + os.urandom(8).hex().encode())
+                name = "\0aioreduce-p2p-bench-" + os.urandom(8).hex()
+                lsock.bind(name)
                 lsock.listen(1)
-                where = np.frombuffer(lsock.getsockname(), np.uint8).copy()
+                where = name
             else:
                 lsock = socket.create_server(("127.0.0.1", 0))
-                where = np.frombuffer(str(lsock.getsockname()[1]).encode(), np.uint8).copy()
-            await node.send(0, np.array([where.size], np.int64), step=0, tag=1)
-            await node.send(0, where, step=0, tag=3)
+                where = str(lsock.getsockname()[1])
+            await node.send(0, nothing, step=0, tag=1, meta={"where": where})
             raw, _ = await asyncio.get_running_loop().run_in_executor(None, lsock.accept)
             lsock.close()
         else:
-            wlen = np.zeros(1, np.int64)
-            await node.recv_into(1, wlen, step=0, tag=1, timeout=30)
-            where = np.zeros(int(wlen[0]), np.uint8)
-            await node.recv_into(1, where, step=0, tag=3, timeout=30)
+            where = str((await node.recv_into(1, nothing, step=0, tag=1, timeout=30)
+                         ).meta["where"])
             if unix:
                 raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                raw.connect(where.tobytes())
+                raw.connect(where)
             else:
-                raw = socket.create_connection(("127.0.0.1", int(where.tobytes())))
+                raw = socket.create_connection(("127.0.0.1", int(where)))
         if not unix:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         raw_ack = memoryview(bytearray(ACK))

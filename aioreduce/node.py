@@ -27,7 +27,7 @@ from .env import NodeEnv, discover
 from .inputs import Inputs
 from .peers import Peers
 from .schemes import CodedScheme, Result, Scheme, Session
-from .schemes.base import Comm, SumsInPlace
+from .schemes.base import Arrival, Comm, SumsInPlace
 from .schemes.p2p import PointToPoint
 from .sessions import Sessions, preconnect
 from .settings import bind_for, env_extras
@@ -235,7 +235,8 @@ class Node(Peers):
         return res
 
     async def allreduce(self, array: Reducible, *, op: ReduceOp = "sum",
-                        any_shape: bool = False, in_place: bool = False) -> Result:
+                        any_shape: bool = False, in_place: bool = False,
+                        arrival: Arrival | None = None) -> Result:
         """One step of an uncoded scheme (Ring, Tree, Star, Transpose): the sum of every
         rank's array, or with ``op="mean"`` the sum divided by the number of contributions
         it holds. A CPU torch tensor works too (the result's ``value`` is then a tensor).
@@ -248,33 +249,40 @@ class Node(Peers):
         floating-point array or CPU tensor), which is then the result's ``value``, as
         ``torch.distributed.all_reduce`` does. The ring sums straight into it (no result
         buffer, no copy; a mean costs a pass over 1/N of it); other schemes copy their result
-        in. If the step fails, ``array`` holds partial sums."""
+        in. If the step fails, ``array`` holds partial sums.
+
+        ``arrival`` (with ``in_place=True``) says that ``array`` is still being filled, piece
+        by piece (a device tensor copied to host memory, as the torch backend stages one):
+        see :class:`~aioreduce.schemes.base.Arrival`."""
         if self._auto and self.scheme is None:
             from .sim.auto import pick  # the simulator ranks the uncoded schemes
             array = await pick(self, array)
         self._require(coded=False)
         if in_place:
-            return await self._reduce_in_place(array, op, any_shape=any_shape)
+            return await self._reduce_in_place(array, op, any_shape=any_shape, arrival=arrival)
+        if arrival is not None:
+            raise ValueError(f"rank {self.rank}: arrival= needs in_place=True")
         res = await self._reduce(array, op, any_shape=any_shape)
         if op == "mean":
             res = dataclasses.replace(res, value=res.value / mean_divisor(res, self.world_size))
         return res
 
-    async def _reduce_in_place(self, target: Reducible, op: str, *, any_shape: bool
-                               ) -> Result:
+    async def _reduce_in_place(self, target: Reducible, op: str, *, any_shape: bool,
+                               arrival: Arrival | None) -> Result:
         """:meth:`allreduce` with ``in_place=True``."""
         array = self._inputs.in_place(target)
         # A session that sums in place sums every rank: it divides by the world size as it
         # goes. Any other copies its sum in, divided here by the contributions it holds.
         folded = op == "mean" and self.sums_in_place
         res = await self._reduce(array, op, any_shape=any_shape, into=array,
-                                 divisor=self.world_size if folded else 1)
+                                 divisor=self.world_size if folded else 1, arrival=arrival)
         if op == "mean" and not folded:
             np.divide(array, mean_divisor(res, self.world_size), out=array)
         return self._inputs.in_place_result(target, array, res)
 
     async def _reduce(self, vector: Reducible, op: str, *, any_shape: bool,
-                      into: np.ndarray | None = None, divisor: float = 1) -> Result:
+                      into: np.ndarray | None = None, divisor: float = 1,
+                      arrival: Arrival | None = None) -> Result:
         """One step of the session, tensors to arrays and back."""
         if op not in ("sum", "mean"):
             raise ValueError(f"rank {self.rank}: op must be 'sum' or 'mean', not {op!r} (min, "
@@ -284,7 +292,8 @@ class Node(Peers):
         array, like = self._inputs.numpy(vector)
         session = self._sessions.current
         assert session is not None  # aggregate()/allreduce() checked it
-        res = await self._steps.run(session, type(self.scheme).__name__, array, into, divisor)
+        res = await self._steps.run(session, type(self.scheme).__name__, array, into, divisor,
+                                    arrival)
         return res if into is not None else self._inputs.result(res, like, callable(array))
 
     def _require(self, *, coded: bool) -> Scheme:

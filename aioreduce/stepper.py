@@ -14,13 +14,13 @@ import dataclasses
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 
 from .errors import VectorMismatch
 from .schemes import FellBehind, Result, Session
-from .schemes.base import DecodeTimed, SumsInPlace, WritesInto
+from .schemes.base import Arrival, DecodeTimed, SumsInPlace, WritesInto
 from .stepgc import StepGC
 from .straggle import StraggleModel
 from .telemetry import Tracer
@@ -65,10 +65,12 @@ class Stepper:
 
     async def run(self, session: Session, label: str,
                   vector: np.ndarray | Callable[[], np.ndarray],
-                  into: np.ndarray | None = None, divisor: float = 1) -> Result:
+                  into: np.ndarray | None = None, divisor: float = 1,
+                  arrival: Arrival | None = None) -> Result:
         """One step of ``session`` (``label``: the scheme, for telemetry); with ``into``, the
         result lands there (divided by ``divisor`` if the session sums in place; others
-        ignore it)."""
+        ignore it). ``arrival``: the vector is still landing (see
+        :class:`~aioreduce.schemes.base.Arrival`)."""
         self.check_input(vector)
         step = self.take()
         loop = asyncio.get_running_loop()
@@ -100,11 +102,12 @@ class Stepper:
             vec = np.ascontiguousarray(vector)
             like = self.like = np.empty_like(vec)
             own = asyncio.ensure_future(self._straggle(step, vec, since_return))
-        return await self._session_step(session, label, step, like, own, into, divisor)
+        return await self._session_step(session, label, step, like, own, into, divisor,
+                                        arrival)
 
     async def _session_step(self, session: Session, label: str, step: int, like: np.ndarray,
                             own: asyncio.Future[np.ndarray], into: np.ndarray | None = None,
-                            divisor: float = 1) -> Result:
+                            divisor: float = 1, arrival: Arrival | None = None) -> Result:
         tracer = self.tracer
         if tracer is not None:
             tracer.begin(step, label)
@@ -112,10 +115,13 @@ class Stepper:
         result: Result | None = None
         error: BaseException | None = None
         try:
+            if into is not None and isinstance(session, SumsInPlace):
+                result = await session.step_into(step, like, own, into, divisor, arrival)
+                return result
+            if arrival is not None:  # a session that reads the vector whole: all of it first
+                own = asyncio.ensure_future(_landed(own, arrival))
             if into is None:
                 result = await session.step(step, like, own)
-            elif isinstance(session, SumsInPlace):
-                result = await session.step_into(step, like, own, into, divisor)
             elif isinstance(session, WritesInto):
                 result = await session.step_to(step, like, own, into)
             else:
@@ -159,3 +165,10 @@ def mean_divisor(res: Result, world_size: int) -> float:
     if res.received < 1.0:
         return max(world_size * res.received, 1.0)
     return float(max(len(res.used), 1))
+
+
+async def _landed(own: Awaitable[np.ndarray], arrival: Arrival) -> np.ndarray:
+    """``own``'s vector once all of it is on the host."""
+    vec = await own
+    await asyncio.to_thread(arrival.landed, 0, vec.size)
+    return vec

@@ -95,25 +95,33 @@ def _spans_row(name: str, straggle: str, every: np.ndarray, warmup: int,
 
 
 def _staging_rows(pg: Any, node: Any, numel: int, dev: Any, iters: int) -> list[dict[str, Any]]:
-    """allreduce of ``numel`` float32 through ``pg``, a CPU tensor against a GPU tensor,
-    alternating (each after a barrier): what staging through pinned memory costs."""
+    """allreduce of ``numel`` float32, a CPU tensor against a GPU tensor, through ``pg`` (ours)
+    and through Gloo (the default group), alternating (each after a barrier): what staging
+    through pinned memory costs us, beside what it costs Gloo in the same run."""
     import torch
     import torch.distributed as dist
     tensors = {"allreduce-cpu": torch.ones(numel), "allreduce-cuda": torch.ones(numel, device=dev)}
-    times: dict[str, list[tuple[float, float]]] = {k: [] for k in tensors}
+    calls = {f"{who}{name}": (who, t) for name, t in tensors.items() for who in ("", "gloo-")}
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in calls}
     for it in range(iters + 2):
-        for name in (list(tensors) if it % 2 == 0 else list(tensors)[::-1]):
+        for name in (list(calls) if it % 2 == 0 else list(calls)[::-1]):
+            who, t = calls[name]
             node.barrier(timeout=300)
             t0 = time.monotonic()
-            pg.allreduce([tensors[name]], dist.AllreduceOptions()).wait()
+            if who:
+                dist.all_reduce(t)
+            else:
+                pg.allreduce([t], dist.AllreduceOptions()).wait()
             if it >= 2:
                 times[name].append((t0, _done(dev)))
-    rows = []
-    for name, t in times.items():
-        every = node.allgather(np.array(t, np.float64)).value
-        rows.append(_spans_row(name, "", every, 2, size_bytes=numel * 4))
-    rows[1]["vs_cpu"] = rows[1]["median_s"] / rows[0]["median_s"]
-    return rows
+    rows = {}
+    for name, spans in times.items():
+        every = node.allgather(np.array(spans, np.float64)).value
+        rows[name] = _spans_row(name, "", every, 2, size_bytes=numel * 4)
+    for who in ("", "gloo-"):
+        gpu, cpu = rows[f"{who}allreduce-cuda"], rows[f"{who}allreduce-cpu"]
+        gpu["vs_cpu"] = gpu["median_s"] / cpu["median_s"]
+    return list(rows.values())
 
 
 def _worker(cfg: DdpConfig) -> None:
@@ -310,15 +318,16 @@ def print_ddp(rows: list[dict[str, Any]]) -> None:
     print(f"{first['nodes']} ranks, {what} of {first['parameters'] / 1e6:.1f}M parameters "
           f"({first['dtype']}, on {first['device']}), global batch {first['global_batch']}, "
           f"{first['iters']} steps per scheme (makespan of a training step: median, p99)")
-    print(f"{'straggler':>22} {'scheme':>11} {'median ms':>10} {'p99 ms':>9} {'vs gloo':>8} "
+    print(f"{'straggler':>22} {'scheme':>19} {'median ms':>10} {'p99 ms':>9} {'vs gloo':>8} "
           f"{'vs none':>8}")
     for r in rows:
         vs_g = f"{r['vs_gloo']:8.2f}" if "vs_gloo" in r else f"{'-':>8}"
         vs_n = f"{r['vs_no_straggler']:8.2f}" if "vs_no_straggler" in r else f"{'-':>8}"
-        print(f"{r['straggle']:>22} {r['scheme']:>11} {r['median_s'] * 1e3:10.1f} "
+        print(f"{r['straggle']:>22} {r['scheme']:>19} {r['median_s'] * 1e3:10.1f} "
               f"{r['p99_s'] * 1e3:9.1f} {vs_g} {vs_n}")
         if "vs_cpu" in r:
-            print(f"{'':>22} staging a GPU tensor of {r['size_bytes'] / 2**20:.1f} MiB: "
+            who = "Gloo" if r["scheme"].startswith("gloo-") else "ours"
+            print(f"{'':>22} staging a GPU tensor of {r['size_bytes'] / 2**20:.1f} MiB ({who}): "
                   f"{r['vs_cpu']:.2f}x the same sum of a CPU tensor")
 
 

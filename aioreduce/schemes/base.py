@@ -216,6 +216,32 @@ class Session(Protocol):
         vector for that step is not needed (the node then skips computing it)."""
 
 
+class Arrival(Protocol):
+    """A vector that reaches the host in pieces, and whose result may leave in pieces: a
+    device tensor staged through host memory (:mod:`aioreduce.torch.staging`). A session
+    that sums in place starts on the pieces that are in and hands back each piece of the
+    result as soon as it is final, so the copies overlap the wire; a session that cannot
+    waits for the whole vector first (``landed(0, size)``) and hands nothing back."""
+
+    def landed(self, lo: int, hi: int) -> None:
+        """Block until elements ``[lo, hi)`` of the vector are on the host (called off the
+        event loop)."""
+
+    def final(self, lo: int, hi: int) -> None:
+        """Elements ``[lo, hi)`` of the result do not change again this step (each element
+        at most once)."""
+
+
+@runtime_checkable
+class ReadsInOrder(Protocol):
+    """A session that reads its vector in a known order of pieces: a staged vector is copied
+    to the host in that order, so the step starts once the first piece is in."""
+
+    def read_order(self, size: int) -> Sequence[tuple[int, int]]:
+        """The ``(lo, hi)`` pieces of a vector of ``size`` elements, in the order the step
+        first reads them (together they cover it once)."""
+
+
 @runtime_checkable
 class SumsInPlace(Protocol):
     """A session that can write a step's sum into an array of the caller's (its own vector
@@ -223,11 +249,13 @@ class SumsInPlace(Protocol):
     Only sessions whose result always sums every rank's vector implement it."""
 
     async def step_into(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray],
-                        into: np.ndarray, divisor: float) -> Result:
+                        into: np.ndarray, divisor: float, arrival: Arrival | None = None
+                        ) -> Result:
         """:meth:`Session.step`, with the sum divided by ``divisor`` (1: the sum) written into
         ``into`` (C-contiguous, ``like``'s shape and dtype; it may be the vector ``own``
         yields), which is the result's ``value``. If the step fails, ``into`` holds partial
-        sums."""
+        sums. With ``arrival``, the vector ``own`` yields may still be landing: see
+        :class:`Arrival`."""
 
 
 @runtime_checkable

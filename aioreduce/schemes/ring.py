@@ -51,7 +51,7 @@ from ..errors import AioreduceError, LaneMismatch, PeerLost, VectorMismatch
 from ..topology import ring_neighbours
 from ..wire import Header, byte_view, tags
 from ..wire.control import StepFailed, decode_failed, failed_meta
-from .base import BulkLink, BulkLinks, Comm, Result
+from .base import Arrival, BulkLink, BulkLinks, Comm, Result
 from .pool import BufferPool
 
 ABORT_TAG = tags.ABORT  # above every data tag of a step
@@ -150,26 +150,37 @@ def _depth(n: int, width_bytes: int) -> int:
 
 def _lane_ring(out: BulkLink, into: BulkLink, mine: np.ndarray, acc: np.ndarray,
                scratch: np.ndarray, seg: tuple[tuple[int, int], ...], pos: int, step: int,
-               divisor: float) -> tuple[int, int]:
+               divisor: float, arrival: Arrival | None = None) -> tuple[int, int]:
     """:func:`_ring` over lanes, on a worker thread: the same segments (``seg``) in the same
     order, each send queued to ``out``'s thread while this one receives from ``into``. The
     hazards are those of :func:`_ring`: a segment is written only after the send that reads
     it was received further round the ring (every byte this rank receives depends on it), and
     the step returns only once every send is in the kernel (``flush``). Returns the bytes
-    sent and received."""
+    sent and received.
+
+    With ``arrival`` (a staged device tensor), a segment of ``mine`` is read only once it has
+    landed (the segments land in :func:`read_order`, so the first send waits for 1/N of the
+    copy), and each segment of the result is handed back as soon as it is final: this rank's
+    own once reduced, the others as the all-gather brings them."""
     n, sent, got = len(seg), 0, 0
     for i in range(n - 1):  # reduce-scatter
         s_lo, s_hi = seg[(pos - i) % n]
+        if i == 0 and arrival is not None:
+            arrival.landed(s_lo, s_hi)
         view = byte_view((mine if i == 0 else acc)[s_lo:s_hi])
         out.send(step, i, view)
         r_lo, r_hi = seg[(pos - i - 1) % n]
         buf = byte_view(scratch[: r_hi - r_lo])
         into.recv_into(step, i, buf)
+        if arrival is not None:
+            arrival.landed(r_lo, r_hi)
         np.add(mine[r_lo:r_hi], scratch[: r_hi - r_lo], out=acc[r_lo:r_hi])
         sent, got = sent + view.nbytes, got + buf.nbytes
+    lo, hi = seg[(pos + 1) % n]
     if divisor != 1:
-        lo, hi = seg[(pos + 1) % n]
         np.divide(acc[lo:hi], divisor, out=acc[lo:hi])
+    if arrival is not None:
+        arrival.final(lo, hi)
     for i in range(n - 1):  # all-gather
         s_lo, s_hi = seg[(pos + 1 - i) % n]
         view = byte_view(acc[s_lo:s_hi])
@@ -177,9 +188,18 @@ def _lane_ring(out: BulkLink, into: BulkLink, mine: np.ndarray, acc: np.ndarray,
         r_lo, r_hi = seg[(pos - i) % n]
         buf = byte_view(acc[r_lo:r_hi])
         into.recv_into(step, n + i, buf)
+        if arrival is not None:
+            arrival.final(r_lo, r_hi)
         sent, got = sent + view.nbytes, got + buf.nbytes
     out.flush()
     return sent, got
+
+
+def read_order(size: int, pos: int, n: int) -> tuple[tuple[int, int], ...]:
+    """The segments of a ``size``-element vector in the order a lane ring at position ``pos``
+    of ``n`` first reads them: its own (the first send), then each one it adds to."""
+    seg = _segments(size, n)
+    return tuple(seg[(pos - i) % n] for i in range(n))
 
 
 @dataclass(frozen=True)
@@ -290,16 +310,24 @@ class RingSession:
         return False  # a ring's result needs everyone's vector
 
     async def step(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray]) -> Result:
-        return await self._run_step(step, like, own, None, 1)
+        return await self._run_step(step, like, own, None, 1, None)
 
     async def step_into(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray],
-                        into: np.ndarray, divisor: float) -> Result:
+                        into: np.ndarray, divisor: float, arrival: Arrival | None = None
+                        ) -> Result:
         """The step's sum divided by ``divisor`` written into ``into`` (see
         :class:`~.base.SumsInPlace`); ``into`` may be the vector itself."""
-        return await self._run_step(step, like, own, into, divisor)
+        return await self._run_step(step, like, own, into, divisor, arrival)
+
+    def read_order(self, size: int) -> tuple[tuple[int, int], ...]:
+        """See :class:`~.base.ReadsInOrder`: segment by segment over lanes, else at once."""
+        if not self._want_lanes or size < self.comm.world_size:
+            return ((0, size),)
+        return read_order(size, self.comm.rank, self.comm.world_size)
 
     async def _run_step(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray],
-                        into: np.ndarray | None, divisor: float) -> Result:
+                        into: np.ndarray | None, divisor: float, arrival: Arrival | None
+                        ) -> Result:
         comm = self.comm
         t0 = time.perf_counter()
         comm.discard_before(step)
@@ -313,7 +341,7 @@ class RingSession:
         if comm.world_size > 1:
             acc = (self.pool.take(mine.size, mine.dtype) if into is None
                    else into.reshape(-1))
-            work = asyncio.ensure_future(self._exchange(mine, acc, step, divisor))
+            work = asyncio.ensure_future(self._exchange(mine, acc, step, divisor, arrival))
             waits: set[asyncio.Future[Any]] = {work, self._aborted}
             try:
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -336,6 +364,8 @@ class RingSession:
                 raise exc
         elif into is not None:
             acc = into.reshape(-1)
+            if arrival is not None:
+                await asyncio.to_thread(arrival.landed, 0, mine.size)
             np.divide(mine, divisor, out=acc)
         else:
             acc = mine.copy()
@@ -346,8 +376,8 @@ class RingSession:
         return Result(value, step, list(range(comm.world_size)), [], True, 0.0,
                       time.perf_counter() - t0)
 
-    async def _exchange(self, mine: np.ndarray, acc: np.ndarray, step: int, divisor: float
-                        ) -> None:
+    async def _exchange(self, mine: np.ndarray, acc: np.ndarray, step: int, divisor: float,
+                        arrival: Arrival | None) -> None:
         comm = self.comm
         n, rank = comm.world_size, comm.rank
         prev, nxt = ring_neighbours(rank, n)
@@ -360,8 +390,10 @@ class RingSession:
                     outs, ins = await self._links.open_links([nxt], [prev], step)
                     self._lanes = (outs[nxt], ins[prev])
             if self._lanes is not None:
-                await self._lane_exchange(self._lanes, mine, acc, step, divisor)
+                await self._lane_exchange(self._lanes, mine, acc, step, divisor, arrival)
                 return
+        if arrival is not None:  # the event loop's ring reads every segment at once
+            await asyncio.to_thread(arrival.landed, 0, mine.size)
         if self.bidirectional and acc.size >= 2 * n:
             half = acc.size // 2
             # Position on the reversed ring (0 -> N-1 -> ... -> 1 -> 0) is -rank mod n.
@@ -374,7 +406,8 @@ class RingSession:
             await _ring(comm, mine, acc, self.pool, nxt, prev, rank, step, 0, divisor)
 
     async def _lane_exchange(self, lanes: tuple[BulkLink, BulkLink], mine: np.ndarray,
-                             acc: np.ndarray, step: int, divisor: float) -> None:
+                             acc: np.ndarray, step: int, divisor: float,
+                             arrival: Arrival | None) -> None:
         """The step on the session's thread over ``lanes``. If it fails here, or is cancelled
         because it failed elsewhere, the lanes are interrupted (which releases the thread),
         the thread is waited for (it must not touch the vectors after the step), and they are
@@ -386,7 +419,7 @@ class RingSession:
         scratch = self.pool.take(max(hi - lo for lo, hi in seg), acc.dtype)
         job = asyncio.get_running_loop().run_in_executor(
             self._thread, _lane_ring, lanes[0], lanes[1], mine, acc, scratch, seg, comm.rank,
-            step, divisor)
+            step, divisor, arrival)
         try:
             sent, got = await asyncio.shield(job)
             assert self._links is not None  # the lanes came from them

@@ -42,6 +42,7 @@ from ..env import NodeEnv
 from ..errors import ConfigError
 from ..node import Node
 from ..schemes import Result, Scheme
+from ..schemes.base import ReadsInOrder, SumsInPlace
 from ..schemes.registry import by_name
 from ..settings import env_extras
 from ..sync import SyncNode
@@ -57,6 +58,11 @@ _NO_VALUE = np.empty(0, np.float32)
 _NO_VALUE.setflags(write=False)
 _configured: Scheme | None = None
 _SUMS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+
+
+# A device tensor at least this large is copied to the host in the pieces its sum reads
+# first (smaller ones in one copy: a copy's launch costs more than the overlap buys).
+PIECES_FROM = 1 << 20
 
 
 def configure(scheme: Scheme | None) -> None:
@@ -200,9 +206,10 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
 
     def _op(self, staged: Sequence[Staged], outputs: Sequence[Staged],
             body: Callable[[], Coroutine[Any, Any, Any]], value: Callable[[Any], Any], *,
-            ordered: bool = True) -> torch.futures.Future[Any]:
-        """Run ``body()`` on the node's loop once every staged input is on the host (after
-        the collectives issued before it when ``ordered``); then, on our thread, copy the
+            ordered: bool = True, landing: bool = False) -> torch.futures.Future[Any]:
+        """Run ``body()`` on the node's loop once every staged input is on the host (at once
+        with ``landing``: the body waits for the pieces it reads itself), after the
+        collectives issued before it when ``ordered``; then, on our thread, copy the
         ``outputs`` back and complete the returned future with ``value(body's result)``."""
         on_device = next((s for s in staged if s.stream is not None), None)
         fut: torch.futures.Future[Any] = (
@@ -210,7 +217,7 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
             else torch.futures.Future(devices=[on_device.tensor.device]))
 
         async def run() -> Any:
-            for s in staged:
+            for s in () if landing else staged:
                 if s.ready is not None and not s.ready.query():
                     await asyncio.get_running_loop().run_in_executor(None, s.ready.synchronize)
             return await body()
@@ -256,7 +263,16 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         by_owners = op not in _SUMS or tensor.dtype not in (torch.float32, torch.float64)
         if by_owners:  # named before anything is staged
             self._check_op(op, "all_reduce")
-        st = self.stager.stage(tensor)
+        session = node.session
+        # A device tensor is copied to the host in the order the session reads it, so the
+        # sum starts once the first piece is in, and comes back piece by piece as each is
+        # final (a session that sums in place says when).
+        streams = (not by_owners and tensor.is_cuda and tensor.is_contiguous()
+                   and isinstance(session, SumsInPlace))
+        order = (session.read_order(tensor.numel())
+                 if streams and isinstance(session, ReadsInOrder)
+                 and tensor.numel() * tensor.element_size() >= PIECES_FROM else ())
+        st = self.stager.stage(tensor, order=order)
         host, dtype, world = st.host, st.tensor.dtype, node.world_size
         if by_owners:
             return self._op([st], [st], lambda: direct.allreduce(node, host, dtype, op),
@@ -266,7 +282,8 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
 
         async def total() -> Result:
             return await node.allreduce(host, op="mean" if divided else "sum",
-                                        any_shape=True, in_place=True)
+                                        any_shape=True, in_place=True,
+                                        arrival=st if streams else None)
 
         def value(res: Result) -> torch.Tensor:
             self._note(res)
@@ -276,7 +293,7 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
                 np.divide(host, world, out=host)
             return tensor
 
-        return self._op([st], [st], total, value)
+        return self._op([st], [st], total, value, landing=streams)
 
     def _note(self, res: Result) -> None:
         self.last_results.append(dataclasses.replace(res, value=_NO_VALUE))

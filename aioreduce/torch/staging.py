@@ -21,7 +21,7 @@ its allocator and events are injected, so it is unit-tested without a GPU.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -138,9 +138,20 @@ def _pinned(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[lo, hi)`` of a staged tensor, on the host once ``landed`` completes."""
+
+    lo: int
+    hi: int
+    landed: Event | None
+
+
 @dataclass(eq=False)
 class Staged:
-    """One tensor as host bytes for the transport.
+    """One tensor as host bytes for the transport; also its
+    :class:`~aioreduce.schemes.base.Arrival` (the pieces of the copy, and the copy back of
+    each piece of the result as soon as the collective says it is final).
 
     ``host`` is the numpy array the collective reads and writes (the tensor's wire dtype,
     flat). For a contiguous CPU tensor it is the tensor's own memory; otherwise a host copy
@@ -148,21 +159,45 @@ class Staged:
 
     tensor: torch.Tensor
     host: np.ndarray
-    ready: Event | None = None  # the device-to-host copy has landed
+    ready: Event | None = None  # the device-to-host copy has landed (all of it)
     stream: Any = None  # the side stream (CUDA), else None
     block: Block | None = None
     pool: HostPool | None = None
     staged_copy: torch.Tensor | None = field(default=None, repr=False)  # a CPU strided case
+    pieces: tuple[Piece, ...] = ()  # the device-to-host copy, in the order it was issued
+    written: int = 0  # elements already copied back by final()
 
     def wait_ready(self) -> None:
         """Block until ``host`` holds the tensor's values (the copy is done)."""
         if self.ready is not None and not self.ready.query():
             self.ready.synchronize()
 
+    def landed(self, lo: int, hi: int) -> None:
+        """Block until elements ``[lo, hi)`` are on the host (their pieces' copies are done)."""
+        if not self.pieces:
+            self.wait_ready()
+        for p in self.pieces:
+            if p.lo < hi and lo < p.hi and p.landed is not None and not p.landed.query():
+                p.landed.synchronize()
+
+    def final(self, lo: int, hi: int) -> None:
+        """Copy elements ``[lo, hi)`` of the result back now (on the side stream, without
+        waiting): the copy back overlaps the rest of the collective."""
+        if self.block is None or hi <= lo:
+            return
+        size = self.tensor.element_size()
+        src = self.block.data[lo * size:hi * size].view(self.tensor.dtype)
+        with torch.no_grad(), torch.cuda.stream(self.stream):
+            self.tensor.view(-1)[lo:hi].copy_(src, non_blocking=True)
+        self.written += hi - lo
+
     def write_back(self) -> None:
         """Copy ``host`` into the tensor where it is not the tensor's own memory (on the side
-        stream for a device tensor; the caller runs this with that stream current)."""
+        stream for a device tensor; the caller runs this with that stream current), unless
+        :meth:`final` already copied all of it."""
         if self.block is not None:
+            if self.written >= self.host.size:
+                return
             src = self.block.data[:self.host.nbytes].view(self.tensor.dtype)
             with torch.no_grad():
                 self.tensor.copy_(src.view(self.tensor.shape), non_blocking=True)
@@ -192,9 +227,12 @@ class Stager:
             side = self._streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         return side
 
-    def stage(self, t: torch.Tensor, *, read: bool = True) -> Staged:
+    def stage(self, t: torch.Tensor, *, read: bool = True,
+              order: Sequence[tuple[int, int]] = ()) -> Staged:
         """``t`` as host bytes; ``read=False`` for an output whose old values nobody needs
-        (no copy to the host)."""
+        (no copy to the host). ``order``: pieces of ``t`` (element ranges), copied one after
+        the other in that order, each with an event of its own, so a collective that reads
+        them in that order starts once the first is in (see :meth:`Staged.landed`)."""
         if t.device.type == "cpu":
             if t.is_contiguous():
                 return Staged(t, wire_view(t).reshape(-1))
@@ -207,12 +245,25 @@ class Stager:
         nbytes = t.numel() * t.element_size()
         block = self.pool.take(nbytes)
         host = block.data[:nbytes].numpy().view(wire_dtype(t.dtype))
-        ready = None
+        ready: Event | None = None
+        pieces: tuple[Piece, ...] = ()
         if read and nbytes:
             with torch.cuda.stream(side):
-                block.data[:nbytes].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
-                ready = side.record_event()
+                if len(order) > 1 and t.is_contiguous():
+                    pieces = tuple(self._piece(t, block, lo, hi, side) for lo, hi in order)
+                    ready = pieces[-1].landed  # one stream: the last is in after the others
+                else:
+                    block.data[:nbytes].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
+                    ready = side.record_event()
         # The caching allocator must not hand t's memory out again while the side stream
         # may still read or write it.
         t.record_stream(side)
-        return Staged(t, host, ready, side, block, self.pool)
+        return Staged(t, host, ready, side, block, self.pool, pieces=pieces)
+
+    @staticmethod
+    def _piece(t: torch.Tensor, block: Block, lo: int, hi: int, side: Any) -> Piece:
+        """Copy elements ``[lo, hi)`` of ``t`` into ``block`` on ``side`` (current)."""
+        size = t.element_size()
+        block.data[lo * size:hi * size].view(t.dtype).copy_(t.view(-1)[lo:hi],
+                                                            non_blocking=True)
+        return Piece(lo, hi, side.record_event())

@@ -24,7 +24,7 @@ dist = pytest.importorskip("torch.distributed")
 
 from aioreduce.tensors import narrow, widen, wire_view  # noqa: E402
 from aioreduce.torch import direct  # noqa: E402
-from aioreduce.torch.staging import ALIGN, HostPool, Stager  # noqa: E402
+from aioreduce.torch.staging import ALIGN, HostPool, Piece, Staged, Stager  # noqa: E402
 
 
 class FakeEvent:
@@ -98,6 +98,52 @@ def test_the_pool_is_bounded_and_grows_to_the_largest_bucket() -> None:
     pool.give(big)
     assert released.wait(10) and got == [big]  # reused, not a new allocation
     assert sizes == [ALIGN, 5 * ALIGN]
+
+
+class LandsWhenWaited(FakeEvent):
+    """A copy in flight that completes as soon as somebody waits for it."""
+
+    def synchronize(self) -> None:
+        self.done.set()
+        super().synchronize()
+
+
+def _staged_in_pieces(values: torch.Tensor, bounds: list[tuple[int, int]]
+                      ) -> tuple[Staged, list[LandsWhenWaited]]:
+    """A tensor staged as a device tensor is, without a device: a host block (the pinned
+    buffer), pieces whose copies land when their events are set, no side stream."""
+    pool, _sizes = _pool(1 << 20)
+    block = pool.take(values.numel() * values.element_size())
+    host = block.data[:values.numel() * 4].numpy().view(np.float32)
+    events = [LandsWhenWaited() for _ in bounds]
+    pieces = tuple(Piece(lo, hi, ev) for (lo, hi), ev in zip(bounds, events, strict=True))
+    return Staged(values, host, events[-1], None, block, pool, pieces=pieces), events
+
+
+def test_a_piece_is_waited_for_only_by_those_who_read_it() -> None:
+    staged, events = _staged_in_pieces(torch.zeros(10), [(5, 10), (0, 5)])
+    events[0].done.set()  # the first piece issued has landed, the second not yet
+    staged.landed(6, 9)
+    assert [e.waited for e in events] == [0, 0]  # landed already: not even synchronized
+    staged.landed(4, 6)  # spans both: waits for the one still in flight
+    assert [e.waited for e in events] == [0, 1]
+
+
+def test_final_pieces_are_copied_back_once_and_the_whole_copy_is_then_skipped() -> None:
+    target = torch.zeros(10)
+    staged, _events = _staged_in_pieces(target, [(0, 10)])
+    staged.host[:] = np.arange(10)
+    staged.final(0, 4)
+    assert target.tolist() == [0, 1, 2, 3] + [0] * 6  # that piece, now
+    staged.host[:] = -1  # anything written here after the last final() is not copied again
+    staged.final(4, 10)
+    staged.write_back()
+    assert target.tolist() == [0, 1, 2, 3, -1, -1, -1, -1, -1, -1]
+    partial, _ = _staged_in_pieces(torch.zeros(4), [(0, 4)])
+    partial.host[:] = 7
+    partial.final(0, 1)  # a step that failed half way: the whole (partial) result is copied
+    partial.write_back()
+    assert partial.tensor.tolist() == [7, 7, 7, 7]
 
 
 def test_cpu_tensors_are_staged_as_their_own_memory_and_bf16_as_its_bits() -> None:
@@ -201,3 +247,24 @@ async def test_owners_reduce_min_max_avg_and_integers_exactly() -> None:
                                for r in range(world)))
         for w in wires:
             assert w.tolist() == want, op
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_a_cuda_tensor_is_copied_in_pieces_and_back_piece_by_piece() -> None:
+    """The real copies: pieces issued in the order asked, each landed by its own event; the
+    result's pieces copied back on the side stream, ordered before the caller's stream once
+    it waits for the side stream (what the completing future does)."""
+    t = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    order = [(3 << 18, 1 << 20), (0, 1 << 18), (1 << 18, 3 << 18)]
+    staged = Stager().stage(t, order=order)
+    assert [(p.lo, p.hi) for p in staged.pieces] == order
+    for lo, hi in order:
+        staged.landed(lo, hi)
+        np.testing.assert_array_equal(staged.host[lo:hi], np.arange(lo, hi, dtype=np.float32))
+    staged.host *= -1
+    for lo, hi in order:
+        staged.final(lo, hi)
+    staged.write_back()  # all of it went back already: nothing more is queued
+    torch.cuda.current_stream().wait_stream(staged.stream)
+    staged.release()
+    assert torch.equal(t.cpu(), -torch.arange(1 << 20, dtype=torch.float32))

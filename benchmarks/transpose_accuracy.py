@@ -1,6 +1,6 @@
 """Accuracy of the bounded-time transpose allreduce under loss: ``examples/logreg.py`` on
-N local ranks with 0 / 1 / 5 % of slices dropped on arrival, with and without the Hadamard
-rotation, zero-filled (OptiReduce) or rescaled (unbiased), against the exact single-process
+N local ranks with 0 / 1 / 5 % of slices dropped on arrival, with the Hadamard rotation
+always, only after a loss (the default) and never, zero-filled (OptiReduce) or rescaled (unbiased), against the exact single-process
 reference. Prints a Markdown table. ``final loss`` is the exact loss of rank 0's parameters
 at the last step (the same point as the reference's last loss).
 
@@ -47,14 +47,14 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for loss in (float(x) for x in a.losses.split(",")):
         for missing in ("zero", "rescale") if loss else ("zero",):
-            for hadamard in (True, False):
+            for hadamard in ("always", "after_loss", "never"):
                 cmd = [sys.executable, "-m", "aioreduce_launch.cli", "-n", str(a.ranks), "--",
                        sys.executable, LOGREG, "--scheme", "transpose", "--steps",
                        str(a.steps), "--loss", str(loss), "--missing", missing]
-                got = run(cmd + ([] if hadamard else ["--no-hadamard"]))
+                got = run(cmd + ["--hadamard", hadamard])
                 final = float(got["final_loss"])  # type: ignore[arg-type]
                 received = float(got["received"])  # type: ignore[arg-type]
-                print(f"| {loss:.0%} | {'on' if hadamard else 'off'} | {missing} | "
+                print(f"| {loss:.0%} | {hadamard} | {missing} | "
                       f"{final:.6f} | {final / exact - 1:+.2%} | {received:.2%} |",
                       flush=True)
 

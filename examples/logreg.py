@@ -68,7 +68,9 @@ def make_scheme(a: argparse.Namespace, world: int) -> ar.Scheme:
         code = {"frc": frc, "cyclic": cyclic_mds}.get(a.code, default_code)(world - 1,
                                                                              a.stragglers)
     if a.scheme == "transpose":
-        return ar.Transpose(hadamard=not a.no_hadamard, inject_loss=a.loss,
+        rotation = {"always": True, "never": False, "after_loss": "after_loss"}
+        return ar.Transpose(hadamard=rotation["never" if a.no_hadamard else a.hadamard],
+                            inject_loss=a.loss,
                             max_loss=a.max_loss, missing=a.missing,
                             resync_every=a.resync_every)
     return by_name(a.scheme, strict=False, fanout=a.fanout, levels=a.levels,
@@ -175,7 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--deadline", type=float, default=30.0)
     p.add_argument("--loss", type=float, default=0.0,
                    help="transpose: drop this fraction of slices on arrival (experiments)")
-    p.add_argument("--no-hadamard", action="store_true", help="transpose: no rotation")
+    p.add_argument("--hadamard", default="after_loss", choices=["after_loss", "always", "never"],
+                   help="transpose: when to rotate (the scheme's default: after a loss)")
+    p.add_argument("--no-hadamard", action="store_true", help="transpose: --hadamard never")
     p.add_argument("--missing", default="zero", choices=["zero", "rescale"],
                    help="transpose: what a missing contribution becomes")
     p.add_argument("--max-loss", type=float, default=1.0,

@@ -151,6 +151,18 @@ class Rotation:
             raise ValueError(f"part {k} of {self.parts} must have {self.part} entries")
         self._mix(y, y, after=self._scaled_signs(y.dtype)[k * self.part:(k + 1) * self.part])
 
+    def prepare(self, dtype: np.dtype) -> None:
+        """Make what the first rotation in ``dtype`` would make (the scaled diagonal in that
+        dtype: a pass over the vector), so that the first rotated step is not the slow one."""
+        self._scaled_signs(np.dtype(dtype))
+
+    def forward_part_inplace(self, k: int, y: np.ndarray) -> None:
+        """Rotate part ``k`` given on its own (``part`` entries, not rotated) in place: what
+        :meth:`forward_part` writes for that part. :meth:`inverse_part` undoes it."""
+        if y.shape != (self.part,) or not 0 <= k < self.parts:
+            raise ValueError(f"part {k} of {self.parts} must have {self.part} entries")
+        self._mix(y, y, before=self._scaled_signs(y.dtype)[k * self.part:(k + 1) * self.part])
+
     def _mix(self, z: np.ndarray, out: np.ndarray, *, before: np.ndarray | None = None,
              after: np.ndarray | None = None) -> None:
         """``out = after · H · before · z`` on every part of ``z`` (whole parts), with ``H``

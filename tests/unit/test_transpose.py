@@ -388,14 +388,56 @@ def test_rotation_spreads_a_lost_tail() -> None:
 
 async def test_integer_vectors_with_the_rotation_are_refused_naming_the_rank() -> None:
     net = MemoryNetwork(3)
-    sessions = [Transpose(deadline=D).open(c) for c in net.comms]
+    sessions = [Transpose(hadamard=True, deadline=D).open(c) for c in net.comms]
     ints = [np.arange(6) * (r + 1) for r in range(3)]
     for rank, res in enumerate(await run_step(net, sessions, 0, ints)):
         assert isinstance(res, TypeError) and f"rank {rank}:" in str(res)
         assert "hadamard=False" in str(res)
-    plain = [Transpose(hadamard=False, deadline=D).open(c) for c in net.comms]
-    for res in await run_step(net, plain, 1, ints):  # the corrected retry works
-        assert isinstance(res, Result) and res.value.tolist() == (np.arange(6) * 6).tolist()
+    for hadamard in (False, "after_loss"):  # never rotated: the corrected retry works
+        plain = [Transpose(hadamard=hadamard, deadline=D).open(c) for c in net.comms]
+        for res in await run_step(net, plain, 1, ints):
+            assert isinstance(res, Result) and res.value.tolist() == (np.arange(6) * 6).tolist()
+
+
+async def test_only_steps_after_a_loss_rotate_and_ranks_that_disagree_still_sum_exactly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """hadamard="after_loss" (the default): a calm step rotates nothing; a loss makes the
+    next block of rotate_steps steps rotate, on every rank that saw it or heard of it (the
+    phase-1 meta tells) before that block began. A rank told too late does not rotate then:
+    an owner brings each sender's copy to its own state, so those mixed steps are exact."""
+    net = MemoryNetwork(4)
+    sessions = [Transpose(deadline=D, max_loss=1.0, slice_bytes=4096, rotate_steps=2).open(c)
+                for c in net.comms]
+    rotated: list[tuple[int, int]] = []  # (step, rank) of every forward rotation
+    forward = hadamard_module.Rotation.forward_part
+    step_now = [0]
+
+    def counted(self: Rotation, k: int, x: np.ndarray, out: np.ndarray) -> None:
+        rank = next(r for r, s in enumerate(sessions) if s._rotation is self)
+        rotated.append((step_now[0], rank))
+        forward(self, k, x, out)
+
+    monkeypatch.setattr(hadamard_module.Rotation, "forward_part", counted)
+    rng = np.random.default_rng(3)
+    for step in range(8):
+        step_now[0] = step
+        if step in (1, 4):  # owner 2's reduced shard never reaches rank 0: only rank 0 sees it
+            net.lose(2, 0, PHASE2_TAG)
+        xs = [rng.standard_normal(10_007) for _ in range(4)]
+        want = np.sum(xs, axis=0)
+        results = await run_step(net, sessions, step, xs)
+        if step in (1, 4):
+            net._lost_tags.clear()
+            assert isinstance(results[0], Result) and results[0].stand_in == [2]
+            continue
+        for res in results:
+            assert isinstance(res, Result) and res.exact
+            assert np.abs(res.value - want).max() < 1e-9 * np.abs(want).max()
+    # Step 1 is the last of block 0: the others hear of its loss only in block 1 (steps 2
+    # and 3), which rank 0 rotates alone. Step 4 begins block 2: all hear of it at step 5,
+    # and all rotate in block 3 (steps 6 and 7).
+    want = [(2, 0), (3, 0)] + [(s, r) for s in (6, 7) for r in range(4)]
+    assert sorted({(s, r) for s, r in rotated}) == sorted(want)
 
 
 # -- a stage past its deadline -------------------------------------------------------------

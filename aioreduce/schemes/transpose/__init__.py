@@ -26,8 +26,15 @@ class Transpose:
 
     Options:
 
-    * ``hadamard``: rotate with a shared-seed random Hadamard transform first (on by default),
-      so a lost tail becomes small noise spread over the whole vector (floating point only).
+    * ``hadamard``: rotate with a shared-seed random Hadamard transform first, so a lost tail
+      becomes small noise spread over its shard (floating point only). ``"after_loss"`` (the
+      default): the steps go in blocks of ``rotate_steps``; a block rotates if a loss (a
+      slice, a contribution or a reduced shard missing) was seen or heard of in the block
+      before, so calm steps, where the rotation only costs a pass over the vector, do not;
+      the losses of a block that follows a calm one are not spread. Every rank tells its
+      peers of the losses it knows in its phase-1 frames, so the ranks change together; a
+      step's deadline includes the rotation's measured time when it rotates.
+      ``True``: every step; ``False``: never.
     * ``missing``: ``"zero"`` (OptiReduce: a missing contribution adds nothing; a reduced
       slice that did not arrive keeps this rank's own contribution) or ``"rescale"``
       (unbiased: each reduced slice is scaled by N / contributions received; a missing
@@ -55,7 +62,8 @@ class Transpose:
       network) they go through the comm.
     """
 
-    hadamard: bool = True
+    hadamard: bool | Literal["after_loss"] = "after_loss"
+    rotate_steps: int = 50  # with hadamard="after_loss": the blocks that rotate or not
     seed: int = 0
     missing: Missing = "zero"
     deadline: float | None = None
@@ -81,6 +89,10 @@ class Transpose:
     coded: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
+        if self.hadamard not in (True, False, "after_loss"):
+            raise ValueError("hadamard must be True, False or 'after_loss'")
+        if self.rotate_steps < 0:
+            raise ValueError("rotate_steps must be >= 0")
         if self.missing not in ("zero", "rescale"):
             raise ValueError("missing must be 'zero' or 'rescale'")
         if self.on_excess_loss not in ("raise", "wait"):

@@ -67,6 +67,13 @@ class TransposeSession:
         self.drifted: set[int] = set()  # ranks known to have used stand-ins since a re-sync
         self.last_deadline = 0.0
         self._rotation: Rotation | None = None
+        # hadamard="after_loss" (see _rotates): the newest block of rotate_steps steps in
+        # which this rank saw or heard of a loss, and this block's decision.
+        self._lossy_block = -1
+        self._at = -1  # the step running
+        self._block: tuple[int, bool] = (-1, False)
+        self._rot_cost = 0.0  # seconds this rank's forward rotation took (moving average)
+        self._heard_rotating = (False, False)  # a peer rotated: (last step, this step)
 
     @property
     def newest(self) -> int:
@@ -98,11 +105,13 @@ class TransposeSession:
                                opened_by=links)
         await old.close(0)
 
-    def _rotation_for(self, length: int) -> Rotation:
+    def _rotation_for(self, length: int, dtype: np.dtype | None = None) -> Rotation:
         n = self.comm.world_size
         if (self._rotation is None or self._rotation.length != length
                 or self._rotation.parts != n):
             self._rotation = Rotation(length, self.opts.seed, parts=n)
+            if dtype is not None:  # now, at a first step (waited for: warm-up), not later
+                self._rotation.prepare(dtype)
         return self._rotation
 
     async def step(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray]) -> Result:
@@ -124,14 +133,21 @@ class TransposeSession:
             links.discard_before(self.newest)
             raise FellBehind(me, step, self.newest)
         links.discard_before(step)
+        self._heard_rotating = (self._heard_rotating[1], False)
+        self._at = step
         if self._want_lanes:
             await self._open_lanes(step)
             links = self.links
-        rot = self._rotation_for(like.size) if opts.hadamard and like.size else None
-        if rot is not None and like.dtype.kind != "f":
+        if opts.hadamard is True and like.dtype.kind != "f":
             raise TypeError(f"rank {me}: Transpose(hadamard=True) needs floating-point "
                             f"vectors, not {like.dtype}; pass hadamard=False")
-        length = rot.padded if rot is not None else like.size
+        # The rotation's padded layout whenever this scheme may rotate, so that every rank
+        # cuts the same shards and slices whether or not it rotates this step.
+        shape = (self._rotation_for(like.size, like.dtype)
+                 if opts.hadamard is not False and like.size and like.dtype.kind == "f"
+                 else None)
+        rot = shape if shape is not None and self._rotates(step) else None
+        length = shape.padded if shape is not None else like.size
         layout = Layout(length, n, max(1, opts.slice_bytes // like.dtype.itemsize))
         lo, hi = layout.shards[me]
         # Row j: sender j's copy of our shard.
@@ -153,7 +169,9 @@ class TransposeSession:
             # than this step): our rotated vector, or a copy, never the caller's array.
             y = self.pool.take(length, like.dtype)
             meta: dict[str, Any] = {"c": [clock.advert() for clock in self.clocks],
-                                    "d": me in self.drifted}
+                                    "d": me in self.drifted, "r": rot is not None,
+                                    "l": self._lossy_block}
+            rotating = 0.0
             # Shard by shard, each sent to its owner as soon as it is ready (ours last, it
             # is needed only once the others' copies are in), the event loop turning between
             # shards: the links start working after 1/N of the rotation, not all of it.
@@ -161,9 +179,11 @@ class TransposeSession:
                 k = (me + i) % n
                 a, b = layout.shards[k]
                 if rot is not None:
+                    t = time.perf_counter()
                     rot.forward_part(k, mine, y)
+                    rotating += time.perf_counter() - t
                 else:
-                    y[a:b] = mine[a:b]
+                    _copy_part(mine, y, a, b)
                 if k != me:
                     self._send_shard(step, layout, y, k, meta)
                     await asyncio.sleep(0)
@@ -172,6 +192,15 @@ class TransposeSession:
                       for s in self._post(step, layout, k, [k], PHASE2_TAG,
                                           lambda _src, a, b: tail.view(out, a, b))]
             d1, d2 = (clock.deadline() for clock in self.clocks)
+            # The clocks learn stage times without the rotation; a step in which this rank
+            # rotates, or after one in which a peer did, gets that time on top (the peers'
+            # slices come that much later; the owner rotates 1/N back before phase 2).
+            if rot is not None:
+                self._rot_cost = (rotating if not self._rot_cost
+                                  else 0.8 * self._rot_cost + 0.2 * rotating)
+            extra = self._rot_cost if rot is not None or self._heard_rotating[0] else 0.0
+            if d1 is not None and d2 is not None and extra:
+                d1, d2 = d1 + extra, d2 + extra / n
             # The step's bound: both stages', each with the grace it may take past its
             # deadline while every sender it lacks is still delivering.
             grace = opts.flowing_grace
@@ -186,7 +215,8 @@ class TransposeSession:
                          (d1 or 0) * 1e3, stage1.fraction * 100)
             links.discard_before(step, PHASE2_TAG)
             self._drop_injected(step, 1, phase1)
-            shard_fraction, missing = self._reduce(y, scratch, layout, phase1)
+            shard_fraction, missing = self._reduce(y, scratch, layout, phase1, shape,
+                                                   rot is not None)
             if rot is not None:  # the layout's shards are the rotation's parts
                 rot.inverse_part(me, y[lo:hi])
             self._send_phase2(step, layout, y, shard_fraction, missing)
@@ -216,8 +246,8 @@ class TransposeSession:
             # (the caller's vector among them) once it is over.
             links.discard_before(step + 1)
             links.end_step(step)
-        self.clocks[0].observe(stage1.elapsed, stage1.fraction)
-        self.clocks[1].observe(stage2.elapsed, stage2.fraction)
+        self.clocks[0].observe(max(0.0, stage1.elapsed - extra), stage1.fraction)
+        self.clocks[1].observe(max(0.0, stage2.elapsed - extra / n), stage2.fraction)
         tail.land(out, phase2, layout)
         own_part = _OwnContribution(mine, y, rot, layout, out)
         return self._finish(step, like, own_part, out, into is not None, layout, phase2,
@@ -246,23 +276,62 @@ class TransposeSession:
             for i, (a, b) in enumerate(layout.slices_of(owner)):
                 self.links.send(owner, y[a:b], step, i, meta)
 
-    def _reduce(self, y: np.ndarray, scratch: np.ndarray, layout: Layout,
-                phase1: list[Slot]) -> tuple[float, list[int]]:
+    def _rotates(self, step: int) -> bool:
+        """Whether this rank rotates its vector at ``step``: always, never, or (by default)
+        in a block of ``rotate_steps`` steps after one in which it saw or heard of a loss. A
+        calm step loses nothing, so the rotation buys it nothing and would cost a pass over
+        the whole vector. Blocks, decided at their first step, and losses told to every
+        peer in the phase-1 meta, so that the ranks start and stop rotating together (a
+        rank that rotates sends later than one that does not)."""
+        hadamard = self.opts.hadamard
+        if hadamard != "after_loss":
+            return bool(hadamard)
+        block = step // max(1, self.opts.rotate_steps)
+        if self._block[0] != block:
+            self._block = (block, self._lossy_block >= block - 1 and block > 0)
+        return self._block[1]
+
+    def _reduce(self, y: np.ndarray, scratch: np.ndarray, layout: Layout, phase1: list[Slot],
+                shape: Rotation | None, rotating: bool) -> tuple[float, list[int]]:
         """Our shard, in ``y``: own copy plus every slice that arrived. Returns the shard's
-        received fraction (of all N contributions) and the ranks missing from it."""
+        received fraction (of all N contributions) and the ranks missing from it.
+
+        A sender that rotated when we did not, or the other way round (ranks start and stop
+        rotating on the losses each saw), has its copy brought to our state first: its
+        missing slices zeroed, then its whole row rotated or rotated back (1/N of the
+        vector, only in such a step)."""
         n, me = self.comm.world_size, self.comm.rank
         lo, _hi = layout.shards[me]
         slices = layout.slices_of(me)
         counts = np.ones(len(slices))
         got: dict[int, int] = {}
+        arrived: dict[int, list[Slot]] = {}
         for slot in phase1:
             if slot.arrived:
-                a, b = slices[slot.index]
-                y[a:b] += scratch[slot.src, a - lo:b - lo]
+                arrived.setdefault(slot.src, []).append(slot)
+        for src, slots in arrived.items():
+            header = slots[0].header
+            if header is not None:
+                self._learn(src, header.meta)  # the same on all its slices
+            theirs = bool(header.meta.get("r")) if header is not None else rotating
+            row = scratch[src]
+            if shape is not None and theirs != rotating:
+                have = {slot.index for slot in slots}
+                for index, (a, b) in enumerate(slices):
+                    if index not in have:
+                        row[a - lo:b - lo] = 0
+                if rotating:
+                    shape.forward_part_inplace(me, row)
+                else:
+                    shape.inverse_part(me, row)
+                y[lo:lo + row.size] += row
+            else:
+                for slot in slots:
+                    a, b = slices[slot.index]
+                    y[a:b] += row[a - lo:b - lo]
+            for slot in slots:
                 counts[slot.index] += 1
-                if slot.src not in got and slot.header is not None:
-                    self._learn(slot.src, slot.header.meta)  # the same on all its slices
-                got[slot.src] = got.get(slot.src, 0) + 1
+            got[src] = len(slots)
         if self.opts.missing == "rescale" and y.dtype.kind == "f":
             for i in np.flatnonzero(counts < n):
                 a, b = slices[i]
@@ -282,6 +351,12 @@ class TransposeSession:
                     clock.heard(src, advert.get("tc"), advert.get("tb"))
         if meta.get("d") is True:
             self.drifted.add(src)
+        if meta.get("r") is True:
+            self._heard_rotating = (self._heard_rotating[0], True)
+        lossy = meta.get("l")
+        # (At most this step's block: a peer cannot make us rotate blocks ahead.)
+        if isinstance(lossy, int) and lossy <= self._at // max(1, self.opts.rotate_steps):
+            self._lossy_block = max(self._lossy_block, lossy)
 
     def _send_phase2(self, step: int, layout: Layout, out: np.ndarray, fraction: float,
                      missing: list[int]) -> None:
@@ -332,6 +407,8 @@ class TransposeSession:
         if stand_in:
             self.drifted.add(me)
         lost = 1.0 - received
+        if late or stand_in or lost > 0:  # rotate in the next block: see _rotates
+            self._lossy_block = max(self._lossy_block, step // max(1, opts.rotate_steps))
         if lost > opts.max_loss + 1e-12:
             raise StragglerError(step, sorted(late), f"{lost:.1%} of the contributions missing "
                                  f"on rank {me}, more than max_loss {opts.max_loss:.1%}",
@@ -366,6 +443,14 @@ class TransposeSession:
 
     def _need(self) -> float:
         return 1.0 - self.opts.max_loss if self.opts.on_excess_loss == "wait" else 0.0
+
+
+def _copy_part(mine: np.ndarray, y: np.ndarray, a: int, b: int) -> None:
+    """``y[a:b] = mine[a:b]``, zeros past the end of ``mine`` (the rotation's padding)."""
+    end = min(b, mine.size)
+    if a < end:
+        y[a:end] = mine[a:end]
+    y[max(a, end):b] = 0
 
 
 def _stand_in(out: np.ndarray, own: _OwnContribution, owner: int, a: int, b: int,

@@ -100,7 +100,10 @@ def _staging_rows(pg: Any, node: Any, numel: int, dev: Any, iters: int) -> list[
     through pinned memory costs us, beside what it costs Gloo in the same run."""
     import torch
     import torch.distributed as dist
-    tensors = {"allreduce-cpu": torch.ones(numel), "allreduce-cuda": torch.ones(numel, device=dev)}
+    # Zeros: summed in place again and again, ones would overflow to inf (same time, but
+    # numpy warns on every rank).
+    tensors = {"allreduce-cpu": torch.zeros(numel),
+               "allreduce-cuda": torch.zeros(numel, device=dev)}
     calls = {f"{who}{name}": (who, t) for name, t in tensors.items() for who in ("", "gloo-")}
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in calls}
     for it in range(iters + 2):

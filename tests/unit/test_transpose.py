@@ -502,3 +502,18 @@ async def test_an_optional_sender_is_not_waited_for_and_a_silent_one_is_named() 
     loop.call_soon(from1.set_result, None)
     await asyncio.wait_for(second.run(600.0, idle=0.001), 60)
     assert second.reason == "early" and second.fraction == 0.5 and from2.cancelled()
+
+
+async def test_a_stage_hands_over_each_slice_as_it_arrives_while_it_is_open() -> None:
+    """on_arrival (the session adds slices as they come): called with every slot that lands
+    before the stage ends, the one already in at the start included, never with one that
+    did not come."""
+    loop = asyncio.get_running_loop()
+    before, during, never = (loop.create_future() for _ in range(3))
+    before.set_result(None)
+    got: list[int] = []
+    stage = Stage([Slot(1, 0, 10, before), Slot(2, 0, 10, during), Slot(3, 0, 10, never)],
+                  30, on_arrival=lambda slot: got.append(slot.src))
+    loop.call_soon(during.set_result, None)
+    await stage.run(0.01, idle=600.0)
+    assert stage.reason == "deadline" and sorted(got) == [1, 2] and never.cancelled()

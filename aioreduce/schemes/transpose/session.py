@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from . import Transpose
 
 log = logging.getLogger("aioreduce.schemes")
+TRANSITION = 3.0  # the bound of a step that starts or stops rotating, in bounds (see _run)
 
 
 class TransposeSession:
@@ -72,6 +73,8 @@ class TransposeSession:
         self._lossy_block = -1
         self._at = -1  # the step running
         self._block: tuple[int, bool] = (-1, False)
+        self._rotated = False  # the decision of the block before
+        self._changed_at = -1  # the step that began a block with another decision
         self._rot_cost = 0.0  # seconds this rank's forward rotation took (moving average)
         self._heard_rotating = (False, False)  # a peer rotated: (last step, this step)
 
@@ -201,12 +204,19 @@ class TransposeSession:
             extra = self._rot_cost if rot is not None or self._heard_rotating[0] else 0.0
             if d1 is not None and d2 is not None and extra:
                 d1, d2 = d1 + extra, d2 + extra / n
+            if step == self._changed_at and d1 is not None and d2 is not None:
+                # This rank starts or stops rotating: the ranks that change with it send at
+                # another time than the clocks know (the first rotation's cost is measured
+                # only now, and differs from rank to rank), so this one step's bound is
+                # TRANSITION times longer (still a bound: a stopped rank is cut).
+                d1, d2 = d1 * TRANSITION, d2 * TRANSITION
             # The step's bound: both stages', each with the grace it may take past its
             # deadline while every sender it lacks is still delivering.
             grace = opts.flowing_grace
             self.last_deadline = ((d1 + d2) * (1 + grace) if d1 is not None and d2 is not None
                                   else 0.0)
-            stage1 = Stage(phase1, (n - 1) * (hi - lo))
+            stage1 = Stage(phase1, (n - 1) * (hi - lo),
+                           on_arrival=self._adder(y, scratch, layout, rot is not None))
             await stage1.run(d1, self._idle(0), self._need(), opts.max_wait, since=ready,
                              grace=grace, heard=links.heard_at)
             if stage1.reason != "complete":
@@ -288,8 +298,32 @@ class TransposeSession:
             return bool(hadamard)
         block = step // max(1, self.opts.rotate_steps)
         if self._block[0] != block:
-            self._block = (block, self._lossy_block >= block - 1 and block > 0)
+            rotates = self._lossy_block >= block - 1 and block > 0
+            self._block = (block, rotates)
+            # The first step after a change waits for everyone (see _run).
+            self._changed_at = step if rotates != self._rotated else -1
+            self._rotated = rotates
         return self._block[1]
+
+    def _adder(self, y: np.ndarray, scratch: np.ndarray, layout: Layout, rotating: bool
+               ) -> Callable[[Slot], None] | None:
+        """What stage 1 calls with each slice of our shard as it arrives: added to our copy
+        at once, so the sum is done when the stage ends (the adds overlap the wait). Not a
+        slice of a sender in the other rotation state (its row is converted whole, in
+        :meth:`_reduce`), nor when slices are dropped after arrival for experiments."""
+        if self.opts.inject_loss > 0:
+            return None
+        lo, _hi = layout.shards[self.comm.rank]
+        slices = layout.slices_of(self.comm.rank)
+
+        def add(slot: Slot) -> None:
+            header = slot.header
+            if header is not None and bool(header.meta.get("r")) == rotating:
+                a, b = slices[slot.index]
+                y[a:b] += scratch[slot.src, a - lo:b - lo]
+                slot.added = True
+
+        return add
 
     def _reduce(self, y: np.ndarray, scratch: np.ndarray, layout: Layout, phase1: list[Slot],
                 shape: Rotation | None, rotating: bool) -> tuple[float, list[int]]:
@@ -327,8 +361,9 @@ class TransposeSession:
                 y[lo:lo + row.size] += row
             else:
                 for slot in slots:
-                    a, b = slices[slot.index]
-                    y[a:b] += row[a - lo:b - lo]
+                    if not slot.added:  # (most were, as they came: see _adder)
+                        a, b = slices[slot.index]
+                        y[a:b] += row[a - lo:b - lo]
             for slot in slots:
                 counts[slot.index] += 1
             got[src] = len(slots)

@@ -45,6 +45,7 @@ class Slot:
     tail: bool = False
     arrived: bool = False
     header: Header | None = None
+    added: bool = False  # the session used it as it came (see Stage.on_arrival)
 
 
 @dataclass
@@ -59,6 +60,10 @@ class Stage:
     extended: bool = False  # it ran past its deadline while its missing senders delivered
     # Senders whose tail slices early close does not wait for (see the module docstring).
     optional: frozenset[int] = frozenset()
+    # Called with each slot that arrives while the stage is open (not after it ended): the
+    # session reduces slices as they come instead of all at the end.
+    on_arrival: Callable[[Slot], None] | None = None
+    _closed: bool = field(default=False)
     _last: float = field(default=0.0)
     _t0: float = field(default=0.0)
     _idle: float = field(default=0.0)
@@ -117,6 +122,7 @@ class Stage:
                 self.reason = "deadline"
                 break
         finally:
+            self._closed = True
             timer.cancel()
             if self._idle_timer is not None:
                 self._idle_timer.cancel()
@@ -156,6 +162,8 @@ class Stage:
             slot.arrived, slot.header = True, fut.result()
             self.received += slot.size
             self._last = self._heard[slot.src] = time.perf_counter()
+            if self.on_arrival is not None and not self._closed:
+                self.on_arrival(slot)
         elif not isinstance(exc, PeerLost):  # a mismatch or a bug: the step fails
             self._end_with(exc)
             return

@@ -251,8 +251,23 @@ def test_a_cut_stage_counts_as_needing_more_time_float_ratio() -> None:
     assert clock.deviation == pytest.approx(0.002)
 
 
+def test_the_proposal_covers_the_longest_recent_complete_stage_not_a_cut_one() -> None:
+    """Calm stages with a tail the deviation misses (emulated hosts: estimate 117 ms, calm
+    stages up to 207 ms were cut): the proposal is at least 1.25x the longest of the recent
+    complete stages; a cut stage does not raise that floor."""
+    clock = StageClock(warmup=2, slack=0.0, headroom=100.0, min_deadline=0.0)
+    for elapsed in (0.100, 0.100):
+        clock.observe(elapsed, 1.0)
+    clock.observe(0.160, 1.0)  # complete, late in the calm
+    assert clock.proposal == pytest.approx(1.25 * 0.160)
+    clock.observe(0.500, 0.5)  # cut at its deadline (a straggler): counted in the estimate
+    assert clock.recent[-1] == 0.160
+    assert clock.proposal == pytest.approx(max(1.25 * 0.160, clock.estimate))
+
+
 def test_one_slow_rank_cannot_stretch_the_agreed_deadline() -> None:
-    clock = StageClock(warmup=1, slack=0.0, headroom=100.0, min_deadline=0.0)
+    clock = StageClock(warmup=1, slack=0.0, headroom=100.0, min_deadline=0.0,
+                       recent_margin=0.0)
     clock.observe(0.010, 1.0)
     clock.heard(1, 0.011, 0.5)
     clock.heard(2, 0.009, 0.5)

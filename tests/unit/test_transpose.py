@@ -532,3 +532,21 @@ async def test_a_stage_hands_over_each_slice_as_it_arrives_while_it_is_open() ->
     loop.call_soon(during.set_result, None)
     await stage.run(0.01, idle=600.0)
     assert stage.reason == "deadline" and sorted(got) == [1, 2] and never.cancelled()
+
+
+async def test_a_reduced_slice_goes_out_as_soon_as_every_copy_of_it_is_in() -> None:
+    """Without the rotation, phase 2 of a slice overlaps the rest of stage 1: owner 0 has
+    both copies of its slice 0 at once but never gets rank 1's slice 1, and sends the reduced
+    slice 0 to every rank while its stage 1 still waits for slice 1; that slice is exact on
+    every rank, marked complete."""
+    net = MemoryNetwork(3)
+    x0 = np.arange(12.0)
+    sessions = [Transpose(hadamard=False, deadline=D, max_loss=1.0, slice_bytes=16).open(c)
+                for c in net.comms]  # shards of 4 entries, slices of 2
+    net.lose(1, 0, 1)  # rank 1's slice 1 of shard 0 never reaches its owner
+    step = asyncio.ensure_future(run_step(net, sessions, 0, [x0, 10 * x0, 100 * x0]))
+    await asyncio.wait_for(net.until_sent(0, 1, 0, PHASE2_TAG), 30)
+    assert not step.done() and (0, 1, 0, PHASE2_TAG + 1) not in net.sent  # stage 1 waits
+    for res in await step:
+        assert isinstance(res, Result)
+        assert res.value[:2].tolist() == (111 * x0[:2]).tolist()  # the early slice, exact

@@ -162,6 +162,7 @@ class TransposeSession:
         phase1 = self._post(step, layout, me, [j for j in range(n) if j != me], 0,
                             lambda src, a, b: scratch[src, a - lo:b - lo])
         phase2: list[Slot] = []
+        sent_early: set[int] = set()  # reduced slices sent during stage 1 (see _adder)
         try:
             mine = np.asarray(await own).reshape(-1)
             # Stage 1's time starts here, with the rotation in it: the ranks' vectors are
@@ -216,7 +217,8 @@ class TransposeSession:
             self.last_deadline = ((d1 + d2) * (1 + grace) if d1 is not None and d2 is not None
                                   else 0.0)
             stage1 = Stage(phase1, (n - 1) * (hi - lo),
-                           on_arrival=self._adder(y, scratch, layout, rot is not None))
+                           on_arrival=self._adder(y, scratch, layout, rot is not None,
+                                                  sent_early))
             await stage1.run(d1, self._idle(0), self._need(), opts.max_wait, since=ready,
                              grace=grace, heard=links.heard_at)
             if stage1.reason != "complete":
@@ -225,11 +227,12 @@ class TransposeSession:
                          (d1 or 0) * 1e3, stage1.fraction * 100)
             links.discard_before(step, PHASE2_TAG)
             self._drop_injected(step, 1, phase1)
+            sent_early.add(-1)  # closed: what comes now waits for _send_phase2
             shard_fraction, missing = self._reduce(y, scratch, layout, phase1, shape,
                                                    rot is not None)
             if rot is not None:  # the layout's shards are the rotation's parts
                 rot.inverse_part(me, y[lo:hi])
-            self._send_phase2(step, layout, y, shard_fraction, missing)
+            self._send_phase2(step, layout, y, shard_fraction, missing, skip=sent_early)
             end = min(hi, like.size)
             if lo < end:
                 out[lo:end] = y[lo:end]
@@ -305,16 +308,25 @@ class TransposeSession:
             self._rotated = rotates
         return self._block[1]
 
-    def _adder(self, y: np.ndarray, scratch: np.ndarray, layout: Layout, rotating: bool
-               ) -> Callable[[Slot], None] | None:
+    def _adder(self, y: np.ndarray, scratch: np.ndarray, layout: Layout, rotating: bool,
+               sent_early: set[int]) -> Callable[[Slot], None] | None:
         """What stage 1 calls with each slice of our shard as it arrives: added to our copy
         at once, so the sum is done when the stage ends (the adds overlap the wait). Not a
         slice of a sender in the other rotation state (its row is converted whole, in
-        :meth:`_reduce`), nor when slices are dropped after arrival for experiments."""
+        :meth:`_reduce`), nor when slices are dropped after arrival for experiments.
+
+        Without the rotation a reduced slice needs nothing else of the shard: once every
+        peer's copy of slice ``i`` is in, it goes to every rank at once (phase 2 of that
+        slice overlaps the rest of stage 1), with the fraction 1 and nobody missing; its
+        index goes into ``sent_early`` (which the session closes with -1 when stage 1 ends,
+        after which nothing is sent from here)."""
         if self.opts.inject_loss > 0:
             return None
-        lo, _hi = layout.shards[self.comm.rank]
-        slices = layout.slices_of(self.comm.rank)
+        me, n = self.comm.rank, self.comm.world_size
+        lo, _hi = layout.shards[me]
+        slices = layout.slices_of(me)
+        counts = [0] * len(slices)
+        step = self._at
 
         def add(slot: Slot) -> None:
             header = slot.header
@@ -322,6 +334,10 @@ class TransposeSession:
                 a, b = slices[slot.index]
                 y[a:b] += scratch[slot.src, a - lo:b - lo]
                 slot.added = True
+                counts[slot.index] += 1
+                if counts[slot.index] == n - 1 and not rotating and -1 not in sent_early:
+                    sent_early.add(slot.index)
+                    self._send_slice(step, slot.index, y[a:b], {"f": 1.0, "m": []})
 
         return add
 
@@ -394,14 +410,21 @@ class TransposeSession:
             self._lossy_block = max(self._lossy_block, lossy)
 
     def _send_phase2(self, step: int, layout: Layout, out: np.ndarray, fraction: float,
-                     missing: list[int]) -> None:
-        """Our reduced shard to every rank, interleaved, with what it lacks."""
-        me = self.comm.rank
+                     missing: list[int], skip: set[int]) -> None:
+        """Our reduced shard to every rank, interleaved, with what it lacks (but the slices
+        in ``skip``: sent already)."""
         meta = {"f": fraction, "m": missing}
-        peers = [k for k in range(self.comm.world_size) if k != me and not self.links.is_lost(k)]
-        for i, (a, b) in enumerate(layout.slices_of(me)):
-            for k in peers:
-                self.links.send(k, out[a:b], step, PHASE2_TAG + i, meta)
+        for i, (a, b) in enumerate(layout.slices_of(self.comm.rank)):
+            if i not in skip:
+                self._send_slice(step, i, out[a:b], meta)
+
+    def _send_slice(self, step: int, index: int, values: np.ndarray,
+                    meta: dict[str, Any]) -> None:
+        """Reduced slice ``index`` of our shard to every rank (phase 2)."""
+        me = self.comm.rank
+        for k in range(self.comm.world_size):
+            if k != me and not self.links.is_lost(k):
+                self.links.send(k, values, step, PHASE2_TAG + index, meta)
 
     # -- accounting -------------------------------------------------------------------------
     def _finish(self, step: int, like: np.ndarray, own: _OwnContribution, out: np.ndarray,

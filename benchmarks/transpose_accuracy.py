@@ -1,8 +1,9 @@
 """Accuracy of the bounded-time transpose allreduce under loss: ``examples/logreg.py`` on
 N local ranks with 0 / 1 / 5 % of slices dropped on arrival, with the Hadamard rotation
-always, only after a loss (the default) and never, zero-filled (OptiReduce) or rescaled (unbiased), against the exact single-process
-reference. Prints a Markdown table. ``final loss`` is the exact loss of rank 0's parameters
-at the last step (the same point as the reference's last loss).
+always, only after a loss (the default) and never, zero-filled (OptiReduce) or rescaled
+(unbiased), against the exact single-process reference. Prints a Markdown table. ``final
+loss`` is the exact loss of rank 0's parameters at the last step (the same point as the
+reference's last loss).
 
     python benchmarks/transpose_accuracy.py [--ranks 8] [--steps 60]
 """
@@ -51,7 +52,7 @@ def main() -> None:
                 cmd = [sys.executable, "-m", "aioreduce_launch.cli", "-n", str(a.ranks), "--",
                        sys.executable, LOGREG, "--scheme", "transpose", "--steps",
                        str(a.steps), "--loss", str(loss), "--missing", missing]
-                got = run(cmd + ["--hadamard", hadamard])
+                got = run([*cmd, "--hadamard", hadamard])
                 final = float(got["final_loss"])  # type: ignore[arg-type]
                 received = float(got["received"])  # type: ignore[arg-type]
                 print(f"| {loss:.0%} | {hadamard} | {missing} | "

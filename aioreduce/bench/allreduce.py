@@ -289,7 +289,7 @@ def run_allreduce(cfg: Config, timeout: float = 3600.0) -> list[dict[str, Any]]:
         env["AIOREDUCE_LATENCY"] = repr(cfg.latency)
     env.setdefault("OMP_NUM_THREADS", "1")  # 2 cores shared by many ranks: no thread storms
     if cfg.netns:
-        out = _run_on_cluster(cfg, worker, env, timeout)
+        out = run_on_cluster(cfg.nodes, cfg.link_mbit, cfg.background, worker, env, timeout)
         tag = "RESULT "
     else:
         cmd = [sys.executable, "-m", "aioreduce_launch.cli", "-n", str(cfg.nodes), "--", *worker]
@@ -300,19 +300,21 @@ def run_allreduce(cfg: Config, timeout: float = 3600.0) -> list[dict[str, Any]]:
     return [json.loads(line[len(tag):]) for line in out.splitlines() if line.startswith(tag)]
 
 
-def _run_on_cluster(cfg: Config, worker: list[str], env: dict[str, str],
-                    timeout: float) -> str:
-    """Every rank in its own network namespace, links shaped; rank 0's stdout.
+def run_on_cluster(nodes: int, link_mbit: float | None, background: int, worker: list[str],
+                   env: dict[str, str], timeout: float) -> str:
+    """``worker`` as ``nodes`` ranks, every one in its own network namespace (an emulated
+    host), links shaped to ``link_mbit``, ``background`` bulk flows between the hosts;
+    returns rank 0's stdout.
 
     The first rank to fail ends the run: the others are killed and the error names it (a
     rank that died leaves the rest waiting for it, so waiting for rank 0 would hang)."""
     from ..jobplan import HostSlots, JobConfig, plan_ranks
     from .cluster import Cluster
 
-    with Cluster(cfg.nodes, rate_mbit=cfg.link_mbit) as cluster:
-        cluster.background(cfg.background)
+    with Cluster(nodes, rate_mbit=link_mbit) as cluster:
+        cluster.background(background)
         job = JobConfig(master_addr=cluster.addr(0), master_port=29500, rendezvous_port=29501)
-        hosts = [HostSlots(cluster.ns(i), 1, addr=cluster.addr(i)) for i in range(cfg.nodes)]
+        hosts = [HostSlots(cluster.ns(i), 1, addr=cluster.addr(i)) for i in range(nodes)]
         # Gloo picks its address from the hostname, which resolves to 127.0.0.1 inside a
         # namespace (then every rank dials itself: "connectFullMesh failed"); name the
         # emulated host's interface instead.

@@ -45,6 +45,9 @@ def test_torch_ddp_example_backend_and_hook() -> None:
     s = _summary(_torchrun(4, "torch_ddp.py", "--epochs", "10", "--via", "hook",
                            "--scheme", "transpose"))
     assert s["via"] == "hook" and s["scheme"] == "transpose" and s["test_accuracy"] >= 0.9, s
+    # The same program over Gloo (what benchmarks/time_to_accuracy.py compares against).
+    s = _summary(_launch(2, "torch_ddp.py", "--epochs", "3", "--backend", "gloo"))
+    assert s["backend"] == "gloo" and s["test_accuracy"] >= 0.9, s
 
 
 def test_torch_coded_example_with_a_straggler() -> None:

@@ -98,14 +98,12 @@ def test_gloo_runs_side_by_side_on_the_emulated_hosts() -> None:
 def test_a_failed_rank_ends_the_cluster_run_and_is_named() -> None:
     # Rank 2 fails at once; the others would wait for it (as ranks wait for a peer that died).
     # The run must stop them and name rank 2, not wait for rank 0 until the timeout.
-    from aioreduce.bench.allreduce import _run_on_cluster
-    from aioreduce.sim.config import Config
+    from aioreduce.bench.allreduce import run_on_cluster
 
     worker = [sys.executable, "-c", "import os, sys, time\n"
               "sys.exit(3) if os.environ['RANK'] == '2' else time.sleep(600)"]
-    cfg = Config(schemes=["ring"], nodes=4, size_bytes=1024, netns=True)
     with pytest.raises(RuntimeError, match=r"rank 2 failed \(exit code 3\)"):
-        _run_on_cluster(cfg, worker, dict(os.environ), timeout=300)
+        run_on_cluster(4, None, 0, worker, dict(os.environ), timeout=300)
     assert not {n for n in _namespaces() if n.startswith(f"arx{os.getpid()}")}
 
 

@@ -1,8 +1,9 @@
 """A vector that lands piece by piece (a staged GPU tensor, see aioreduce/torch/staging.py)
 summed in place by the ring on real sockets, 4 nodes in one process: the lane ring reads a
 piece only after ``landed`` said it is in, in the order ``read_order`` promised, and hands
-each piece of the result back once, when it is final; the event loop's ring waits for all
-of it first and hands nothing back (the caller copies the whole result)."""
+each piece of the result back once, when it is final; the event loop's ring, and a scheme
+that does not sum in place, wait for all of it first and hand nothing back (the caller
+copies the whole result)."""
 
 from __future__ import annotations
 
@@ -46,13 +47,14 @@ class Landing:
             self.finals.append((lo, hi, self.host[lo:hi].copy()))
 
 
-async def _run(lanes: bool, steps: int = 3) -> list[list[tuple[Landing, np.ndarray, bool]]]:
+async def _run(lanes: bool, steps: int = 3, scheme: ar.Scheme | None = None
+               ) -> list[list[tuple[Landing, np.ndarray, bool]]]:
     port = free_port()
 
     async def rank(r: int) -> list[tuple[Landing, np.ndarray, bool]]:
         env = NodeEnv(r, N, "127.0.0.1", port, b"k" * 32)
         out = []
-        async with Node(env, scheme=ar.Ring(lanes=lanes)) as node:
+        async with Node(env, scheme=scheme or ar.Ring(lanes=lanes)) as node:
             for step in range(steps):
                 host = np.empty(SIZE, np.float32)
                 landing = Landing(host, np.arange(SIZE, dtype=np.float32) * (r + 1) + step)
@@ -88,3 +90,12 @@ def test_event_loop_ring_waits_for_the_whole_vector_and_hands_back_nothing() -> 
             np.testing.assert_array_equal(host, _want(step))
             assert landing.landed_calls == [(0, SIZE)]
             assert landing.finals == []
+
+
+def test_a_scheme_that_does_not_sum_in_place_gets_the_whole_vector_first() -> None:
+    """The tree copies its result in: the node waits for the whole vector before the step
+    reads it, and nothing is handed back piece by piece (the caller copies all of it)."""
+    for steps in asyncio.run(_run(lanes=False, steps=2, scheme=ar.Tree())):
+        for step, (landing, host, _in_order) in enumerate(steps):
+            np.testing.assert_allclose(host, _want(step), rtol=1e-6)
+            assert landing.landed_calls == [(0, SIZE)] and landing.finals == []

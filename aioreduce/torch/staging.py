@@ -144,7 +144,7 @@ class Piece:
 
     lo: int
     hi: int
-    landed: Event | None
+    landed: Event
 
 
 @dataclass(eq=False)
@@ -177,7 +177,7 @@ class Staged:
         if not self.pieces:
             self.wait_ready()
         for p in self.pieces:
-            if p.lo < hi and lo < p.hi and p.landed is not None and not p.landed.query():
+            if p.lo < hi and lo < p.hi and not p.landed.query():
                 p.landed.synchronize()
 
     def final(self, lo: int, hi: int) -> None:

@@ -73,7 +73,6 @@ class TransposeSession:
         self._lossy_block = -1
         self._at = -1  # the step running
         self._block: tuple[int, bool] = (-1, False)
-        self._rotated = False  # the decision of the block before
         self._changed_at = -1  # the step that began a block with another decision
         self._rot_cost = 0.0  # seconds this rank's forward rotation took (moving average)
         self._heard_rotating = (False, False)  # a peer rotated: (last step, this step)
@@ -217,7 +216,7 @@ class TransposeSession:
             self.last_deadline = ((d1 + d2) * (1 + grace) if d1 is not None and d2 is not None
                                   else 0.0)
             stage1 = Stage(phase1, (n - 1) * (hi - lo),
-                           on_arrival=self._adder(y, scratch, layout, rot is not None,
+                           on_arrival=self._adder(step, y, scratch, layout, rot is not None,
                                                   sent_early))
             await stage1.run(d1, self._idle(0), self._need(), opts.max_wait, since=ready,
                              grace=grace, heard=links.heard_at)
@@ -227,7 +226,6 @@ class TransposeSession:
                          (d1 or 0) * 1e3, stage1.fraction * 100)
             links.discard_before(step, PHASE2_TAG)
             self._drop_injected(step, 1, phase1)
-            sent_early.add(-1)  # closed: what comes now waits for _send_phase2
             shard_fraction, missing = self._reduce(y, scratch, layout, phase1, shape,
                                                    rot is not None)
             if rot is not None:  # the layout's shards are the rotation's parts
@@ -302,14 +300,13 @@ class TransposeSession:
         block = step // max(1, self.opts.rotate_steps)
         if self._block[0] != block:
             rotates = self._lossy_block >= block - 1 and block > 0
+            # The first step after a change gets a longer bound (see _run).
+            self._changed_at = step if rotates != self._block[1] else -1
             self._block = (block, rotates)
-            # The first step after a change waits for everyone (see _run).
-            self._changed_at = step if rotates != self._rotated else -1
-            self._rotated = rotates
         return self._block[1]
 
-    def _adder(self, y: np.ndarray, scratch: np.ndarray, layout: Layout, rotating: bool,
-               sent_early: set[int]) -> Callable[[Slot], None] | None:
+    def _adder(self, step: int, y: np.ndarray, scratch: np.ndarray, layout: Layout,
+               rotating: bool, sent_early: set[int]) -> Callable[[Slot], None] | None:
         """What stage 1 calls with each slice of our shard as it arrives: added to our copy
         at once, so the sum is done when the stage ends (the adds overlap the wait). Not a
         slice of a sender in the other rotation state (its row is converted whole, in
@@ -318,15 +315,14 @@ class TransposeSession:
         Without the rotation a reduced slice needs nothing else of the shard: once every
         peer's copy of slice ``i`` is in, it goes to every rank at once (phase 2 of that
         slice overlaps the rest of stage 1), with the fraction 1 and nobody missing; its
-        index goes into ``sent_early`` (which the session closes with -1 when stage 1 ends,
-        after which nothing is sent from here)."""
+        index goes into ``sent_early``. The stage calls this only while it is open, so
+        nothing is sent from here once :meth:`_send_phase2` has begun."""
         if self.opts.inject_loss > 0:
             return None
         me, n = self.comm.rank, self.comm.world_size
         lo, _hi = layout.shards[me]
         slices = layout.slices_of(me)
         counts = [0] * len(slices)
-        step = self._at
 
         def add(slot: Slot) -> None:
             header = slot.header
@@ -335,7 +331,7 @@ class TransposeSession:
                 y[a:b] += scratch[slot.src, a - lo:b - lo]
                 slot.added = True
                 counts[slot.index] += 1
-                if counts[slot.index] == n - 1 and not rotating and -1 not in sent_early:
+                if counts[slot.index] == n - 1 and not rotating:
                     sent_early.add(slot.index)
                     self._send_slice(step, slot.index, y[a:b], {"f": 1.0, "m": []})
 

@@ -18,11 +18,11 @@ time and received fraction, and the proposals its peers piggyback on their frame
   shared 2 cores and cut a fifth of all steps; the deviation term follows the jitter
   instead.)
 * **A floor from recent stages**: the proposal is at least ``recent_margin`` × the longest of
-  the last ``recent`` stages that completed (warm-up's included). On 4 emulated hosts with
-  1 Gbit/s links, calm stage-1 times have a tail the deviation misses: estimate 117 ms,
-  deadline 161-169, and stages of 186-207 ms were cut (0.23-0.36 % lost, 8 steps raised in
-  60). A stage cut by its deadline is not among them, so a straggler does not raise the
-  floor; one that completed late does, for ``recent`` stages, never past the ceiling.
+  the last ``recent`` stages that completed (warm-up's included). Calm stages over shaped
+  links have a tail the deviation misses, and it cut calm steps (figures in
+  docs/transpose.md). A stage cut by its deadline is not among them, so a straggler does not
+  raise the floor; one that completed late does, for ``recent`` stages, never past the
+  ceiling.
 """
 
 from __future__ import annotations

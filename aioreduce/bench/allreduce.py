@@ -43,7 +43,7 @@ import numpy as np
 from ..codes.model import ComputeModel, LinkModel, predict_ring, predict_star, predict_tree
 from ..node import Node
 from ..schemes import CodedTree, GradientCoding, Scheme, StragglerError, names
-from ..sim.config import Config, build_scheme, load_fraction, warmup_iterations
+from ..sim.config import Config, build_scheme, load_fraction, variant, warmup_iterations
 from ..straggle import StraggleModel, parse_straggle
 from ..transport.loop import run
 from .bound import bound
@@ -248,11 +248,12 @@ def _report(cfg: Config, name: str, scheme: Scheme | None, t: np.ndarray, err: f
     # The scheme's own bound on these links (see bound.py): the link rate shaped, else the
     # cost model's bandwidth; the emulated latency, else none.
     rate = cfg.link_mbit * 1e6 / 8 if cfg.link_mbit else cfg.model_bandwidth
-    limit = bound(name, scheme, world, float(cfg.size_bytes), rate=rate, latency=cfg.latency)
+    limit = bound(variant(name)[0], scheme, world, float(cfg.size_bytes), rate=rate,
+                  latency=cfg.latency)
     if limit is not None:
         out.update({"bound_s": limit.seconds, "of_bound": limit.seconds / out["median_s"],
                     "bound_rate_bytes_s": rate})
-    out["model_s"] = _predict(cfg, name, scheme, world)
+    out["model_s"] = _predict(cfg, variant(name)[0], scheme, world)
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     ar = sub.add_parser("allreduce", help="schemes (and Gloo) side by side on local ranks")
     ar.add_argument("--scheme", default="ring",
                     help="one or more of coded-tree,gc,ring,tree,star (comma-separated: "
-                         "alternated in the same run)")
+                         "alternated in the same run); NAME+OPTION or NAME+OPTION=JSON "
+                         "adds a scheme option to that one, e.g. tree,tree+lanes")
     ar.add_argument("--nodes", type=int, help="ranks (default: the tree's size for "
                                               "coded-tree, else 4)")
     ar.add_argument("--fanout", type=int, default=3, help="children per parent in the trees "
@@ -274,17 +275,18 @@ def _ddp(opts: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _allreduce(opts: argparse.Namespace) -> list[dict[str, Any]]:
     from ..codes import TreeTopology
-    from ..sim.config import Config
+    from ..sim.config import Config, variant
     from .allreduce import SCHEMES, run_allreduce
 
     names = [s.strip() for s in opts.scheme.split(",") if s.strip()]
-    for name in names:
+    bases = [variant(name)[0] for name in names]
+    for name in bases:
         if name not in SCHEMES:
             raise SystemExit(f"aioreduce-bench: unknown scheme {name!r} "
                              f"(choose from {', '.join(SCHEMES)})")
     tree_size = TreeTopology(opts.fanout, opts.levels).size
-    nodes = opts.nodes or (tree_size if "coded-tree" in names else 4)
-    if "coded-tree" in names and nodes != tree_size:
+    nodes = opts.nodes or (tree_size if "coded-tree" in bases else 4)
+    if "coded-tree" in bases and nodes != tree_size:
         raise SystemExit(f"aioreduce-bench: coded-tree with fanout {opts.fanout} and "
                          f"{opts.levels} levels needs --nodes {tree_size}")
     cfg = Config(schemes=names, nodes=nodes, size_bytes=opts.size, iters=opts.iters,

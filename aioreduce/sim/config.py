@@ -4,6 +4,7 @@ Pure (no sockets, no node), so the simulator never imports the bench."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +45,20 @@ class Config:
     options: dict[str, Any] = field(default_factory=dict)  # more scheme options (by name)
 
 
+def variant(name: str) -> tuple[str, dict[str, Any]]:
+    """A bench scheme name and the options it adds: ``tree+lanes`` is the tree with
+    ``lanes=True``, ``ring+lanes=false`` the ring without (a value is JSON), so one run can
+    put two settings of one scheme side by side."""
+    base, *extras = name.split("+")
+    options: dict[str, Any] = {}
+    for extra in extras:
+        key, eq, value = extra.partition("=")
+        options[key] = json.loads(value) if eq else True
+    return base, options
+
+
 def build_scheme(name: str, cfg: Config) -> Scheme:
+    name, extra = variant(name)
     code = None
     if name == "gc":
         n, s = cfg.nodes - 1, cfg.stragglers
@@ -54,14 +68,16 @@ def build_scheme(name: str, cfg: Config) -> Scheme:
         code = make[cfg.code]()
     options = {"fanout": cfg.fanout, "levels": cfg.levels, "stragglers": cfg.stragglers,
                "deadline": None if name == "transpose" else cfg.deadline,
-               "chunk_bytes": cfg.chunk_bytes, "code": code, **cfg.options}
+               "chunk_bytes": cfg.chunk_bytes, "code": code, **cfg.options, **extra}
     return by_name(name, strict=False, **options)
 
 
 def warmup_iterations(cfg: Config) -> int:
     """Iterations before timing starts: at least the transpose's warm-up steps."""
-    if "transpose" in cfg.schemes:
-        scheme = build_scheme("transpose", cfg)
+    for name in cfg.schemes:
+        if variant(name)[0] != "transpose":
+            continue
+        scheme = build_scheme(name, cfg)
         if getattr(scheme, "deadline", None) is None:
             return max(cfg.warmup, getattr(scheme, "warmup", 0) + 1)
     return cfg.warmup

@@ -365,3 +365,18 @@ def test_the_shipped_costs_are_the_sweeps() -> None:
     from aioreduce.sim.report import SHIPPED_COSTS
     sweep = Path(__file__).parents[2] / "docs" / "sweep" / "costs.json"
     assert SHIPPED_COSTS.read_bytes() == sweep.read_bytes()
+
+
+def test_a_bench_variant_adds_its_options_to_that_scheme_only() -> None:
+    from aioreduce.schemes import Ring, Tree
+    from aioreduce.sim.config import Config, build_scheme, variant
+
+    assert variant("tree") == ("tree", {})
+    assert variant("tree+lanes") == ("tree", {"lanes": True})
+    assert variant("ring+lanes=false+bidirectional") == ("ring", {"lanes": False,
+                                                                  "bidirectional": True})
+    cfg = Config(schemes=["tree", "tree+lanes", "ring+lanes=false"], nodes=4,
+                 size_bytes=1 << 20, iters=1)
+    plain, laned, ring = (build_scheme(name, cfg) for name in cfg.schemes)
+    assert isinstance(plain, Tree) and isinstance(laned, Tree) and isinstance(ring, Ring)
+    assert not plain.lanes and laned.lanes and not ring.lanes

@@ -342,6 +342,9 @@ class StepOptions:
     chunk_bytes: int = 1 << 20  # pipelining granularity (at most MAX_CHUNKS per message)
     history_bytes: int = 256 << 20  # results kept for ranks that fell behind (at least 2)
     backlog_steps: int = 8  # a peer with this many steps unsent is not reading
+    # Chunks to and from the parent and children over the comm's bulk links (lanes, off the
+    # event loop) instead of the event loop's frames; see ReduceSession.
+    lanes: bool = False
 
     def __post_init__(self) -> None:
         if self.deadline <= 0:

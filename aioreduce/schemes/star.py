@@ -28,12 +28,15 @@ class GradientCoding:
     on_insufficient: OnInsufficient = "raise"
     chunk_bytes: int = 1 << 20
     history_bytes: int = 256 << 20  # results the master keeps for workers that fell behind
+    # Chunks over lanes to and from the parent and children (off the event loop; the comm
+    # must offer bulk links, else the event loop's frames): see ReduceSession.
+    lanes: bool = False
     coded: bool = field(default=True, init=False)
 
     @cached_property
     def options(self) -> StepOptions:
         return StepOptions(self.deadline, self.on_insufficient, self.chunk_bytes,
-                           self.history_bytes)
+                           self.history_bytes, lanes=self.lanes)
 
     def validate(self, world_size: int) -> None:
         if world_size != self.code.n + 1:
@@ -107,6 +110,9 @@ class Star:
     chunk_bytes: int = 1 << 20
     deadline: float = 300.0
     history_bytes: int = 256 << 20
+    # Chunks over lanes to and from the parent and children (off the event loop; the comm
+    # must offer bulk links, else the event loop's frames): see ReduceSession.
+    lanes: bool = False
     coded: bool = field(default=False, init=False)
 
     def validate(self, world_size: int) -> None:
@@ -118,5 +124,6 @@ class Star:
     def open(self, comm: Comm) -> ReduceSession:
         rank, world = comm.rank, comm.world_size
         fam = Family(None, list(range(1, world)), None) if rank == 0 else Family(0, [], None)
-        opts = StepOptions(self.deadline, "raise", self.chunk_bytes, self.history_bytes)
+        opts = StepOptions(self.deadline, "raise", self.chunk_bytes, self.history_bytes,
+                           lanes=self.lanes)
         return ReduceSession(comm, fam, opts)

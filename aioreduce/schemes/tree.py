@@ -34,6 +34,9 @@ class CodedTree:
     on_insufficient: OnInsufficient = "raise"
     chunk_bytes: int = 1 << 20
     history_bytes: int = 256 << 20  # results a parent keeps for ranks that fell behind
+    # Chunks over lanes to and from the parent and children (off the event loop; the comm
+    # must offer bulk links, else the event loop's frames): see ReduceSession.
+    lanes: bool = False
     coded: bool = field(default=True, init=False)
 
     @cached_property
@@ -43,7 +46,7 @@ class CodedTree:
     @cached_property
     def options(self) -> StepOptions:
         return StepOptions(self.deadline, self.on_insufficient, self.chunk_bytes,
-                           self.history_bytes)
+                           self.history_bytes, lanes=self.lanes)
 
     def validate(self, world_size: int) -> None:
         if world_size != self.topology.size:
@@ -116,6 +119,9 @@ class Tree:
     chunk_bytes: int = 1 << 20
     deadline: float = 300.0
     history_bytes: int = 256 << 20
+    # Chunks over lanes to and from the parent and children (off the event loop; the comm
+    # must offer bulk links, else the event loop's frames): see ReduceSession.
+    lanes: bool = False
     coded: bool = field(default=False, init=False)
 
     def validate(self, world_size: int) -> None:
@@ -130,5 +136,6 @@ class Tree:
                             lambda r: heap_children(r, self.fanout, world_size), None)
 
     def open(self, comm: Comm) -> ReduceSession:
-        opts = StepOptions(self.deadline, "raise", self.chunk_bytes, self.history_bytes)
+        opts = StepOptions(self.deadline, "raise", self.chunk_bytes, self.history_bytes,
+                           lanes=self.lanes)
         return ReduceSession(comm, self.family(comm.rank, comm.world_size), opts)

@@ -55,6 +55,7 @@ class Soak:
     steps: int
     deadline: float
     pace: float
+    extra: tuple[str, ...] = ()  # more schemeprog arguments (e.g. chunks over lanes)
     job: Ranks = field(init=False)
     lines: dict[int, list[dict]] = field(default_factory=dict)
     logs: dict[int, list[str]] = field(default_factory=dict)  # stderr, read so it never fills
@@ -71,7 +72,7 @@ class Soak:
         self.job = Ranks(13)
         self.job.start_all("coded-tree", "--steps", str(self.steps), "--deadline",
                            str(self.deadline), "--pace", str(self.pace), "--dim", "1000",
-                           prog=SCHEMEPROG)
+                           *self.extra, prog=SCHEMEPROG)
         for rank, proc in self.job.procs.items():
             self.lines[rank], self.logs[rank] = [], []
             for target in (self._read, self._read_err):
@@ -172,12 +173,13 @@ class Soak:
                                 == list(range(len(self.lines[r]))) for r in alive)}
 
 
-def random_soak(steps: int, seed: int, deadline: float = 2.0, pace: float = 0.02) -> Soak:
+def random_soak(steps: int, seed: int, deadline: float = 2.0, pace: float = 0.02,
+                extra: tuple[str, ...] = ()) -> Soak:
     """At least ``steps`` steps, two pauses and the kill, whatever the host's speed: the ranks
     run until the controller has done all three and every live rank is past ``steps``, then
     the job is torn down (a fixed step count let a fast host finish before the kill)."""
     rng = random.Random(seed)
-    soak = Soak(10 ** 6, deadline, pace)
+    soak = Soak(10 ** 6, deadline, pace, extra)
     soak.start()
     soak.steps = steps
     try:
@@ -202,8 +204,8 @@ def random_soak(steps: int, seed: int, deadline: float = 2.0, pace: float = 0.02
 
 
 def family_soak(steps: int, deadline: float = 2.0, pace: float = 0.02,
-                seconds: float = 6.0) -> Soak:
-    soak = Soak(steps, deadline, pace)
+                seconds: float = 6.0, extra: tuple[str, ...] = ()) -> Soak:
+    soak = Soak(steps, deadline, pace, extra)
     soak.start()
     try:
         soak.wait_for(lambda: soak.progress(0) >= 20, 60)
@@ -215,8 +217,9 @@ def family_soak(steps: int, deadline: float = 2.0, pace: float = 0.02,
     return soak
 
 
-def intermediate_soak(deadline: float = 1.0, pace: float = 0.02, after: int = 20) -> Soak:
-    soak = Soak(0, deadline, pace)
+def intermediate_soak(deadline: float = 1.0, pace: float = 0.02, after: int = 20,
+                      extra: tuple[str, ...] = ()) -> Soak:
+    soak = Soak(0, deadline, pace, extra)
     soak.steps = 10 ** 6  # set below, once the pause is over
     soak.start()
     try:

@@ -11,10 +11,22 @@ import pytest
 from .soak import MARGIN, family_check, family_soak, intermediate_soak, random_soak
 
 pytestmark = pytest.mark.loopback
+# Each soak over the event loop's frames and with the chunks over lanes.
+PATHS = pytest.mark.parametrize("extra", [(), ("--options", '{"lanes": true}')],
+                                ids=["event-loop", "lanes"])
 
 
-def test_intermediate_rank_paused_two_deadlines_serves_its_children_again() -> None:
-    soak = intermediate_soak(deadline=1.0, after=20)
+def _path(soak, lanes: bool) -> None:  # type: ignore[no-untyped-def]
+    """Every judged step of every rank ran over the path the test means."""
+    for rank in soak.lines:
+        got = [s["lanes"] for s in soak.judged(rank) if "lanes" in s]
+        assert got and set(got) == {lanes}, (rank, set(got))
+
+
+@PATHS
+def test_intermediate_rank_paused_two_deadlines_serves_its_children_again(extra) -> None:
+    soak = intermediate_soak(deadline=1.0, after=20, extra=extra)
+    _path(soak, bool(extra))
     rep = soak.report()
     assert rep["wrong"] == 0 and rep["errors"] == 0, rep
     assert rep["complete"], rep
@@ -35,8 +47,10 @@ def test_intermediate_rank_paused_two_deadlines_serves_its_children_again() -> N
     assert rep["max_unpaused_step"] <= 1.0 + MARGIN, rep
 
 
-def test_random_pauses_and_a_killed_leaf_no_error_no_wrong_result() -> None:
-    soak = random_soak(steps=150, seed=2)
+@PATHS
+def test_random_pauses_and_a_killed_leaf_no_error_no_wrong_result(extra) -> None:
+    soak = random_soak(steps=150, seed=2, extra=extra)
+    _path(soak, bool(extra))
     rep = soak.report()
     assert rep["pauses"] >= 2 and rep["killed"] is not None, rep
     assert rep["wrong"] == 0 and rep["errors"] == 0 and rep["complete"], rep
@@ -44,8 +58,10 @@ def test_random_pauses_and_a_killed_leaf_no_error_no_wrong_result() -> None:
     assert rep["max_unpaused_step"] <= soak.deadline + MARGIN, rep
 
 
-def test_two_children_of_one_family_paused_every_rank_raises_then_recovers() -> None:
-    soak = family_soak(steps=100, seconds=4.0)
+@PATHS
+def test_two_children_of_one_family_paused_every_rank_raises_then_recovers(extra) -> None:
+    soak = family_soak(steps=100, seconds=4.0, extra=extra)
+    _path(soak, bool(extra))
     rep = {**soak.report(), **family_check(soak)}
     assert rep["complete"] and rep["wrong"] == 0, rep
     assert rep["errors_while_out"] >= 10, rep  # every other rank raised, at least once

@@ -53,17 +53,37 @@ SCHEMES = [
     ("tree", 7, ["--fanout", "2", "--chunk-bytes", "2048"]),
     ("star", 4, []),
 ]
+LANES = ["--options", '{"lanes": true}']
+# The trees and stars with their chunks over lanes (StepOptions.lanes; off by default).
+SCHEMES_ON_LANES = [
+    ("coded-tree", 13, [*SCHEMES[0][2], *LANES]),
+    ("gc-frc", 7, ["--stragglers", "2", *LANES]),
+    ("gc-gaussian", 7, ["--stragglers", "1", "--dim", "1001", *LANES]),
+    ("tree", 7, ["--fanout", "2", "--chunk-bytes", "2048", *LANES]),
+    ("star", 4, LANES),
+]
 
 
-@pytest.mark.parametrize("scheme, n, extra", SCHEMES,
-                         ids=[f"{s}-{n}" + ("-event-loop" if "lanes" in " ".join(e) else "")
-                              for s, n, e in SCHEMES])
+def _on_lanes(extra: list[str]) -> bool:
+    return '"lanes": true' in " ".join(extra)
+
+
+def assert_path(done: dict[int, Done], lanes: bool, skip: tuple[int, ...] = ()) -> None:
+    """Every step of every rank (but ``skip``) ran over lanes, or over the event loop."""
+    for rank, d in done.items():
+        if rank not in skip:
+            assert all(s["lanes"] is lanes for s in steps_of(d)), (rank, lanes)
+
+
+@pytest.mark.parametrize("scheme, n, extra", SCHEMES + SCHEMES_ON_LANES,
+                         ids=[f"{s}-{n}" + ("-event-loop" if "lanes" in " ".join(e) and
+                                            s == "ring" else "-lanes" if _on_lanes(e) else "")
+                              for s, n, e in SCHEMES + SCHEMES_ON_LANES])
 def test_exact_sum_on_every_step(ranks, scheme: str, n: int, extra: list[str]) -> None:
     done = run(ranks, n, scheme, "--steps", "20", *extra)
     assert_all_exact(done, 20)
-    if scheme == "ring":  # the path taken: lanes (the default) or the event loop, every step
-        want = "lanes" not in " ".join(extra)
-        assert all(s["lanes"] is want for d in done.values() for s in steps_of(d)), want
+    # The path taken: the ring over lanes unless told otherwise, the others as told.
+    assert_path(done, _on_lanes(extra) or (scheme == "ring" and "lanes" not in " ".join(extra)))
 
 
 @pytest.mark.parametrize("scheme, n, extra", [SCHEMES[0], SCHEMES[4]], ids=["coded-tree", "ring"])
@@ -81,11 +101,13 @@ def test_emulated_latency_delays_every_hop_and_sums_stay_exact(ranks, scheme: st
         assert slowest >= (hops - 1) * latency, (step, slowest)
 
 
-def test_coded_tree_does_not_wait_for_one_slow_child_per_family(ranks) -> None:
+@pytest.mark.parametrize("extra", [[], LANES], ids=["event-loop", "lanes"])
+def test_coded_tree_does_not_wait_for_one_slow_child_per_family(ranks, extra) -> None:
     slow = (3, 6, 9, 12)  # one child in each of the four families
-    done = run(ranks, 13, "coded-tree", "--steps", "10",
+    done = run(ranks, 13, "coded-tree", "--steps", "10", *extra,
                AIOREDUCE_STRAGGLE="rank=3,6,9,12:delay=1.0")
     assert_all_exact(done, 10)
+    assert_path(done, bool(extra))
     for rank in (0, 1, 4, 7, 10):  # fast ranks never wait a second for the slow ones
         secs = [s["seconds"] for s in steps_of(done[rank])]
         assert statistics.median(secs) < 0.3, (rank, secs)
@@ -101,13 +123,16 @@ def test_gc_does_not_wait_for_a_slow_worker(ranks) -> None:
     assert all(4 in s["late"] for s in steps_of(done[0])[1:])
 
 
-def test_one_killed_child_per_family_later_steps_exact(ranks) -> None:
+@pytest.mark.parametrize("extra", [[], LANES], ids=["event-loop", "lanes"])
+def test_one_killed_child_per_family_later_steps_exact(ranks, extra) -> None:
     killed = (3, 6, 9, 12)  # rank 3 heads a family: its children get results from rank 0
-    done = run(ranks, 13, "coded-tree", "--steps", "20", "--die", "3,6,9,12", "--die-step", "5")
+    done = run(ranks, 13, "coded-tree", "--steps", "20", "--die", "3,6,9,12", "--die-step", "5",
+               *extra)
     for rank in killed:
         assert done[rank].returncode == -9
         assert [s["step"] for s in steps_of(done[rank])] == list(range(5))
     assert_all_exact(done, 20, skip=killed)
+    assert_path(done, bool(extra), skip=killed)
     for s in steps_of(done[0])[5:]:
         assert {3, 6, 9} <= set(s["late"])  # 12 sat under 3, which is skipped as a whole
         assert not set(killed) & set(s["used"])
@@ -178,10 +203,12 @@ def test_step_telemetry_counts_the_same_bytes_over_lanes_as_over_the_event_loop(
                                         {"3": (2 * 1001 * 8 - 500 * 8, 6)})
 
 
-def test_gc_killed_worker_later_steps_exact(ranks) -> None:
+@pytest.mark.parametrize("extra", [[], LANES], ids=["event-loop", "lanes"])
+def test_gc_killed_worker_later_steps_exact(ranks, extra) -> None:
     done = run(ranks, 7, "gc-frc", "--steps", "20", "--stragglers", "2", "--die", "2,4",
-               "--die-step", "5")
+               "--die-step", "5", *extra)
     assert_all_exact(done, 20, skip=(2, 4))
+    assert_path(done, bool(extra), skip=(2, 4))
 
 
 def test_s_plus_one_killed_in_one_family_raises_naming_them(ranks) -> None:
@@ -197,17 +224,19 @@ def test_s_plus_one_killed_in_one_family_raises_naming_them(ranks) -> None:
             assert s["seconds"] < 2 + 1.5  # killed ranks are known at once; never a hang
 
 
-def test_s_plus_one_silent_children_raise_within_the_deadline(ranks) -> None:
+@pytest.mark.parametrize("extra", [[], LANES], ids=["event-loop", "lanes"])
+def test_s_plus_one_silent_children_raise_within_the_deadline(ranks, extra) -> None:
     # SIGSTOP: no connection breaks, only the deadline can tell.
     job: Ranks = ranks(7)
     job.start_all("gc-cyclic", "--steps", "4", "--stragglers", "1", "--stop", "2,5",
-                  "--die-step", "2", "--deadline", "1.5", prog=SCHEMEPROG)
+                  "--die-step", "2", "--deadline", "1.5", *extra, prog=SCHEMEPROG)
     try:
         for rank in (0, 1, 3, 4, 6):
             out, _err = job.procs[rank].communicate(timeout=60)
             got = [json.loads(x[5:]) for x in out.splitlines() if x.startswith("STEP ")]
             assert [s.get("error") for s in got] == [None, None, "straggler", "straggler"], got
             assert got[2]["missing"] == [2, 5]
+            assert all(x["lanes"] is bool(extra) for x in got[:2]), got[:2]
             # Noticed by the deadline (1.5 s) plus a small margin, not a hang.
             assert all(s["seconds"] < 1.5 + 1.5 for s in got[2:]), got
     finally:
@@ -225,23 +254,28 @@ def test_approximate_mode_returns_a_bounded_inexact_result(ranks) -> None:
     assert steps_of(done[1])[4]["exact"] is False  # the same verdict on every rank
 
 
-def test_no_frame_of_one_step_is_used_in_the_next(ranks) -> None:
+@pytest.mark.parametrize("extra", [[], LANES], ids=["event-loop", "lanes"])
+def test_no_frame_of_one_step_is_used_in_the_next(ranks, extra) -> None:
     # Worker 1 is slower than a whole step every time: its frame for step t arrives while the
     # master is in step t+1 or later, and would be a "first arrival" for its FRC group there.
-    done = run(ranks, 7, "gc-frc", "--steps", "15", "--stragglers", "1",
+    done = run(ranks, 7, "gc-frc", "--steps", "15", "--stragglers", "1", *extra,
                AIOREDUCE_STRAGGLE="rank=1:delay=0.2")
     assert_all_exact(done, 15)
+    assert_path(done, bool(extra))
     assert sum(1 in s["late"] for s in steps_of(done[0])) >= 10
     slow = steps_of(done[1])
     assert all(s["rel_err"] < 1e-9 for s in slow)  # the straggler itself gets exact results
 
 
-def test_stopped_intermediate_rank_does_not_strand_its_children(ranks) -> None:
+@pytest.mark.parametrize("extra", [[], LANES], ids=["event-loop", "lanes"])
+def test_stopped_intermediate_rank_does_not_strand_its_children(ranks, extra) -> None:
     # Rank 3 heads the family {10, 11, 12}. SIGSTOPped, it keeps its connections open but
-    # passes nothing on: its children ask rank 0 to adopt them and get every result from it.
+    # passes nothing on: its children ask rank 0 to adopt them and get every result from it
+    # (over the mesh: with lanes, only parent and children have them).
     job: Ranks = ranks(13)
     job.start_all("coded-tree", "--steps", "14", "--stop", "3", "--die-step", "3",
-                  "--deadline", "0.5", prog=SCHEMEPROG, AIOREDUCE_STRAGGLE="all:delay=0.2")
+                  "--deadline", "0.5", *extra, prog=SCHEMEPROG,
+                  AIOREDUCE_STRAGGLE="all:delay=0.2")
     try:
         for rank, proc in job.procs.items():
             if rank == 3:
@@ -250,6 +284,7 @@ def test_stopped_intermediate_rank_does_not_strand_its_children(ranks) -> None:
             got = [json.loads(x[5:]) for x in out.splitlines() if x.startswith("STEP ")]
             assert [s["step"] for s in got] == list(range(14)), (rank, err[-2000:])
             assert all("error" not in s and s["rel_err"] < 1e-9 for s in got), (rank, got)
+            assert all(s["lanes"] is bool(extra) for s in got), rank
             # The orphans lose about one deadline once, not one per step.
             assert sum(s["seconds"] for s in got) < 14 * 0.2 + 4, (rank, got)
     finally:

@@ -69,7 +69,7 @@ class UpPath:
         self.posted: list[asyncio.Future[Header]] = []
         for i, child in enumerate(fam.children):
             for c, (lo, hi) in enumerate(lay.msg_bounds):
-                f = comm.post_recv(child, self.bufs[i][lo:hi], step=step, tag=c)
+                f = session.post_data(child, self.bufs[i][lo:hi], step, c)
                 f.add_done_callback(self.gather.chunk_callback(i, c))
                 self.posted.append(f)
             e = comm.post_recv(child, EMPTY[:0], step=step, tag=VERDICT_TAG)
@@ -155,7 +155,7 @@ class Source:
         self.rank, self.step = rank, step
         self.buf = session.pool.take(lay.length, lay.dtype)
         self.bounds = lay.bounds
-        self.chunks = [comm.post_recv(rank, self.buf[lo:hi], step=step, tag=DOWN + c)
+        self.chunks = [session.post_data(rank, self.buf[lo:hi], step, DOWN + c)
                        for c, (lo, hi) in enumerate(lay.bounds)]
         for c, f in enumerate(self.chunks):
             lo, hi = lay.bounds[c]

@@ -28,8 +28,9 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
-from ...wire import Header
+from ...wire import Header, tags
 from ..base import Comm, Result, StepOptions
+from ..links import LaneLinks
 from ..outbox import Outbox
 from ..pool import BufferPool
 from .failover import Link, ParentFailover
@@ -64,6 +65,13 @@ class ReduceSession:
         self._removers: list[Callable[[], None]] = []
         self._known_up_to = -1  # the latest step whose outcome arrived before we asked
         self._decode = (-1, 0.0)  # (step, seconds this rank spent decoding it), for telemetry
+        # Lanes (opts.lanes, opened at the first step if the comm has bulk links): the chunks
+        # to and from the parent and the children travel on them; verdicts, requests and
+        # whatever involves the grandparent or grandchildren stay on the comm.
+        self._lane_peers = frozenset(
+            p for p in (family.parent, *family.children) if p is not None)
+        self._want_lanes = opts.lanes and bool(self._lane_peers)
+        self.lanes: LaneLinks | None = None
         for src in (family.parent, family.grandparent):
             if src is not None:
                 self._removers.append(comm.on_early(
@@ -76,8 +84,10 @@ class ReduceSession:
     # -- one step ---------------------------------------------------------------------------
     async def step(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray]) -> Result:
         t0 = time.perf_counter()
-        fam, comm = self.family, self.comm
-        comm.discard_before(step)
+        fam = self.family
+        self.discard_before(step)
+        if self._want_lanes:
+            await self._open_lanes(step)
         lay = Layout.of(like, fam, self.opts.chunk_bytes)
         self._end_probe()
         up = UpPath(self, step, lay) if fam.children else None
@@ -108,7 +118,57 @@ class ReduceSession:
                 down.close()
                 if down.probe is not None:
                     self._probe = down
-            comm.discard_before(step + 1)
+            self.discard_before(step + 1)
+            if self.lanes is not None:
+                self.lanes.end_step(step)
+
+    async def _open_lanes(self, step: int) -> None:
+        """Lanes to and from the parent and every child, at the first step (every rank's comm
+        is built the same way, so every rank makes the same choice)."""
+        self._want_lanes = False
+        links = self.comm.bulk_links()
+        if links is None:
+            return  # no mesh under this comm: the event loop's way
+        peers = sorted(self._lane_peers)
+        outs, ins = await links.open_links(peers, peers, step)
+        parent = self.family.parent
+        self.lanes = LaneLinks(
+            self.comm, outs, ins, self.opts.backlog_steps, opened_by=links,
+            on_resumed=self._drained,
+            # A result from the parent before we asked (we still compute): forward it now.
+            early=lambda src, _step, tag: src == parent and DOWN <= tag < VERDICT_TAG,
+            on_early=self._early_outcome, stage_bytes=self.opts.history_bytes)
+
+    @property
+    def lanes_open(self) -> bool:
+        """Whether the chunks travel over lanes (opened by the first step, ``opts.lanes``)."""
+        return self.lanes is not None
+
+    # -- where a message goes -------------------------------------------------------------------
+    def _on_lane(self, peer: int, tag: int) -> bool:
+        return self.lanes is not None and tag < tags.ABORT and peer in self._lane_peers
+
+    def post_data(self, src: int, out: np.ndarray, step: int, tag: int
+                  ) -> asyncio.Future[Header]:
+        """Receive chunk ``tag`` of ``step`` from ``src`` into ``out`` (over its lane, if any)."""
+        if self.lanes is not None and self._on_lane(src, tag):
+            return self.lanes.post(src, out, step, tag)
+        return self.comm.post_recv(src, out, step=step, tag=tag)
+
+    def send_data(self, peer: int, array: np.ndarray, step: int, tag: int,
+                  meta: dict[str, object] | None) -> None:
+        """Send in the background (over ``peer``'s lane, if any; a verdict never is)."""
+        if self.lanes is not None and self._on_lane(peer, tag):
+            self.lanes.send(peer, array, step, tag, meta or {})
+        else:
+            self.outbox.send(peer, array, step=step, tag=tag, meta=meta)
+
+    def discard_before(self, step: int) -> None:
+        """Steps below ``step`` are over: their frames are dropped, on lanes too."""
+        if self.lanes is not None:
+            self.lanes.discard_before(step)  # the comm's too
+        else:
+            self.comm.discard_before(step)
 
     def decoded(self, step: int, seconds: float) -> None:
         """Count ``seconds`` of decoding and combining towards ``step``."""
@@ -153,7 +213,7 @@ class ReduceSession:
         assert parent is not None and self.failover is not None
         if self.failover.state is Link.LOST:
             return  # nobody there to decode it
-        self.outbox.send(parent, chunk, step=step, tag=tag, meta=meta)
+        self.send_data(parent, chunk, step, tag, meta)
 
     def request(self, rank: int, step: int) -> None:
         """Ask ``rank`` for the outcomes from ``step`` on."""
@@ -176,7 +236,7 @@ class ReduceSession:
             targets = (self.family.grandchildren.get(child, []) if self.comm.is_lost(child)
                        else [child])
             for target in targets:
-                self.outbox.send(target, chunk, step=step, tag=tag, meta=meta)
+                self.send_data(target, chunk, step, tag, meta)
 
     def chunk_arrived(self, step: int, c: int, chunk: np.ndarray,
                       fut: asyncio.Future[Header]) -> None:
@@ -237,8 +297,8 @@ class ReduceSession:
         meta = outcome.report.to_meta() if outcome.report is not None else {}
         last = len(outcome.bounds) - 1
         for c, (lo, hi) in enumerate(outcome.bounds):
-            self.outbox.send(peer, outcome.value[lo:hi], step=outcome.step, tag=DOWN + c,
-                             meta=meta if c == last else None)
+            self.send_data(peer, outcome.value[lo:hi], outcome.step, DOWN + c,
+                           meta if c == last else None)
 
     def known(self, step: int) -> bool:
         return step <= self._known_up_to
@@ -267,6 +327,8 @@ class ReduceSession:
         if self._probe is not None and self._probe.probe is not None:
             self._probe.probe.cancel()
         await self.outbox.close(timeout)
+        if self.lanes is not None:
+            await self.lanes.close(timeout)
 
 
 def _result(outcome: Outcome, like: np.ndarray, t0: float) -> Result:

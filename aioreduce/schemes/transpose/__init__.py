@@ -58,7 +58,7 @@ class Transpose:
     * ``inject_loss``: for experiments, drop this fraction of slices on arrival (seeded),
       as an unreliable network would; never during warm-up.
     * ``lanes``: move the slices over a blocking lane to and from every peer, off the event
-      loop (on by default; see ``transpose/lanes.py``); without a mesh (the in-memory
+      loop (on by default; see ``schemes/links/lanes.py``); without a mesh (the in-memory
       network) they go through the comm.
     """
 

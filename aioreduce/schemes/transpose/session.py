@@ -32,11 +32,10 @@ import numpy as np
 
 from ...codes.hadamard import Rotation
 from ..base import Comm, FellBehind, Result, StragglerError
+from ..links import CommLinks, LaneLinks, Links
 from ..pool import BufferPool
 from .clock import StageClock
-from .lanes import LaneLinks
-from .layout import PHASE2_TAG, Layout
-from .links import CommLinks, Links
+from .layout import NOTICE_TAG, PHASE2_TAG, Layout
 from .stage import Slot, Stage
 
 if TYPE_CHECKING:
@@ -104,7 +103,7 @@ class TransposeSession:
         outs, ins = await links.open_links(peers, peers, step)
         old = self.links
         self.links = LaneLinks(self.comm, outs, ins, self.opts.backlog_steps, old.newest,
-                               opened_by=links)
+                               opened_by=links, notice_tag=NOTICE_TAG)
         await old.close(0)
 
     def _rotation_for(self, length: int, dtype: np.dtype | None = None) -> Rotation:

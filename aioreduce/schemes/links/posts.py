@@ -1,11 +1,11 @@
-"""Which posted receive an incoming slice fills, and when its buffer may still be written:
+"""Which posted receive an incoming message fills, and when its buffer may still be written:
 the bookkeeping of :class:`~.lanes.LaneLinks`, without threads or sockets.
 
 Two sides touch it: the session (post a receive, declare steps over, lose a peer) and one
 reader thread per peer (claim the post a message fills, write its payload chunk by chunk,
 complete it). :class:`~.lanes.LaneLinks` calls every method under one lock and waits on its
 condition where a method says so; here each call is one atomic event, so a test can run any
-interleaving of them (``tests/unit/test_transpose_posts.py`` does, with hypothesis).
+interleaving of them (``tests/unit/test_lane_posts.py`` does, with hypothesis).
 
 The guarantees: a buffer is written only while its post is in the book and not withdrawn (a
 chunk that began before the withdrawal may finish: the session waits for it, see
@@ -26,11 +26,12 @@ Key = tuple[int, int, int]  # (src, step, tag)
 
 @dataclass(eq=False)
 class Post:
-    """A posted receive of ``key`` into ``view``."""
+    """A posted receive of ``key`` into ``view`` (``future`` None: no receive, a buffer of the
+    links' own for a message that came early; see ``LaneLinks``)."""
 
     key: Key
     view: memoryview
-    future: asyncio.Future[Header]
+    future: asyncio.Future[Header] | None
     writing: bool = False  # a chunk is being copied into ``view`` now
     withdrawn: bool = False  # out of the book before it was filled: never written again
 

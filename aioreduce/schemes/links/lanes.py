@@ -1,4 +1,5 @@
-"""The transpose's slices over lanes: one blocking lane to and one from every peer.
+"""Messages over lanes: one blocking lane to and one from each peer a scheme names (the
+transpose: every peer; a tree: its parent and children).
 
 Why. Through the event loop a rank moves its slices only when its loop turns: on a host
 whose ranks share cores, a loop busy with a rotation or a sum (or a rank waiting for a core)
@@ -16,10 +17,25 @@ it is: :meth:`LaneLinks.discard_before` withdraws a post between two chunks (wai
 for one chunk's copy), so once it returns the buffer is never written again, even if the peer
 sends the rest later. Sends go to the lane's own sender thread; a peer with
 ``backlog_steps`` steps unsent is skipped, so a stopped peer holds at most that many steps
-of our arrays. While we skip it we tell it, over the mesh (whose frames it reads all at once
-when it runs again), which step we are at: a stopped rank that resumes learns at once how far
-behind it is and jumps (``FellBehind``), instead of first running through every step its
-lanes still hold while its peers keep skipping it because those lanes are full.
+of our arrays. While we skip it we tell it (if the scheme gives a ``notice_tag``), over the
+mesh (whose frames it reads all at once when it runs again), which step we are at: a
+stopped rank that resumes learns at once how far behind it is and jumps (``FellBehind``),
+instead of first running through every step its lanes still hold while its peers keep
+skipping it because those lanes are full. Once it reads again, ``on_resumed`` lets the
+scheme send what was skipped (a tree's results).
+
+Early messages. A message that no receive is posted for yet normally waits in the lane (see
+above). A scheme that must act on some before it asks for them (a tree rank forwards a result
+from its parent to its children while it still computes its own step) names them with
+``early(src, step, tag)``: those are read into a buffer of their own at once (at most
+``stage_bytes`` of them held; beyond that they wait as any other), handed to
+``on_early(src, header, payload)`` on the event loop, and kept for the receive that is posted
+later (copied into it, as the mesh's inbox does with the frames it stages).
+
+Waking. One lock guards the book; a reader waiting for a post waits on its own peer's
+condition, and the session waiting for a chunk's copy on another, so a post or a copied
+chunk wakes only the thread that cares (with one shared condition, every chunk read on a
+12-child star woke all twelve readers, and the master spent four times the CPU).
 """
 
 from __future__ import annotations
@@ -30,7 +46,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -39,7 +55,6 @@ from ...errors import LaneMismatch, PeerLost
 from ...wire import Header, Kind, byte_view
 from ...wire.frame import ProtocolError
 from ..base import BulkLink, BulkLinks, Comm
-from .layout import NOTICE_TAG
 from .posts import Post, PostBook, Wait
 
 log = logging.getLogger("aioreduce.schemes")
@@ -53,13 +68,27 @@ class LaneLinks:
 
     def __init__(self, comm: Comm, outs: Mapping[int, BulkLink], ins: Mapping[int, BulkLink],
                  backlog_steps: int, newest: int = -1, *,
-                 opened_by: BulkLinks | None = None) -> None:
+                 opened_by: BulkLinks | None = None, notice_tag: int | None = None,
+                 on_resumed: Callable[[int, int, int], None] | None = None,
+                 early: Callable[[int, int, int], bool] | None = None,
+                 on_early: Callable[[int, Header, memoryview], None] | None = None,
+                 stage_bytes: int = 0) -> None:
         self.comm = comm
         self._opened_by = opened_by
+        self._notice_tag = notice_tag
+        # (peer, first, last): a peer we skipped reads again; steps first..last were skipped.
+        self._on_resumed = on_resumed
+        self._early, self._on_early, self._stage_bytes = early, on_early, stage_bytes
+        self._staged: dict[tuple[int, int, int], tuple[Header, memoryview]] = {}
+        self._staging = 0  # bytes staged or being read into staging buffers
         self._loop = asyncio.get_running_loop()
         self._outs, self._ins = outs, ins
         self._backlog = backlog_steps
-        self._cond = threading.Condition()
+        # One lock; on its conditions wait the session for a withdrawn chunk's copy
+        # (_cond) and each peer's reader for a post (_posted[src]): see "Waking" above.
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        self._posted = {src: threading.Condition(lock) for src in ins}
         self._book = PostBook()  # what each incoming slice fills (see .posts)
         self._closed = False
         self._gone: dict[int, PeerLost] = {}  # peer -> why its lane (either way) ended
@@ -69,13 +98,13 @@ class LaneLinks:
         # counts what it sent, in the same order.
         self._queued: dict[int, deque[int]] = {p: deque() for p in outs}
         self._forgotten: dict[int, int] = dict.fromkeys(outs, 0)
-        self._skipping: set[int] = set()
+        self._skipping: dict[int, list[int]] = {}  # peer -> [first, last] step skipped
         self._sent: dict[int, int] = {}  # step -> bytes queued
         self._got: dict[int, dict[int, list[int]]] = {}  # step -> src -> [bytes, messages]
         self._told: dict[int, int] = {}  # peer -> the step we last told it we are at
         self._removers = [comm.on_early(p, 0, self._heard) for p in ins]
         self._readers = [threading.Thread(target=self._read, args=(src, lane), daemon=True,
-                                          name=f"aioreduce-transpose-from-{src}")
+                                          name=f"aioreduce-lane-from-{src}")
                          for src, lane in ins.items()]
         for reader in self._readers:
             reader.start()
@@ -85,12 +114,29 @@ class LaneLinks:
         fut: asyncio.Future[Header] = self._loop.create_future()
         key = (src, step, tag)
         with self._cond:
+            staged = self._staged.pop(key, None)
+            if staged is not None:  # it came early: copy it in (on the loop, as the inbox)
+                header, payload = staged
+                self._staging -= payload.nbytes
+                view = byte_view(out)
+                if view.nbytes != payload.nbytes:
+                    fut.set_exception(LaneMismatch(src, (step, tag, payload.nbytes),
+                                                   (step, tag, view.nbytes)))
+                else:
+                    view[:] = payload
+                    fut.set_result(header)
+                    counts = self._got.setdefault(step, {}).setdefault(src, [0, 0])
+                    counts[0] += payload.nbytes
+                    counts[1] += 1
+                return fut
             gone = self._gone.get(src)
             if gone is not None:
                 fut.set_exception(gone)
                 return fut
             self._book.post(Post(key, byte_view(out), fut))
-            self._cond.notify_all()
+            waiting = self._posted.get(src)
+            if waiting is not None:
+                waiting.notify()
         return fut
 
     def send(self, peer: int, array: np.ndarray, step: int, tag: int,
@@ -104,15 +150,23 @@ class LaneLinks:
         self._forgotten[peer] = sent
         if len(set(queued) - {step}) >= self._backlog:
             self._tell(peer, step)
-            if peer not in self._skipping:
-                self._skipping.add(peer)
+            skipped = self._skipping.get(peer)
+            if skipped is None:
+                self._skipping[peer] = [step, step]
                 log.warning("rank %d: rank %d is not reading (%d messages unsent); skipping "
-                            "its slices until it drains", self.comm.rank, peer, len(queued))
+                            "its messages until it drains", self.comm.rank, peer, len(queued))
+            else:
+                skipped[1] = max(skipped[1], step)
             return
-        if peer in self._skipping:
-            self._skipping.discard(peer)
+        skipped = self._skipping.pop(peer, None)
+        if skipped is not None:
             log.warning("rank %d: rank %d reads again", self.comm.rank, peer)
-        head = Header(Kind.DATA, step, tag, self.comm.rank, meta=meta).to_bytes()
+            if self._on_resumed is not None:
+                # Before this message: what the scheme re-sends goes out first, in step order.
+                self._on_resumed(peer, skipped[0], skipped[1])
+        # dtype and shape as on the mesh: an early message is forwarded as what it is.
+        head = Header(Kind.DATA, step, tag, self.comm.rank, array.dtype.str, array.shape,
+                      meta).to_bytes()
         try:
             lane.send(step, tag, byte_view(array), head)
         except PeerLost as exc:
@@ -123,10 +177,11 @@ class LaneLinks:
 
     def _tell(self, peer: int, step: int) -> None:
         """Tell a peer we skip that we are at ``step`` (once a step, in the background)."""
-        if self._told.get(peer, -1) >= step:
+        if self._notice_tag is None or self._told.get(peer, -1) >= step:
             return
         self._told[peer] = step
-        sending = asyncio.ensure_future(self.comm.send(peer, _NOTHING, step=step, tag=NOTICE_TAG))
+        sending = asyncio.ensure_future(self.comm.send(peer, _NOTHING, step=step,
+                                                      tag=self._notice_tag))
         sending.add_done_callback(lambda f: f.cancelled() or f.exception())  # lost: no matter
 
     def _heard(self, header: Header, _payload: memoryview) -> None:
@@ -137,12 +192,15 @@ class LaneLinks:
     def discard_before(self, step: int, tag: int = 0) -> None:
         self.comm.discard_before(step, tag)
         with self._cond:
+            for key in [k for k in self._staged if (k[1], k[2]) < (step, tag)]:
+                self._staging -= self._staged.pop(key)[1].nbytes
             writing = self._book.discard_before(step, tag)
             # One chunk's copy at most (the read never blocks). While we wait, readers may
             # complete or lose other posts: the book took these out already.
             while any(p.writing for p in writing):
                 self._cond.wait()
-            self._cond.notify_all()
+            for waiting in self._posted.values():  # a message it waits with may be over now
+                waiting.notify()
 
     def is_lost(self, rank: int) -> bool:
         return rank in self._gone or self.comm.is_lost(rank)
@@ -169,6 +227,8 @@ class LaneLinks:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            for waiting in self._posted.values():
+                waiting.notify()
         await asyncio.to_thread(self._shut, timeout)
 
     def _shut(self, timeout: float) -> None:
@@ -193,13 +253,16 @@ class LaneLinks:
                 if (header.step, header.tag, header.src) != (step, tag, src):
                     raise PeerLost(src, f"lane from rank {src}: header {header} for "
                                    f"(step, slice) {(step, tag)}")
-                post = self._claim(src, step, tag)
+                post = self._claim(src, step, tag, nbytes)
                 if post is None:
                     lane.skip(nbytes)
                 elif post.view.nbytes != nbytes:
                     self._finish(post, None, LaneMismatch(
                         src, (step, tag, nbytes), (step, tag, post.view.nbytes)))
                     lane.skip(nbytes)
+                elif post.future is None:  # an early message, into a buffer of its own
+                    self._fill(lane, post, nbytes)
+                    self._staged_in(post, header, lane.latency)
                 elif self._fill(lane, post, nbytes):
                     self._finish(post, header, None, nbytes, lane.latency)
         except PeerLost as exc:
@@ -207,8 +270,9 @@ class LaneLinks:
         except Exception as exc:  # a bug: end this lane, say why
             self._lost(src, PeerLost(src, f"lane from rank {src}: {exc!r}"))
 
-    def _claim(self, src: int, step: int, tag: int) -> Post | None:
-        """The post this message fills, once there is one; None: drop it (below the floor)."""
+    def _claim(self, src: int, step: int, tag: int, nbytes: int) -> Post | None:
+        """The post this message fills, once there is one (or a staging buffer, for an early
+        message the scheme wants at once); None: drop it (below the floor)."""
         with self._cond:
             self.newest = max(self.newest, step)
             while True:
@@ -217,7 +281,50 @@ class LaneLinks:
                 post = self._book.claim(src, step, tag)
                 if not isinstance(post, Wait):
                     return post
-                self._cond.wait()
+                key = (src, step, tag)
+                if key in self._staged:
+                    return None  # sent twice: not by one of ours; the first one counts
+                if (self._early is not None and self._early(src, step, tag)
+                        and self._staging + nbytes <= self._stage_bytes):
+                    self._staging += nbytes
+                    return Post(key, memoryview(bytearray(nbytes)), None)
+                self._posted[src].wait()
+
+    def _staged_in(self, post: Post, header: Header, latency: float) -> None:
+        """An early message is in its buffer: fill the receive posted for it meanwhile, or
+        keep it for the one posted later and show it to the scheme's early handler."""
+        with self._cond:
+            key = post.key
+            waiting = self._book.posts.get(key)
+            if (key[1], key[2]) < self._book.floor or self._closed:
+                self._staging -= post.view.nbytes  # over meanwhile
+                return
+            if waiting is None:
+                self._staged[key] = (header, post.view)
+            else:
+                self._staging -= post.view.nbytes
+                self._book.complete(waiting)
+        if waiting is not None:
+            if waiting.view.nbytes != post.view.nbytes:
+                self._finish(waiting, None, LaneMismatch(
+                    key[0], (key[1], key[2], post.view.nbytes),
+                    (key[1], key[2], waiting.view.nbytes)))
+            else:  # out of the book: nobody else writes it now
+                waiting.view[:] = post.view
+                self._finish(waiting, header, None, post.view.nbytes, latency)
+            return
+        handler = self._on_early
+        if handler is not None:
+            def early() -> None:
+                handler(key[0], header, post.view)
+
+            try:
+                if latency > 0:
+                    self._loop.call_soon_threadsafe(self._loop.call_later, latency, early)
+                else:
+                    self._loop.call_soon_threadsafe(early)
+            except RuntimeError:  # the loop is closed
+                pass
 
     def _fill(self, lane: BulkLink, post: Post, nbytes: int) -> bool:
         """Read the payload into the post's buffer; False if it was withdrawn meanwhile (the
@@ -234,7 +341,8 @@ class LaneLinks:
             finally:
                 with self._cond:
                     self._book.end_write(post)
-                    self._cond.notify_all()
+                    if post.withdrawn:  # the session may wait for this copy
+                        self._cond.notify_all()
         if got < nbytes:
             lane.skip(nbytes - got)
             return False
@@ -245,6 +353,7 @@ class LaneLinks:
     def _finish(self, post: Post, header: Header | None, exc: BaseException | None,
                 nbytes: int = 0, latency: float = 0.0) -> None:
         def done() -> None:
+            assert post.future is not None  # a staging buffer is never finished
             if post.future.done():
                 return  # withdrawn: the stage ended without it
             if exc is not None:

@@ -1,4 +1,4 @@
-"""The transpose links' bookkeeping (``schemes/transpose/posts.py``) under every interleaving
+"""The lane links' bookkeeping (``schemes/links/posts.py``) under every interleaving
 of a step's events, as a hypothesis state machine: the session posts receives, discards steps
 (while a reader is in the middle of a chunk) and loses peers; readers claim posts, write chunks
 and complete them, in any order between those. The invariants are the links' guarantees: a
@@ -16,7 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from aioreduce.schemes.transpose.posts import Post, PostBook, Wait
+from aioreduce.schemes.links.posts import Post, PostBook, Wait
 
 SRCS, STEPS, TAGS = (1, 2), (0, 1, 2, 3), (0, 1)
 LOOP = asyncio.new_event_loop()  # futures only; nothing runs on it

@@ -1,7 +1,8 @@
-"""The transpose's lanes (``schemes/transpose/lanes.py``) on real socket pairs: a withdrawn
+"""The lane links (``schemes/links/lanes.py``) on real socket pairs: a withdrawn
 receive is never written again, even when its sender delivers the rest later; a message ahead
 of its receive waits for it; one below the floor is dropped and the stream stays in step; a
-wrong size is a mismatch; a lane that ends fails its receives naming the peer.
+wrong size is a mismatch; a lane that ends fails its receives naming the peer; an early
+message a scheme asks for is handed on at once and kept for its receive, within a budget.
 
 The bytes cross real sockets; only the comm beside them (rank, floor, losses) is a stub, as
 these links use it for nothing else.
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from aioreduce.errors import PeerLost
-from aioreduce.schemes.transpose.lanes import LaneLinks
+from aioreduce.schemes.links.lanes import LaneLinks
 from aioreduce.schemes.transpose.layout import NOTICE_TAG
 from aioreduce.transport.lane import HEADER, Lane, LaneMismatch
 from aioreduce.wire import Header, Kind
@@ -125,6 +126,55 @@ async def test_a_wrong_size_is_a_mismatch_and_a_lane_that_ends_fails_its_receive
         await asyncio.wait_for(links.post(PEER, np.zeros(2), 1, 0), 10)
 
 
+async def test_an_early_message_is_handed_on_and_kept_for_its_receive() -> None:
+    # What a tree rank needs from its parent's lane: a result it has not asked for yet is
+    # read at once (within the staging budget), shown to the early handler, and copied into
+    # the receive posted later; over the budget a message waits in the lane as any other;
+    # the floor drops what is staged below it and frees its share of the budget.
+    ours, peer = socket.socketpair()
+    out_ours, out_peer = socket.socketpair()
+    seen: asyncio.Queue[tuple[int, int, int, list[float]]] = asyncio.Queue()
+
+    def on_early(src: int, header: Header, payload: memoryview) -> None:
+        values = np.frombuffer(payload, dtype=header.dtype).tolist()
+        seen.put_nowait((src, header.step, header.tag, values))
+
+    links = LaneLinks(_Comm(), {PEER: Lane(out_ours, PEER)},  # type: ignore[arg-type]
+                      {PEER: Lane(ours, PEER)}, backlog_steps=8,
+                      early=lambda src, step, tag: tag >= 100, on_early=on_early,
+                      stage_bytes=64)
+    try:
+        peer.sendall(_typed(1, 100, np.array([1.0, 2, 3]), {"last": 1}))
+        assert await asyncio.wait_for(seen.get(), 10) == (PEER, 1, 100, [1, 2, 3])
+        buf = np.zeros(3)
+        fut = links.post(PEER, buf, 1, 100)
+        assert fut.done() and fut.result().meta == {"last": 1} and buf.tolist() == [1, 2, 3]
+
+        # 72 bytes: over the 64 of the budget, so it waits for its receive.
+        big = np.arange(9, dtype=float)
+        peer.sendall(_typed(1, 101, big, {}))
+        await _until(lambda: links.newest == 1)
+        got = np.zeros(9)
+        await asyncio.wait_for(links.post(PEER, got, 1, 101), 10)
+        assert got.tolist() == big.tolist() and seen.empty()
+
+        peer.sendall(_typed(2, 100, np.arange(8.0), {}))  # 64 bytes: the whole budget
+        assert (await asyncio.wait_for(seen.get(), 10))[1] == 2
+        links.discard_before(3)  # never asked for: dropped, and its bytes given back
+        peer.sendall(_typed(3, 100, np.arange(8.0), {}))
+        assert (await asyncio.wait_for(seen.get(), 10))[1] == 3
+    finally:
+        await links.close(1.0)
+        peer.close()
+        out_peer.close()
+
+
+def _typed(step: int, tag: int, payload: np.ndarray, meta: dict[str, object]) -> bytes:
+    """A lane message as LaneLinks.send writes it (dtype and shape in its header)."""
+    head = Header(Kind.DATA, step, tag, PEER, payload.dtype.str, payload.shape, meta).to_bytes()
+    return HEADER.pack(step, tag, payload.nbytes, len(head)) + head + payload.tobytes()
+
+
 async def test_a_peer_that_does_not_read_is_skipped_after_backlog_steps(caplog) -> None:
     """A stopped peer holds at most ``backlog_steps`` steps of our arrays; once it reads
     again it gets what was queued and then the current step, not the skipped ones."""
@@ -133,7 +183,7 @@ async def test_a_peer_that_does_not_read_is_skipped_after_backlog_steps(caplog) 
     out = Lane(ours, PEER)
     comm = _Comm()
     links = LaneLinks(comm, {PEER: out}, {PEER: Lane(in_ours, PEER)},  # type: ignore[arg-type]
-                      backlog_steps=2)
+                      backlog_steps=2, notice_tag=NOTICE_TAG)
     try:
         big = np.zeros(1 << 18)  # 2 MiB a message: more than a socket pair holds
         for step in range(5):

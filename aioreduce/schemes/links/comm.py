@@ -1,10 +1,10 @@
-"""How a transpose session's slices travel: the narrow interface, and its comm version.
+"""The narrow interface a scheme's messages travel through, and its comm version.
 
-A step posts receives, sends slices, raises a floor under which slices are dropped on
+A step posts receives, sends messages, raises a floor under which messages are dropped on
 arrival (and never written anywhere), and asks which step its peers are at.
 :class:`CommLinks` does that through the scheme's comm: frames on the event loop, and the
 in-memory network of the unit tests. :class:`~.lanes.LaneLinks` does it over a blocking
-lane to and from every peer, off the event loop (real meshes; the default).
+lane to and from each peer, off the event loop.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..outbox import Outbox
 
 
 class Links(Protocol):
-    """What a transpose step needs from the network (see the module docstring)."""
+    """What a step needs from the network (see the module docstring)."""
 
     @property
     def newest(self) -> int:

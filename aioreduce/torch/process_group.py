@@ -36,7 +36,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
-from torch._C._distributed_c10d import _create_work_from_future as _work_of  # type: ignore[attr-defined]
 
 from ..env import NodeEnv
 from ..errors import ConfigError
@@ -78,10 +77,60 @@ def default_scheme() -> Scheme:
     return by_name(os.environ.get("AIOREDUCE_TORCH_SCHEME", "ring"))
 
 
+class _FutureWork(dist.Work):
+    """A ``Work`` that completes with ``fut`` (what ``async_op=True`` hands the caller, and
+    what a blocking call waits on).
+
+    Not torch's ``_create_work_from_future``: its ``wait()`` returns True when the future
+    failed, so a blocking ``dist.all_reduce`` whose step failed (a lost peer, a vector of
+    another size) returned as if it had summed. Here ``wait()`` raises the step's error, as
+    Gloo's does; on a device future it also orders the caller's current stream after it."""
+
+    def __init__(self, fut: torch.futures.Future[Any]) -> None:
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._fut.wait()  # raises the step's error
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._fut
+
+    def result(self) -> list[torch.Tensor]:
+        """The tensors the call completed with (raises its error, as :meth:`wait`)."""
+        value = self._fut.wait()
+        if isinstance(value, torch.Tensor):
+            return [value]
+        if isinstance(value, list | tuple):
+            return [v for v in value if isinstance(v, torch.Tensor)]
+        return []
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def is_success(self) -> bool:
+        if not self._fut.done():
+            return False
+        try:
+            self._fut.value()
+        except Exception:
+            return False
+        return True
+
+    def exception(self) -> BaseException | None:
+        if not self._fut.done():
+            return None
+        try:
+            self._fut.value()
+        except Exception as exc:
+            return exc
+        return None
+
+
 def _work(fut: torch.futures.Future[Any]) -> dist.Work:
-    """A ``Work`` that completes with ``fut`` (what ``async_op=True`` hands the caller)."""
-    work: dist.Work = _work_of(fut)
-    return work
+    """A ``Work`` that completes with ``fut`` (see :class:`_FutureWork`)."""
+    return _FutureWork(fut)
 
 
 def _after_all(futs: list[torch.futures.Future[Any]], value: Any) -> torch.futures.Future[Any]:

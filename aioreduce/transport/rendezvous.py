@@ -166,6 +166,10 @@ async def _abort(mesh: Mesh, ranks: list[int], reason: str, missing: list[int]) 
 async def barrier(mesh: Mesh, timeout: float, *, closing: bool = False) -> None:
     """Wait until every rank has reached the barrier (gathered at and released by rank 0).
 
+    Ranks that do not come within ``timeout``: rank 0 tells the ones that came, and every
+    rank there raises :class:`RendezvousError` naming the missing ranks (torch's
+    ``monitored_barrier`` has only rank 0 name them).
+
     ``closing``: the job ends here. Rank 0 stops listening before it releases anyone, so a
     rank that goes on to join a next job on the same port cannot reach this job's listener
     while it shuts down (it would be dropped mid-handshake).
@@ -182,10 +186,16 @@ async def barrier(mesh: Mesh, timeout: float, *, closing: bool = False) -> None:
             missing = exc.missing
         if closing:
             mesh.stop_listening()
-        await asyncio.gather(*(mesh.send_control(r, Release())
+        why = f"ranks {missing} did not reach the barrier within {timeout:g} s"
+        answer: Release | Abort = Abort(why, tuple(missing)) if missing else Release()
+        await asyncio.gather(*(mesh.send_control(r, answer)
                                for r in others if r not in missing), return_exceptions=True)
         if missing:
-            raise RendezvousError(f"ranks {missing} did not reach the barrier", missing=missing)
+            raise RendezvousError(f"rank 0: {why}", missing=missing)
         return
     await mesh.send_control(0, Arrive())
-    await _gather_from(mesh, [0], Release, deadline)
+    # Rank 0 gives up at the same deadline and then says who is missing: allow for that.
+    msg = (await _gather_from(mesh, [0], Release, deadline + ABORT_GRACE_S))[0]
+    if isinstance(msg, Abort):
+        raise RendezvousError(f"rank {mesh.rank}: {msg.reason} (rank 0 waited for them)",
+                              missing=list(msg.missing))

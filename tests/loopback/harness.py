@@ -23,6 +23,7 @@ from aioreduce.jobplan import HostSlots, JobConfig, RankSpec, free_port, plan_ra
 HERE = Path(__file__).parent
 RANKPROG = str(HERE / "rankprog.py")
 SCHEMEPROG = str(HERE / "schemeprog.py")
+BARRIERPROG = str(HERE / "barrierprog.py")
 
 
 def alive(pid: int) -> bool:

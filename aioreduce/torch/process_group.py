@@ -86,9 +86,10 @@ class _FutureWork(dist.Work):
     another size) returned as if it had summed. Here ``wait()`` raises the step's error, as
     Gloo's does; on a device future it also orders the caller's current stream after it."""
 
-    def __init__(self, fut: torch.futures.Future[Any]) -> None:
+    def __init__(self, fut: torch.futures.Future[Any], source: list[int] | None = None) -> None:
         super().__init__()
         self._fut = fut
+        self._source = source  # a receive from any source: the rank it came from, once done
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         self._fut.wait()  # raises the step's error
@@ -108,6 +109,15 @@ class _FutureWork(dist.Work):
 
     def is_completed(self) -> bool:
         return self._fut.done()
+
+    def _source_rank(self) -> int:
+        """The rank a receive from any source came from (torch's ``recv`` returns it)."""
+        self._fut.wait()
+        if not self._source:
+            raise RuntimeError("not a receive from any source")
+        return self._source[0]
+
+    source_rank = _source_rank
 
     def is_success(self) -> bool:
         if not self._fut.done():
@@ -609,9 +619,22 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
 
         return self._issue([st], [st], body, tensors, ordered=False)
 
-    def recv_anysource(self, *args: object) -> dist.Work:
-        raise NotImplementedError(f"rank {self.node.rank}: recv without a source is not "
-                                  "implemented by aioreduce; pass src")
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
+        """``recv`` without ``src``: the next message with ``tag`` from whichever rank's
+        comes first (:meth:`PointToPoint.recv_any`); the work's ``_source_rank()`` names it."""
+        (tensor,) = tensors
+        p2p = self.node.node.p2p
+        st = self._stage(tensor, read=False)
+        source: list[int] = []
+
+        async def body() -> int:
+            return await p2p.recv_any(tag, st.host)
+
+        def done(src: int) -> list[torch.Tensor]:
+            source.append(src)
+            return tensors
+
+        return _FutureWork(self._op([st], [st], body, done, ordered=False), source)
 
     def shutdown(self) -> None:
         """Stop the completer thread; close the node when this group made it."""

@@ -110,6 +110,8 @@ class Inbox:
         self._early: list[tuple[int, EarlyHandler]] = []
         # Staged frames not yet handed to the early handlers (their emulated latency runs).
         self._in_flight: set[Key] = set()
+        # Waiters for a frame to arrive without taking it (:meth:`probe`), by key.
+        self._probes: dict[Key, list[asyncio.Future[None]]] = {}
 
     def on_early(self, min_tag: int, handler: EarlyHandler, *,
                  since: int | None = None) -> Callable[[], None]:
@@ -138,6 +140,35 @@ class Inbox:
         return remove
 
     # -- the caller's side --------------------------------------------------------------------
+    def probe(self, key: Key) -> asyncio.Future[None]:
+        """A future that resolves once a frame of ``key`` is here waiting for its receive
+        (staged, or held back in the kernel), without receiving it: at once if it is already;
+        with :class:`PeerLost` if the peer is lost first. What a receive from any source
+        waits on (torch's ``recv`` without ``src``). Cancel it to stop waiting."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if key in self._staged or any((h.step, h.tag) == key for h in self._held.values()):
+            fut.set_result(None)
+        elif self.lost is not None and not self.conns:
+            fut.set_exception(self.lost)
+        else:
+            waiting = self._probes.setdefault(key, [])
+            waiting.append(fut)
+            fut.add_done_callback(lambda f: self._unprobe(key, f))
+        return fut
+
+    def _unprobe(self, key: Key, fut: asyncio.Future[None]) -> None:
+        waiting = self._probes.get(key)
+        if waiting is not None and fut in waiting:
+            waiting.remove(fut)
+            if not waiting:
+                del self._probes[key]
+
+    def _arrived(self, key: Key) -> None:
+        """A frame of ``key`` is here and nobody has received it: wake its probes."""
+        for fut in self._probes.pop(key, ()):
+            if not fut.done():
+                fut.set_result(None)
+
     def post(self, key: Key, view: memoryview, dtype: str) -> asyncio.Future[Header]:
         """Post a receive of ``key`` into ``view``; the future resolves with the frame header."""
         fut: asyncio.Future[Header] = asyncio.get_running_loop().create_future()
@@ -233,6 +264,8 @@ class Inbox:
                     f"{self.budget.staged_bytes})")
             return self._stage_buffer(header)
         self._held[conn] = header
+        if self._probes:
+            self._arrived(key)
         return DEFER
 
     def delivered(self, conn: FrameProtocol, frame: Frame) -> None:
@@ -278,6 +311,8 @@ class Inbox:
             self._staged[key] = (header, payload, self._now())
             self.staged_bytes += payload.nbytes
             if is_p2p(header.tag):  # kept until received: no floor passes it
+                if self._probes:
+                    self._arrived(key)
                 return
             tags = self._tags_of.get(header.step)
             if tags is None:
@@ -302,6 +337,10 @@ class Inbox:
             if not posted.future.done():
                 posted.future.set_exception(lost)
         self._posted.clear()
+        for waiting in list(self._probes.values()):
+            for fut in list(waiting):
+                if not fut.done():
+                    fut.set_exception(lost)
         self.control.put_nowait(None)
         if self._on_lost is not None:
             self._on_lost(self.rank)

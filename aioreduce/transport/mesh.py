@@ -358,6 +358,12 @@ class Mesh:
         self._check_rank(rank)
         return self._inbox[rank].on_early(min_tag, handler, since=since)
 
+    def probe(self, rank: int, *, step: int, tag: int) -> asyncio.Future[None]:
+        """Resolves once a frame (step, tag) from ``rank`` is here, not yet received (see
+        :meth:`Inbox.probe`)."""
+        self._check_rank(rank)
+        return self._inbox[rank].probe((step, tag))
+
     def is_lost(self, rank: int) -> bool:
         """True if ``rank`` had a connection that broke and has not come back."""
         inbox = self._inbox[rank]

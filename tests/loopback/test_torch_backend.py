@@ -1,5 +1,5 @@
 """The torch backend "aioreduce" on 3 real processes: every collective's values, async
-handles, changing shapes, a clear NotImplementedError, a model mismatch named on every
+handles, changing shapes, a model mismatch named on every
 rank; the optimizer wrapper's accumulation, skip_synchronize and commit policy; the DDP
 wrapper re-syncing replicas under a lossy bounded-time scheme."""
 
@@ -52,7 +52,6 @@ def test_every_collective_gives_the_exact_value_on_every_rank() -> None:
         assert g["reduce_scatter"] == [3.0 * r + 3.0] * 2
         assert g["reduce_scatter_tensor"] == [6.0 * r, 6.0 * r + 3.0]
         assert g["reduce"] == ([6.0] if r == 0 else [float(r + 1)])
-        assert f"rank {r}: recv without a source is not implemented" in str(g["anysource"])
 
 
 def test_a_different_model_on_one_rank_is_named_on_every_rank() -> None:

@@ -125,6 +125,21 @@ def main() -> None:
     for q in dist.batch_isend_irecv(ops):
         q.wait()
     keep("batch_isend_irecv", torch.cat([a, c]))
+    # recv without src: every other rank sends rank 0 one message with tag 9, and a second
+    # one once rank 0 has taken the first (in order per sender); rank 0 takes them from
+    # whichever rank comes first, and torch returns who sent each.
+    if r == 0:
+        came = []
+        for _ in range(2 * (n - 1)):
+            buf = t([0.0, 0.0])
+            src = dist.recv(buf, tag=9)
+            came.append([float(src), *buf.tolist()])
+        came.sort()
+        keep("recv_anysource", came)
+    else:
+        dist.send(t([float(r), 7.0]), dst=0, tag=9)
+        dist.send(t([float(r), 8.0]), dst=0, tag=9)
+        keep("recv_anysource", [])
     a2a_out = [t([0.0, 0.0]) for j in range(n)]
     try:
         dist.all_to_all(a2a_out, [t([float(10 * r + j), float(r)]) for j in range(n)])

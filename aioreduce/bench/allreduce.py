@@ -248,12 +248,12 @@ def _report(cfg: Config, name: str, scheme: Scheme | None, t: np.ndarray, err: f
     # The scheme's own bound on these links (see bound.py): the link rate shaped, else the
     # cost model's bandwidth; the emulated latency, else none.
     rate = cfg.link_mbit * 1e6 / 8 if cfg.link_mbit else cfg.model_bandwidth
-    limit = bound(variant(name)[0], scheme, world, float(cfg.size_bytes), rate=rate,
-                  latency=cfg.latency)
+    base = variant(name)[0]  # tree+lanes: the tree's bound and model
+    limit = bound(base, scheme, world, float(cfg.size_bytes), rate=rate, latency=cfg.latency)
     if limit is not None:
         out.update({"bound_s": limit.seconds, "of_bound": limit.seconds / out["median_s"],
                     "bound_rate_bytes_s": rate})
-    out["model_s"] = _predict(cfg, variant(name)[0], scheme, world)
+    out["model_s"] = _predict(cfg, base, scheme, world)
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -58,8 +58,12 @@ class PointToPoint:
         if not 0 <= peer < n or peer == me:
             raise ValueError(f"rank {me}: point-to-point peer {peer} is not another rank "
                              f"(world size {n})")
+        self._check_tag(tag)
+
+    def _check_tag(self, tag: int) -> None:
         if not 0 <= tag <= MAX_USER_TAG:
-            raise ValueError(f"rank {me}: point-to-point tag {tag} is outside 0..{MAX_USER_TAG}")
+            raise ValueError(f"rank {self.comm.rank}: point-to-point tag {tag} is outside "
+                             f"0..{MAX_USER_TAG}")
 
     def send_key(self, dst: int, tag: int = 0) -> Key:
         """The key of the next message to ``dst`` with ``tag`` (taken now)."""
@@ -90,8 +94,7 @@ class PointToPoint:
         ``out``; returns that peer's rank (see the module docstring). A lost peer is passed
         over; with every peer lost, its ``PeerLost`` is raised."""
         me, n = self.comm.rank, self.comm.world_size
-        if not 0 <= tag <= MAX_USER_TAG:
-            raise ValueError(f"rank {me}: point-to-point tag {tag} is outside 0..{MAX_USER_TAG}")
+        self._check_tag(tag)
         turn = self._any.setdefault(tag, asyncio.Lock())
         lost: dict[int, BaseException] = {}
         async with turn:

@@ -120,13 +120,7 @@ class _FutureWork(dist.Work):
     source_rank = _source_rank
 
     def is_success(self) -> bool:
-        if not self._fut.done():
-            return False
-        try:
-            self._fut.value()
-        except Exception:
-            return False
-        return True
+        return self._fut.done() and self.exception() is None
 
     def exception(self) -> BaseException | None:
         if not self._fut.done():

@@ -120,14 +120,11 @@ class LaneLinks:
                 self._staging -= payload.nbytes
                 view = byte_view(out)
                 if view.nbytes != payload.nbytes:
-                    fut.set_exception(LaneMismatch(src, (step, tag, payload.nbytes),
-                                                   (step, tag, view.nbytes)))
+                    fut.set_exception(_mismatch(key, payload.nbytes, view.nbytes))
                 else:
                     view[:] = payload
                     fut.set_result(header)
-                    counts = self._got.setdefault(step, {}).setdefault(src, [0, 0])
-                    counts[0] += payload.nbytes
-                    counts[1] += 1
+                    self._count(step, src, payload.nbytes)
                 return fut
             gone = self._gone.get(src)
             if gone is not None:
@@ -257,8 +254,7 @@ class LaneLinks:
                 if post is None:
                     lane.skip(nbytes)
                 elif post.view.nbytes != nbytes:
-                    self._finish(post, None, LaneMismatch(
-                        src, (step, tag, nbytes), (step, tag, post.view.nbytes)))
+                    self._finish(post, None, _mismatch(post.key, nbytes, post.view.nbytes))
                     lane.skip(nbytes)
                 elif post.future is None:  # an early message, into a buffer of its own
                     self._fill(lane, post, nbytes)
@@ -306,9 +302,8 @@ class LaneLinks:
                 self._book.complete(waiting)
         if waiting is not None:
             if waiting.view.nbytes != post.view.nbytes:
-                self._finish(waiting, None, LaneMismatch(
-                    key[0], (key[1], key[2], post.view.nbytes),
-                    (key[1], key[2], waiting.view.nbytes)))
+                self._finish(waiting, None, _mismatch(key, post.view.nbytes,
+                                                      waiting.view.nbytes))
             else:  # out of the book: nobody else writes it now
                 waiting.view[:] = post.view
                 self._finish(waiting, header, None, post.view.nbytes, latency)
@@ -361,9 +356,7 @@ class LaneLinks:
                 return
             assert header is not None
             post.future.set_result(header)
-            counts = self._got.setdefault(header.step, {}).setdefault(header.src, [0, 0])
-            counts[0] += nbytes
-            counts[1] += 1
+            self._count(header.step, header.src, nbytes)
 
         try:
             if latency > 0:  # emulated one-way latency: it arrives this much later
@@ -372,6 +365,12 @@ class LaneLinks:
                 self._loop.call_soon_threadsafe(done)
         except RuntimeError:  # the loop is closed: nobody waits for it any more
             pass
+
+    def _count(self, step: int, src: int, nbytes: int) -> None:
+        """A message of ``nbytes`` from ``src`` completed a receive of ``step`` (telemetry)."""
+        counts = self._got.setdefault(step, {}).setdefault(src, [0, 0])
+        counts[0] += nbytes
+        counts[1] += 1
 
     def _lost(self, peer: int, exc: PeerLost) -> None:
         """``peer``'s lane ended: its posts fail now and later ones at once."""
@@ -382,3 +381,9 @@ class LaneLinks:
             posts = self._book.lose(peer)
         for post in posts:
             self._finish(post, None, exc)
+
+
+def _mismatch(key: tuple[int, int, int], got: int, want: int) -> LaneMismatch:
+    """Message ``key`` (src, step, tag) of ``got`` bytes for a receive of ``want``."""
+    src, step, tag = key
+    return LaneMismatch(src, (step, tag, got), (step, tag, want))

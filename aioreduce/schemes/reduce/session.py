@@ -145,21 +145,27 @@ class ReduceSession:
         return self.lanes is not None
 
     # -- where a message goes -------------------------------------------------------------------
-    def _on_lane(self, peer: int, tag: int) -> bool:
-        return self.lanes is not None and tag < tags.ABORT and peer in self._lane_peers
+    def _lanes_for(self, peer: int, tag: int) -> LaneLinks | None:
+        """The lanes a chunk to or from ``peer`` travels on (None: the comm; control tags
+        and ranks that are not parent or child always go through the comm)."""
+        if tag < tags.ABORT and peer in self._lane_peers:
+            return self.lanes
+        return None
 
     def post_data(self, src: int, out: np.ndarray, step: int, tag: int
                   ) -> asyncio.Future[Header]:
         """Receive chunk ``tag`` of ``step`` from ``src`` into ``out`` (over its lane, if any)."""
-        if self.lanes is not None and self._on_lane(src, tag):
-            return self.lanes.post(src, out, step, tag)
+        lanes = self._lanes_for(src, tag)
+        if lanes is not None:
+            return lanes.post(src, out, step, tag)
         return self.comm.post_recv(src, out, step=step, tag=tag)
 
     def send_data(self, peer: int, array: np.ndarray, step: int, tag: int,
                   meta: dict[str, object] | None) -> None:
         """Send in the background (over ``peer``'s lane, if any; a verdict never is)."""
-        if self.lanes is not None and self._on_lane(peer, tag):
-            self.lanes.send(peer, array, step, tag, meta or {})
+        lanes = self._lanes_for(peer, tag)
+        if lanes is not None:
+            lanes.send(peer, array, step, tag, meta or {})
         else:
             self.outbox.send(peer, array, step=step, tag=tag, meta=meta)
 

@@ -153,6 +153,7 @@ class Node(Peers):
             except Exception as exc:  # a dead peer must not block shutdown
                 log.warning("rank %d: closing without a clean barrier: %s", self.rank, exc)
         await self._sessions.close(self.close_timeout)
+        await self.close_lanes(self.close_timeout)
         self._started = False
         await self.mesh.close()
         if self.stepgc is not None:

@@ -14,6 +14,7 @@ from .schemes import Result
 from .schemes.broadcast import broadcast
 from .schemes.exchange import exchange
 from .schemes.gather import allgather
+from .schemes.links import LaneLinks
 from .stepper import Stepper
 from .transport import Mesh, barrier
 from .wire import Header
@@ -26,6 +27,7 @@ class Peers:
     def __init__(self, mesh: Mesh, steps: Stepper) -> None:
         self.mesh = mesh
         self._steps = steps
+        self._lanes: LaneLinks | None = None  # to and from every peer, for bulk exchanges
 
     @property
     def rank(self) -> int:
@@ -93,8 +95,30 @@ class Peers:
         return await broadcast(self.mesh, self._steps.take(), array, root)
 
     async def exchange(self, sends: Mapping[int, np.ndarray],
-                       recvs: Mapping[int, np.ndarray]) -> None:
+                       recvs: Mapping[int, np.ndarray], *, bulk: bool = False) -> None:
         """A collective step that sends ``sends[r]`` to rank ``r`` and receives from rank
         ``r`` straight into ``recvs[r]``, exactly (all-to-all, gather, scatter). Every rank
-        calls it at the same step, each with the sizes it receives."""
-        await exchange(self.mesh, self._steps.take(), sends, recvs)
+        calls it at the same step, each with the sizes it receives.
+
+        ``bulk=True`` (every rank alike): over lanes to and from every peer, opened at the
+        first such step and kept, off the event loop (large arrays: the owners' sums of
+        16-bit floats)."""
+        step = self._steps.take()
+        await exchange(self.mesh, step, sends, recvs,
+                       await self._bulk_lanes(step) if bulk else None)
+
+    async def _bulk_lanes(self, step: int) -> LaneLinks:
+        if self._lanes is None:
+            peers = [p for p in range(self.world_size) if p != self.rank]
+            outs, ins = await self.mesh.open_links(peers, peers, step)
+            # Exact steps never skip a peer: a rank is at most a step ahead of another here.
+            self._lanes = LaneLinks(self.mesh, outs, ins, backlog_steps=1 << 30,
+                                    opened_by=self.mesh, hear_comm=False)
+        return self._lanes
+
+    async def close_lanes(self, timeout: float) -> None:
+        """Close the bulk exchanges' lanes (if opened), letting queued sends finish for up to
+        ``timeout`` seconds."""
+        lanes, self._lanes = self._lanes, None
+        if lanes is not None:
+            await lanes.close(timeout)

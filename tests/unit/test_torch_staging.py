@@ -215,7 +215,7 @@ class _Rank:
         return self.comm.world_size
 
     async def exchange(self, sends: Mapping[int, np.ndarray],
-                       recvs: Mapping[int, np.ndarray]) -> None:
+                       recvs: Mapping[int, np.ndarray], *, bulk: bool = False) -> None:
         self.step += 1
         await exchange(self.comm, self.step, sends, recvs)
 

@@ -46,7 +46,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -72,7 +72,7 @@ class LaneLinks:
                  on_resumed: Callable[[int, int, int], None] | None = None,
                  early: Callable[[int, int, int], bool] | None = None,
                  on_early: Callable[[int, Header, memoryview], None] | None = None,
-                 stage_bytes: int = 0) -> None:
+                 stage_bytes: int = 0, hear_comm: bool = True) -> None:
         self.comm = comm
         self._opened_by = opened_by
         self._notice_tag = notice_tag
@@ -102,7 +102,9 @@ class LaneLinks:
         self._sent: dict[int, int] = {}  # step -> bytes queued
         self._got: dict[int, dict[int, list[int]]] = {}  # step -> src -> [bytes, messages]
         self._told: dict[int, int] = {}  # peer -> the step we last told it we are at
-        self._removers = [comm.on_early(p, 0, self._heard) for p in ins]
+        # Which step the peers are at, from their frames on the comm too (a scheme's verdicts
+        # and notices); a user of the comm's other frames (exact exchanges) leaves them be.
+        self._removers = [comm.on_early(p, 0, self._heard) for p in ins] if hear_comm else []
         self._readers = [threading.Thread(target=self._read, args=(src, lane), daemon=True,
                                           name=f"aioreduce-lane-from-{src}")
                          for src, lane in ins.items()]
@@ -171,6 +173,14 @@ class LaneLinks:
             return
         queued.append(step)
         self._sent[step] = self._sent.get(step, 0) + array.nbytes
+
+    async def flush(self, peers: Iterable[int]) -> None:
+        """Return once every message queued to ``peers`` is in the kernel, so the arrays sent
+        may change (what a lost peer's lane held is dropped: its loss is reported by the
+        receives)."""
+        lanes = [self._outs[p] for p in peers if p in self._outs]
+        if any(not _flushed(lane, 0.0) for lane in lanes):
+            await asyncio.to_thread(lambda: [_flushed(lane, None) for lane in lanes])
 
     def _tell(self, peer: int, step: int) -> None:
         """Tell a peer we skip that we are at ``step`` (once a step, in the background)."""
@@ -381,6 +391,13 @@ class LaneLinks:
             posts = self._book.lose(peer)
         for post in posts:
             self._finish(post, None, exc)
+
+
+def _flushed(lane: BulkLink, timeout: float | None) -> bool:
+    try:
+        return lane.flush(timeout)
+    except PeerLost:
+        return True  # nothing more will be sent on it
 
 
 def _mismatch(key: tuple[int, int, int], got: int, want: int) -> LaneMismatch:

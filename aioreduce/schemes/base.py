@@ -343,8 +343,9 @@ class StepOptions:
     history_bytes: int = 256 << 20  # results kept for ranks that fell behind (at least 2)
     backlog_steps: int = 8  # a peer with this many steps unsent is not reading
     # Chunks to and from the parent and children over the comm's bulk links (lanes, off the
-    # event loop) instead of the event loop's frames; see ReduceSession.
-    lanes: bool = False
+    # event loop) instead of the event loop's frames; see ReduceSession. None: when the
+    # session's first vector has at least LANES_FROM bytes (every rank's is the same size).
+    lanes: bool | None = None
 
     def __post_init__(self) -> None:
         if self.deadline <= 0:
@@ -358,6 +359,9 @@ class StepOptions:
 
 
 MAX_CHUNKS = 16
+# From what size of vector the trees take lanes (StepOptions.lanes=None): where each rank has
+# a core, lanes win for large vectors and lose for the papers' small ones (docs/schemes.md).
+LANES_FROM = 1 << 20
 """A step's vector travels in at most this many chunks per message: larger vectors get larger
 chunks than ``chunk_bytes``. Every chunk costs a frame (a fraction of a millisecond of Python
 on each side) and pipelining gains little beyond a few chunks per level: a 64 MiB tree on 7

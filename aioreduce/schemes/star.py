@@ -29,8 +29,9 @@ class GradientCoding:
     chunk_bytes: int = 1 << 20
     history_bytes: int = 256 << 20  # results the master keeps for workers that fell behind
     # Chunks over lanes to and from the parent and children (off the event loop; the comm
-    # must offer bulk links, else the event loop's frames): see ReduceSession.
-    lanes: bool = False
+    # must offer bulk links, else the event loop's frames): see ReduceSession. None: for a
+    # first vector of at least 1 MiB.
+    lanes: bool | None = None
     coded: bool = field(default=True, init=False)
 
     @cached_property
@@ -111,8 +112,9 @@ class Star:
     deadline: float = 300.0
     history_bytes: int = 256 << 20
     # Chunks over lanes to and from the parent and children (off the event loop; the comm
-    # must offer bulk links, else the event loop's frames): see ReduceSession.
-    lanes: bool = False
+    # must offer bulk links, else the event loop's frames): see ReduceSession. None: for a
+    # first vector of at least 1 MiB.
+    lanes: bool | None = None
     coded: bool = field(default=False, init=False)
 
     def validate(self, world_size: int) -> None:

@@ -35,8 +35,9 @@ class CodedTree:
     chunk_bytes: int = 1 << 20
     history_bytes: int = 256 << 20  # results a parent keeps for ranks that fell behind
     # Chunks over lanes to and from the parent and children (off the event loop; the comm
-    # must offer bulk links, else the event loop's frames): see ReduceSession.
-    lanes: bool = False
+    # must offer bulk links, else the event loop's frames): see ReduceSession. None: for a
+    # first vector of at least 1 MiB.
+    lanes: bool | None = None
     coded: bool = field(default=True, init=False)
 
     @cached_property
@@ -120,8 +121,9 @@ class Tree:
     deadline: float = 300.0
     history_bytes: int = 256 << 20
     # Chunks over lanes to and from the parent and children (off the event loop; the comm
-    # must offer bulk links, else the event loop's frames): see ReduceSession.
-    lanes: bool = False
+    # must offer bulk links, else the event loop's frames): see ReduceSession. None: for a
+    # first vector of at least 1 MiB.
+    lanes: bool | None = None
     coded: bool = field(default=False, init=False)
 
     def validate(self, world_size: int) -> None:

@@ -11,6 +11,8 @@ import statistics
 
 import pytest
 
+from aioreduce.schemes.base import LANES_FROM
+
 from .harness import SCHEMEPROG, Done, Ranks
 
 pytestmark = pytest.mark.loopback
@@ -61,11 +63,16 @@ SCHEMES_ON_LANES = [
     ("gc-gaussian", 7, ["--stragglers", "1", "--dim", "1001", *LANES]),
     ("tree", 7, ["--fanout", "2", "--chunk-bytes", "2048", *LANES]),
     ("star", 4, LANES),
+    # Unasked, from a first vector of LANES_FROM bytes on (1.2 MB of float32 here).
+    ("tree", 7, ["--fanout", "2", "--dim", "300000"]),
 ]
 
 
 def _on_lanes(extra: list[str]) -> bool:
-    return '"lanes": true' in " ".join(extra)
+    said = " ".join(extra)
+    if "lanes" in said:
+        return '"lanes": true' in said
+    return "--dim" in extra and 4 * int(extra[extra.index("--dim") + 1]) >= LANES_FROM
 
 
 def assert_path(done: dict[int, Done], lanes: bool, skip: tuple[int, ...] = ()) -> None:
@@ -77,7 +84,8 @@ def assert_path(done: dict[int, Done], lanes: bool, skip: tuple[int, ...] = ()) 
 
 @pytest.mark.parametrize("scheme, n, extra", SCHEMES + SCHEMES_ON_LANES,
                          ids=[f"{s}-{n}" + ("-event-loop" if "lanes" in " ".join(e) and
-                                            s == "ring" else "-lanes" if _on_lanes(e) else "")
+                                            s == "ring" else "-lanes" if _on_lanes(e) and "lanes" in " ".join(e)
+                                            else "-lanes-unasked" if _on_lanes(e) else "")
                               for s, n, e in SCHEMES + SCHEMES_ON_LANES])
 def test_exact_sum_on_every_step(ranks, scheme: str, n: int, extra: list[str]) -> None:
     done = run(ranks, n, scheme, "--steps", "20", *extra)

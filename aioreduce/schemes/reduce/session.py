@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 
 from ...wire import Header, tags
-from ..base import Comm, Result, StepOptions
+from ..base import LANES_FROM, Comm, Result, StepOptions
 from ..links import LaneLinks
 from ..outbox import Outbox
 from ..pool import BufferPool
@@ -70,7 +70,7 @@ class ReduceSession:
         # whatever involves the grandparent or grandchildren stay on the comm.
         self._lane_peers = frozenset(
             p for p in (family.parent, *family.children) if p is not None)
-        self._want_lanes = opts.lanes and bool(self._lane_peers)
+        self._want_lanes = opts.lanes is not False and bool(self._lane_peers)
         self.lanes: LaneLinks | None = None
         for src in (family.parent, family.grandparent):
             if src is not None:
@@ -87,7 +87,9 @@ class ReduceSession:
         fam = self.family
         self.discard_before(step)
         if self._want_lanes:
-            await self._open_lanes(step)
+            self._want_lanes = False  # decided at the first step, alike on every rank
+            if self.opts.lanes or like.nbytes >= LANES_FROM:
+                await self._open_lanes(step)
         lay = Layout.of(like, fam, self.opts.chunk_bytes)
         self._end_probe()
         up = UpPath(self, step, lay) if fam.children else None
@@ -125,7 +127,6 @@ class ReduceSession:
     async def _open_lanes(self, step: int) -> None:
         """Lanes to and from the parent and every child, at the first step (every rank's comm
         is built the same way, so every rank makes the same choice)."""
-        self._want_lanes = False
         links = self.comm.bulk_links()
         if links is None:
             return  # no mesh under this comm: the event loop's way

@@ -96,6 +96,17 @@ def test_every_call_on_cuda_tensors_gives_gloos_cpu_values(tmp_path: Path) -> No
 
 
 @cuda
+def test_a_large_bf16_sum_on_cuda_is_the_same_as_on_cpu(tmp_path: Path) -> None:
+    """Staged in pieces in the owners' read order, each part sent once landed, each chunk
+    of the result copied back as it is final: the same values as the CPU tensors' sum."""
+    cpu = _train("sum-bf16", "aioreduce", tmp_path)
+    (tmp_path / "cuda").mkdir()
+    gpu = _train("sum-bf16", "aioreduce", tmp_path / "cuda", "--device", "cuda")
+    for r in range(N):
+        np.testing.assert_array_equal(gpu[r], cpu[r])
+
+
+@cuda
 def test_ddp_with_the_model_on_cuda_matches_gloo(tmp_path: Path) -> None:
     gloo = _train("ddp", "gloo", tmp_path, "--device", "cuda", "--steps", "20")
     ours = _train("ddp", "aioreduce", tmp_path, "--device", "cuda", "--steps", "20")

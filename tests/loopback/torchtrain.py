@@ -8,7 +8,7 @@ MODE:
 * ``fsdp-bf16``: the same with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)``.
 * ``ddp``: stock DDP of an MLP, SGD with momentum, float32.
 * ``ddp-bf16``: the same MLP cast to bfloat16 (``model.to(torch.bfloat16)``).
-* ``sum-bf16``: no training: one ``all_reduce`` (sum) of 2^16 random bfloat16 values per
+* ``sum-bf16``: no training: one ``all_reduce`` (sum) of 2^20 random bfloat16 values per
   rank; saves the result's error against the exact sum (float64) of the same values.
 
 Every rank trains on its own seeded batches and saves its parameters (its own shards under
@@ -61,7 +61,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(1000 + rank)
     if a.mode == "sum-bf16":
-        every = [torch.randn(1 << 16, generator=torch.Generator().manual_seed(1000 + r))
+        # 2 MiB of bf16: a GPU tensor this large is staged in pieces.
+        every = [torch.randn(1 << 20, generator=torch.Generator().manual_seed(1000 + r))
                  .to(torch.bfloat16) for r in range(world)]
         exact = torch.stack([v.double() for v in every]).sum(0)
         mine = every[rank].to(device)

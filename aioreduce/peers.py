@@ -11,12 +11,10 @@ from typing import Any
 import numpy as np
 
 from .schemes import Result
-from .schemes.base import Arrival
 from .schemes.broadcast import broadcast
 from .schemes.exchange import exchange
 from .schemes.gather import allgather
 from .schemes.links import LaneLinks
-from .schemes.owners import Reduce, owners_allreduce
 from .stepper import Stepper
 from .transport import Mesh, barrier
 from .wire import Header
@@ -108,15 +106,6 @@ class Peers:
         step = self._steps.take()
         await exchange(self.mesh, step, sends, recvs,
                        await self._bulk_lanes(step) if bulk else None)
-
-    async def owners_allreduce(self, flat: np.ndarray, reduce: Reduce, *,
-                               arrival: Arrival | None = None) -> None:
-        """A collective step: ``flat`` (the same length and dtype on every rank) becomes
-        ``reduce`` of every rank's ``flat``, each part reduced once by its owner
-        (:mod:`aioreduce.schemes.owners`), over the bulk exchanges' lanes."""
-        step = self._steps.take()
-        await owners_allreduce(await self._bulk_lanes(step), step, self.rank,
-                               self.world_size, flat, reduce, arrival=arrival)
 
     async def _bulk_lanes(self, step: int) -> LaneLinks:
         if self._lanes is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,13 +90,6 @@ class Outbox:
                         self.comm.rank, peer, first, last)
             if self.on_drained is not None and not self._closed:
                 self.on_drained(peer, first, last)
-
-    async def flush(self, peers: Iterable[int]) -> None:
-        """Return once the sends queued to ``peers`` are done (in the kernel, or failed)."""
-        tasks = [p.task for peer in peers for p in self._pending.get(peer, ())
-                 if p.task is not None]
-        if tasks:
-            await asyncio.wait(tasks)
 
     async def close(self, timeout: float) -> None:
         """Let queued sends finish for up to ``timeout`` seconds, then cancel the rest."""

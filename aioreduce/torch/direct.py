@@ -1,13 +1,13 @@
 """Reductions that every owner computes directly from every rank's contribution.
 
 ``reduce_scatter``: rank ``r`` receives every rank's part ``r`` (one exchange) and reduces them
-in rank order. ``allreduce``: the owners' allreduce (:mod:`aioreduce.schemes.owners`): every
-owner reduces its part of every rank's vector and sends it to every rank, pipelined by chunk
-over lanes. Each rank sends ``V (N - 1) / N`` bytes per phase, as the ring does, but every
-value is reduced once, by its owner: 16-bit floats are accumulated in float32 and rounded back
-once (Gloo rounds every partial sum to 16 bits), and the bytes on the wire stay 16-bit. Also
-the exact path for integers, min, max, product and the bitwise ops, which a bounded-time
-scheme must not approximate.
+in rank order. ``allreduce``: a reduce-scatter of the vector cut into ``N`` parts, then every
+owner sends its reduced part to every rank (a second exchange). Each rank sends
+``V (N - 1) / N`` bytes per exchange, as the ring does per phase, but every value is reduced
+once, by its owner: 16-bit floats are accumulated in float32 and rounded back once (Gloo
+rounds every partial sum to 16 bits), and the bytes on the wire stay 16-bit. Also the exact
+path for integers, min, max, product and the bitwise ops, which a bounded-time scheme must not
+approximate.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..schemes.base import Arrival
-from ..schemes.owners import Reduce
 from ..tensors import narrow, widen
 
 
@@ -37,9 +35,6 @@ class Exchanging(Protocol):
     def exchange(self, sends: Mapping[int, np.ndarray],
                  recvs: Mapping[int, np.ndarray], *, bulk: bool = False) -> Awaitable[None]: ...
 
-    def owners_allreduce(self, flat: np.ndarray, reduce: Reduce, *,
-                         arrival: Arrival | None = None) -> Awaitable[None]: ...
-
 Combine = Callable[..., Any]  # a numpy ufunc: (a, b, out=a)
 
 _COMBINE: dict[Any, Combine] = {
@@ -52,6 +47,13 @@ _COMBINE: dict[Any, Combine] = {
 def supported(op: Any) -> bool:
     """Can :func:`reduce_parts` apply ``op`` (a ``RedOpType``)."""
     return op in _COMBINE
+
+
+def bounds(length: int, parts: int) -> list[int]:
+    """Where ``parts`` nearly equal consecutive parts of ``length`` elements start (and the
+    end): the first ``length % parts`` parts have one more."""
+    q, r = divmod(length, parts)
+    return [i * q + min(i, r) for i in range(parts + 1)]
 
 
 def reduce_parts(parts: Sequence[np.ndarray], dtype: torch.dtype, op: Any, world: int,
@@ -101,15 +103,15 @@ async def reduce_scatter(node: Exchanging, parts: Sequence[np.ndarray], out: np.
     reduce_parts([got[r] for r in range(world)], dtype, op, world, out)
 
 
-async def allreduce(node: Exchanging, flat: np.ndarray, dtype: torch.dtype, op: Any, *,
-                    arrival: Arrival | None = None) -> None:
+async def allreduce(node: Exchanging, flat: np.ndarray, dtype: torch.dtype, op: Any) -> None:
     """``flat`` (wire dtype, every rank the same length) becomes the reduction of every
-    rank's ``flat``, identical on every rank (the owners' allreduce, pipelined by chunk; see
-    :mod:`aioreduce.schemes.owners`). ``arrival``: ``flat`` is a staged device tensor that
-    lands in the pieces of ``owners.read_order``."""
-    world = node.world_size
-
-    def reduce(parts: Sequence[np.ndarray], out: np.ndarray) -> None:
-        reduce_parts(parts, dtype, op, world, out)
-
-    await node.owners_allreduce(flat, reduce, arrival=arrival)
+    rank's ``flat``, identical on every rank."""
+    me, world = node.rank, node.world_size
+    edge = bounds(flat.size, world)
+    parts = [flat[edge[r]:edge[r + 1]] for r in range(world)]
+    mine = parts[me]
+    reduced = np.empty_like(mine)
+    await reduce_scatter(node, parts, reduced, dtype, op)
+    mine[...] = reduced
+    others = [r for r in range(world) if r != me]
+    await node.exchange({r: mine for r in others}, {r: parts[r] for r in others}, bulk=True)

@@ -40,7 +40,7 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from ..env import NodeEnv
 from ..errors import ConfigError
 from ..node import Node
-from ..schemes import Result, Scheme, owners
+from ..schemes import Result, Scheme
 from ..schemes.base import ReadsInOrder, SumsInPlace
 from ..schemes.registry import by_name
 from ..settings import env_extras
@@ -317,23 +317,19 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         if by_owners:  # named before anything is staged
             self._check_op(op, "all_reduce")
         session = node.session
-        # A device tensor is copied to the host in the order the sum reads it, so the sum
-        # starts once the first piece is in, and comes back piece by piece as each is final
-        # (the owners' sum, or a session that sums in place, says when).
-        large = tensor.numel() * tensor.element_size() >= PIECES_FROM
-        streams = tensor.is_cuda and tensor.is_contiguous() and (
-            by_owners or isinstance(session, SumsInPlace))
-        order: Sequence[tuple[int, int]] = ()
-        if streams and large and by_owners:
-            order = owners.read_order(tensor.numel(), node.rank, node.world_size)
-        elif streams and large and isinstance(session, ReadsInOrder):
-            order = session.read_order(tensor.numel())
+        # A device tensor is copied to the host in the order the session reads it, so the
+        # sum starts once the first piece is in, and comes back piece by piece as each is
+        # final (a session that sums in place says when).
+        streams = (not by_owners and tensor.is_cuda and tensor.is_contiguous()
+                   and isinstance(session, SumsInPlace))
+        order = (session.read_order(tensor.numel())
+                 if streams and isinstance(session, ReadsInOrder)
+                 and tensor.numel() * tensor.element_size() >= PIECES_FROM else ())
         st = self.stager.stage(tensor, order=order)
         host, dtype, world = st.host, st.tensor.dtype, node.world_size
         if by_owners:
-            return self._op([st], [st], lambda: direct.allreduce(
-                node, host, dtype, op, arrival=st if streams else None),
-                lambda _r: tensor, landing=streams)
+            return self._op([st], [st], lambda: direct.allreduce(node, host, dtype, op),
+                            lambda _r: tensor)
         average = op == dist.ReduceOp.AVG
         divided = average and node.sums_in_place  # the ring divides as it goes
 

@@ -97,8 +97,8 @@ def test_every_call_on_cuda_tensors_gives_gloos_cpu_values(tmp_path: Path) -> No
 
 @cuda
 def test_a_large_bf16_sum_on_cuda_is_the_same_as_on_cpu(tmp_path: Path) -> None:
-    """Staged in pieces in the owners' read order, each part sent once landed, each chunk
-    of the result copied back as it is final: the same values as the CPU tensors' sum."""
+    """Staged through a pinned buffer and summed by the owners over lanes: the same values
+    as the CPU tensors' sum."""
     cpu = _train("sum-bf16", "aioreduce", tmp_path)
     (tmp_path / "cuda").mkdir()
     gpu = _train("sum-bf16", "aioreduce", tmp_path / "cuda", "--device", "cuda")

@@ -61,7 +61,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(1000 + rank)
     if a.mode == "sum-bf16":
-        # 2 MiB of bf16: a GPU tensor this large is staged in pieces.
+        # 2 MiB of bf16: more than one lane chunk, at least PIECES_FROM.
         every = [torch.randn(1 << 20, generator=torch.Generator().manual_seed(1000 + r))
                  .to(torch.bfloat16) for r in range(world)]
         exact = torch.stack([v.double() for v in every]).sum(0)

@@ -13,8 +13,6 @@ import numpy as np
 import pytest
 
 from aioreduce.schemes.exchange import exchange
-from aioreduce.schemes.links import CommLinks
-from aioreduce.schemes.owners import Reduce, owners_allreduce
 from aioreduce.schemes.p2p import PointToPoint
 from aioreduce.transport.inbox import Inbox
 from aioreduce.transport.memory import MemoryComm, MemoryNetwork
@@ -220,16 +218,6 @@ class _Rank:
                        recvs: Mapping[int, np.ndarray], *, bulk: bool = False) -> None:
         self.step += 1
         await exchange(self.comm, self.step, sends, recvs)
-
-    async def owners_allreduce(self, flat: np.ndarray, reduce: Reduce, *,
-                               arrival: object = None) -> None:
-        self.step += 1
-        links = CommLinks(self.comm, backlog_steps=8)
-        try:  # small chunks: several a part, so the pipeline's order is exercised
-            await owners_allreduce(links, self.step, self.rank, self.world_size, flat,
-                                   reduce, chunk_bytes=64)
-        finally:
-            await links.close(1.0)
 
 
 @pytest.mark.parametrize("length", [1, 5, 4099])

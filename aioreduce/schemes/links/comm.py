@@ -10,7 +10,7 @@ lane to and from each peer, off the event loop.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -35,10 +35,6 @@ class Links(Protocol):
              meta: dict[str, Any]) -> None:
         """Send in the background; ``array`` must stay unchanged until it is sent (a peer
         that is not reading is skipped once it has many steps unsent)."""
-
-    async def flush(self, peers: Iterable[int]) -> None:
-        """Return once what was sent to ``peers`` is in the kernel (or its peer is lost), so
-        the arrays sent may change."""
 
     def discard_before(self, step: int, tag: int = 0) -> None:
         """Drop slices below ``(step, tag)`` on arrival; a posted receive below it is
@@ -77,9 +73,6 @@ class CommLinks:
     def send(self, peer: int, array: np.ndarray, step: int, tag: int,
              meta: dict[str, Any]) -> None:
         self.outbox.send(peer, array, step=step, tag=tag, meta=meta)
-
-    async def flush(self, peers: Iterable[int]) -> None:
-        await self.outbox.flush(peers)
 
     def discard_before(self, step: int, tag: int = 0) -> None:
         self.comm.discard_before(step, tag)

@@ -130,6 +130,7 @@ class Mesh:
         self.duplicates: dict[int, list[str]] = {}  # rank -> addresses of processes claiming it
         # rank -> the job id it was started for: it proved our secret under another job id
         self.wrong_jobs: dict[int, str] = {}
+        self.barriers = 0  # barrier calls so far: each one's number (see rendezvous.barrier)
         self.misconfigured = asyncio.Event()  # a duplicate or wrong job id was seen
         self._refusals = RateLimitedLog(log)
         # (all, per host): every other rank dials us at most once at a time

@@ -10,7 +10,9 @@ ranks, and the others fail because rank 0 closes their connections.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from ..errors import AuthError, PeerLost, RendezvousError
 from ..wire.control import (
@@ -24,6 +26,8 @@ from ..wire.control import (
 )
 from .mesh import Mesh
 
+log = logging.getLogger("aioreduce.transport")
+
 ABORT_GRACE_S = 2.0
 MISSING_HINT = ("check that they were started, with the same world size, AIOREDUCE_MASTER_ADDR/"
                 "PORT (or MASTER_ADDR/PORT), secret and job id, and that they can reach rank 0")
@@ -31,12 +35,14 @@ SETTLE_S = 1.0  # at most this long for handshakes in flight when everyone has r
 
 
 async def _gather_from(mesh: Mesh, ranks: list[int], want: type[Control], deadline: float,
-                       excused: dict[int, str] | None = None) -> dict[int, Control]:
+                       excused: dict[int, str] | None = None,
+                       recv: Callable[[int], Awaitable[Control]] | None = None
+                       ) -> dict[int, Control]:
     """Receive one control event of type ``want`` (or an :class:`Abort`) from each of
-    ``ranks`` before ``deadline``; ranks that land in ``excused`` meanwhile (started for
-    another job) are not waited for."""
+    ``ranks`` before ``deadline`` (through ``recv``, by default the mesh's next one); ranks
+    that land in ``excused`` meanwhile (started for another job) are not waited for."""
     op = want.op
-    tasks = {r: asyncio.ensure_future(mesh.recv_control(r)) for r in ranks}
+    tasks = {r: asyncio.ensure_future((recv or mesh.recv_control)(r)) for r in ranks}
     excused = {} if excused is None else excused
     try:
         while True:
@@ -177,25 +183,43 @@ async def barrier(mesh: Mesh, timeout: float, *, closing: bool = False) -> None:
     deadline = time.monotonic() + timeout
     if mesh.world_size == 1:
         return
+    n = mesh.barriers
+    mesh.barriers += 1
+
+    async def this_barrier(rank: int) -> Control:
+        """The next control event from ``rank`` that is not of an earlier barrier (a late
+        arrival there, or an answer to one that came after we gave up)."""
+        while True:
+            msg = await mesh.recv_control(rank)
+            if not isinstance(msg, Arrive | Release | Abort) or msg.barrier >= n:
+                return msg
+            log.debug("rank %d: dropped a late %s of barrier %d (now at %d) from rank %d",
+                      mesh.rank, msg.op, msg.barrier, n, rank)
+
     if mesh.rank == 0:
         others = list(range(1, mesh.world_size))
         try:
-            await _gather_from(mesh, others, Arrive, deadline)
-            missing: list[int] = []
+            got = await _gather_from(mesh, others, Arrive, deadline, recv=this_barrier)
+            missing: list[int] = sorted(r for r, m in got.items() if isinstance(m, Arrive)
+                                        and m.barrier != n)
+            why = (f"ranks {missing} called a later barrier than rank 0 (its barrier {n + 1}):"
+                   " every rank must call every barrier" if missing else "")
         except RendezvousError as exc:  # release the ranks that came anyway, then report
             missing = exc.missing
+            why = (f"ranks {missing} did not reach the barrier within {timeout:g} s"
+                   if missing else str(exc))
         if closing:
             mesh.stop_listening()
-        why = f"ranks {missing} did not reach the barrier within {timeout:g} s"
-        answer: Release | Abort = Abort(why, tuple(missing)) if missing else Release()
+        answer: Release | Abort = Abort(why, tuple(missing), n) if why else Release(n)
         await asyncio.gather(*(mesh.send_control(r, answer)
                                for r in others if r not in missing), return_exceptions=True)
-        if missing:
+        if why:
             raise RendezvousError(f"rank 0: {why}", missing=missing)
         return
-    await mesh.send_control(0, Arrive())
+    await mesh.send_control(0, Arrive(n))
     # Rank 0 gives up at the same deadline and then says who is missing: allow for that.
-    msg = (await _gather_from(mesh, [0], Release, deadline + ABORT_GRACE_S))[0]
+    msg = (await _gather_from(mesh, [0], Release, deadline + ABORT_GRACE_S,
+                              recv=this_barrier))[0]
     if isinstance(msg, Abort):
         raise RendezvousError(f"rank {mesh.rank}: {msg.reason} (rank 0 waited for them)",
                               missing=list(msg.missing))

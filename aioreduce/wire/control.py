@@ -46,25 +46,30 @@ class Table:
 
 @dataclass(frozen=True)
 class Abort:
-    """Rank 0 to the ranks that came: the job will not start, and which ranks never joined."""
+    """Rank 0 to the ranks that came: the job will not start (or barrier ``barrier`` failed),
+    and which ranks never came."""
 
     op: ClassVar[str] = "abort"
     reason: str
     missing: tuple[int, ...] = ()
+    barrier: int = -1  # which barrier failed (-1: the rendezvous)
 
 
 @dataclass(frozen=True)
 class Arrive:
-    """A rank to rank 0: it reached the barrier."""
+    """A rank to rank 0: it reached barrier number ``barrier`` (each rank counts its barrier
+    calls from 0, so a late arrival at one barrier is never counted at the next)."""
 
     op: ClassVar[str] = "barrier"
+    barrier: int = 0
 
 
 @dataclass(frozen=True)
 class Release:
-    """Rank 0 to a rank: every rank reached the barrier."""
+    """Rank 0 to a rank: every rank reached barrier number ``barrier``."""
 
     op: ClassVar[str] = "release"
+    barrier: int = 0
 
 
 @dataclass(frozen=True)
@@ -108,10 +113,10 @@ def encode(event: Control) -> dict[str, object]:
         return {"op": event.op, "table": [list(a) for a in event.addresses]}
     if isinstance(event, Abort):
         return {"op": event.op, "reason": event.reason[:MAX_TEXT],
-                "missing": list(event.missing)}
+                "missing": list(event.missing), "barrier": event.barrier}
     if isinstance(event, Notice):
         return {"op": event.op, "text": event.text[:MAX_TEXT]}
-    return {"op": event.op}
+    return {"op": event.op, "barrier": event.barrier}
 
 
 def decode(meta: dict[str, Any]) -> Control:
@@ -133,14 +138,22 @@ def decode(meta: dict[str, Any]) -> Control:
         missing = meta.get("missing", [])
         if not isinstance(missing, list) or not all(type(r) is int for r in missing):
             raise MalformedControl("an abort lists the missing ranks as integers")
-        return Abort(str(meta.get("reason", ""))[:MAX_TEXT], tuple(missing))
+        return Abort(str(meta.get("reason", ""))[:MAX_TEXT], tuple(missing),
+                     _barrier(meta, -1))
     if op == Arrive.op:
-        return Arrive()
+        return Arrive(_barrier(meta, 0))
     if op == Release.op:
-        return Release()
+        return Release(_barrier(meta, 0))
     if op == Notice.op:
         return Notice(str(meta.get("text", ""))[:MAX_TEXT])
     raise MalformedControl(f"unknown control message {str(op)[:40]!r}")
+
+
+def _barrier(meta: dict[str, Any], default: int) -> int:
+    n = meta.get("barrier", default)
+    if type(n) is not int:
+        raise MalformedControl("a barrier's number is an integer")
+    return n
 
 
 def offer_meta(offer: LaneOffer) -> dict[str, object]:

@@ -70,10 +70,12 @@ class BulkLinks(Protocol):
     """The capability a comm may offer (:meth:`Comm.bulk_links`): blocking links to and from
     other ranks, opened over the comm, every peer at the same step."""
 
-    async def open_links(self, send_to: Sequence[int], recv_from: Sequence[int], step: int
+    async def open_links(self, send_to: Sequence[int], recv_from: Sequence[int], step: int,
+                         *, partial: bool = False
                          ) -> tuple[Mapping[int, BulkLink], Mapping[int, BulkLink]]:
         """Links to every rank of ``send_to`` and from every rank of ``recv_from``; all or
-        nothing (if one fails, the others are closed and its error raised)."""
+        nothing (if one fails, the others are closed and its error raised), or with
+        ``partial`` those that opened (a peer lost or not answering is left out of both)."""
 
     def count_moved(self, step: int, sent: int, src: int, received: int, frames: int) -> None:
         """What a step moved over links (they bypass the comm): ``sent`` bytes, and

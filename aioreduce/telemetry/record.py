@@ -215,9 +215,10 @@ class _CountedLinks:
     def __init__(self, inner: BulkLinks, tracer: Tracer) -> None:
         self.inner, self.tracer = inner, tracer
 
-    async def open_links(self, send_to: Sequence[int], recv_from: Sequence[int], step: int
+    async def open_links(self, send_to: Sequence[int], recv_from: Sequence[int], step: int,
+                         *, partial: bool = False
                          ) -> tuple[Mapping[int, BulkLink], Mapping[int, BulkLink]]:
-        return await self.inner.open_links(send_to, recv_from, step)
+        return await self.inner.open_links(send_to, recv_from, step, partial=partial)
 
     def count_moved(self, step: int, sent: int, src: int, received: int, frames: int) -> None:
         self.tracer.sent(step, sent)

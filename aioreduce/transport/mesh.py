@@ -531,68 +531,98 @@ class Mesh:
         """Nothing to count: the mesh keeps no step telemetry (a tracing comm does)."""
 
     async def open_links(self, send_to: Sequence[int], recv_from: Sequence[int], step: int,
-                            timeout: float = ACCEPT_TIMEOUT_S
-                            ) -> tuple[dict[int, Lane], dict[int, Lane]]:
+                         timeout: float = ACCEPT_TIMEOUT_S, *, partial: bool = False
+                         ) -> tuple[dict[int, Lane], dict[int, Lane]]:
         """Lanes to every rank of ``send_to`` and from every rank of ``recv_from`` at once
         (what :meth:`open_lanes` does for one of each): the schemes' bulk links. Every peer
         must open its side at the same ``step``. All or nothing: if one fails, the others are
-        closed and its error raised."""
+        closed and its error raised. ``partial``: a peer that is lost, or whose lane does not
+        open, is left out of both mappings (its other lane closed) and the rest are returned
+        (a tree whose child died before the first step still opens its other lanes)."""
         for rank in (*send_to, *recv_from):
             self._check_rank(rank)
         listeners: dict[int, LaneListener] = {}
+        lost: dict[int, BaseException] = {}
         loop = asyncio.get_running_loop()
         try:
             for src in recv_from:
                 listeners[src] = LaneListener(self.host, src, local=self.options.local_unix)
             nonces = {src: os.urandom(16) for src in recv_from}
             told = {dst: self.post_recv(dst, _NOTHING, step=step, tag=LANE_TAG) for dst in send_to}
-            await asyncio.gather(*(
+            sent = await asyncio.gather(*(
                 self.send(src, _NOTHING, step=step, tag=LANE_TAG,
                           meta=control.offer_meta(control.LaneOffer(
                               listeners[src].port, nonces[src].hex(), listeners[src].unix)))
-                for src in recv_from))
+                for src in recv_from), return_exceptions=partial)
+            lost.update((src, r) for src, r in zip(recv_from, sent, strict=True)
+                        if isinstance(r, BaseException))
+            for dst in lost:
+                if dst in told:
+                    told[dst].cancel()
+            got = await asyncio.gather(*(asyncio.wait_for(fut, timeout)
+                                         for dst, fut in told.items() if dst not in lost),
+                                       return_exceptions=partial)
             offers: dict[int, tuple[int, str, str | None]] = {}
-            for dst, fut in told.items():
-                header = await asyncio.wait_for(fut, timeout)
+            for dst, header in zip([d for d in told if d not in lost], got, strict=True):
                 try:
-                    offer = control.decode_offer(header.meta)
-                except control.MalformedControl as exc:
-                    raise PeerLost(dst, f"rank {dst} sent a malformed lane offer: {exc}"
-                                   ) from None
-                unix = local_name(offer.unix)
-                if offer.unix is not None and unix is None:
-                    raise PeerLost(dst, f"rank {dst} sent a malformed lane offer")
-                # Our own option decides too: local_unix=False never dials a Unix socket.
-                offers[dst] = (offer.port, offer.nonce,
-                               unix if self.options.local_unix else None)
+                    if isinstance(header, BaseException):
+                        raise header
+                    offers[dst] = self._offer(dst, header)
+                except (PeerLost, TimeoutError) as exc:
+                    if not partial:
+                        raise
+                    lost[dst] = exc
+            dialing = [dst for dst in send_to if dst not in lost]
+            accepting = [src for src in recv_from if src not in lost]
             # Every dial and accept blocks a thread until its peer does its part: one thread
             # each, not the shared default executor (a few workers, which all ranks' accepts
             # could fill while the dials they wait for queue behind them).
-            with ThreadPoolExecutor(max_workers=len(send_to) + len(recv_from),
+            with ThreadPoolExecutor(max_workers=max(1, len(dialing) + len(accepting)),
                                     thread_name_prefix="aioreduce-lane-open") as pool:
                 dials = [loop.run_in_executor(
                     pool, dial, self.addresses.get(dst, (self.host, 0))[0], offers[dst][0],
                     proof(self._secret, bytes.fromhex(offers[dst][1]), self.rank, dst), dst,
-                    timeout, offers[dst][2]) for dst in send_to]
+                    timeout, offers[dst][2]) for dst in dialing]
                 accepts = [loop.run_in_executor(
                     pool, listeners[src].accept, proof(self._secret, nonces[src], src, self.rank),
-                    timeout) for src in recv_from]
+                    timeout) for src in accepting]
                 opened = await asyncio.gather(*dials, *accepts, return_exceptions=True)
         finally:
             for listener in listeners.values():
                 listener.close()
-        failed = [r for r in opened if isinstance(r, BaseException)]
-        if failed:
+        outs = dict(zip(dialing, opened[:len(dialing)], strict=True))
+        ins = dict(zip(accepting, opened[len(dialing):], strict=True))
+        failed = {r: e for r, e in (*outs.items(), *ins.items()) if isinstance(e, BaseException)}
+        if failed and not partial:
             for lane in opened:
                 if isinstance(lane, Lane):
                     lane.close()
-            raise failed[0]
-        lanes = cast(list[Lane], opened)
-        for lane in lanes[len(send_to):]:
+            raise next(iter(failed.values()))
+        lost.update(failed)
+        for rank, lane in (*outs.items(), *ins.items()):
+            if rank in lost and isinstance(lane, Lane):
+                lane.close()
+        if lost:
+            log.warning("rank %d: no lanes with ranks %s at step %d (%s)", self.rank,
+                        sorted(lost), step, next(iter(lost.values())))
+        out_lanes = {r: cast(Lane, lane) for r, lane in outs.items() if r not in lost}
+        in_lanes = {r: cast(Lane, lane) for r, lane in ins.items() if r not in lost}
+        for lane in in_lanes.values():
             lane.latency = self.options.latency
-        self._lanes.update(lanes[:len(send_to)])
-        return (dict(zip(send_to, lanes[:len(send_to)], strict=True)),
-                dict(zip(recv_from, lanes[len(send_to):], strict=True)))
+        self._lanes.update(out_lanes.values())
+        return out_lanes, in_lanes
+
+    def _offer(self, dst: int, header: Header) -> tuple[int, str, str | None]:
+        """Where and how to dial ``dst``'s lane, from its offer."""
+        try:
+            offer = control.decode_offer(header.meta)
+        except control.MalformedControl as exc:
+            raise PeerLost(dst, f"rank {dst} sent a malformed lane offer: {exc}") from None
+        unix = local_name(offer.unix)
+        if offer.unix is not None and unix is None:
+            raise PeerLost(dst, f"rank {dst} sent a malformed lane offer")
+        # Our own option decides too: local_unix=False never dials a Unix socket.
+        return offer.port, offer.nonce, unix if self.options.local_unix else None
 
     # -- control messages (rendezvous, barriers) ----------------------------------------------
     async def send_control(self, rank: int, event: control.Control) -> None:

@@ -63,7 +63,7 @@ SCHEMES_ON_LANES = [
     ("gc-gaussian", 7, ["--stragglers", "1", "--dim", "1001", *LANES]),
     ("tree", 7, ["--fanout", "2", "--chunk-bytes", "2048", *LANES]),
     ("star", 4, LANES),
-    # Unasked, from a first vector of LANES_FROM bytes on (1.2 MB of float32 here).
+    # Unasked, from a first vector of LANES_FROM bytes on (2.4 MB of float64 here).
     ("tree", 7, ["--fanout", "2", "--dim", "300000"]),
 ]
 
@@ -72,7 +72,7 @@ def _on_lanes(extra: list[str]) -> bool:
     said = " ".join(extra)
     if "lanes" in said:
         return '"lanes": true' in said
-    return "--dim" in extra and 4 * int(extra[extra.index("--dim") + 1]) >= LANES_FROM
+    return "--dim" in extra and 8 * int(extra[extra.index("--dim") + 1]) >= LANES_FROM  # f64
 
 
 def assert_path(done: dict[int, Done], lanes: bool, skip: tuple[int, ...] = ()) -> None:
@@ -82,11 +82,17 @@ def assert_path(done: dict[int, Done], lanes: bool, skip: tuple[int, ...] = ()) 
             assert all(s["lanes"] is lanes for s in steps_of(d)), (rank, lanes)
 
 
+def _path_id(scheme: str, extra: list[str]) -> str:
+    said = "lanes" in " ".join(extra)
+    if scheme == "ring":
+        return "-event-loop" if said else ""
+    if _on_lanes(extra):
+        return "-lanes" if said else "-lanes-unasked"
+    return ""
+
+
 @pytest.mark.parametrize("scheme, n, extra", SCHEMES + SCHEMES_ON_LANES,
-                         ids=[f"{s}-{n}" + ("-event-loop" if "lanes" in " ".join(e) and
-                                            s == "ring" else "-lanes" if _on_lanes(e) and "lanes" in " ".join(e)
-                                            else "-lanes-unasked" if _on_lanes(e) else "")
-                              for s, n, e in SCHEMES + SCHEMES_ON_LANES])
+                         ids=[f"{s}-{n}{_path_id(s, e)}" for s, n, e in SCHEMES + SCHEMES_ON_LANES])
 def test_exact_sum_on_every_step(ranks, scheme: str, n: int, extra: list[str]) -> None:
     done = run(ranks, n, scheme, "--steps", "20", *extra)
     assert_all_exact(done, 20)
@@ -144,6 +150,18 @@ def test_one_killed_child_per_family_later_steps_exact(ranks, extra) -> None:
     for s in steps_of(done[0])[5:]:
         assert {3, 6, 9} <= set(s["late"])  # 12 sat under 3, which is skipped as a whole
         assert not set(killed) & set(s["used"])
+
+
+@pytest.mark.parametrize("extra", [[], LANES], ids=["event-loop", "lanes"])
+def test_a_rank_dead_before_the_first_step_is_a_lost_child(ranks, extra) -> None:
+    # Lanes open at the first step: its parent's opening leaves the dead child out instead
+    # of failing (and taking its family's and the root's openings down with it).
+    done = run(ranks, 13, "coded-tree", "--steps", "6", "--die", "12", "--die-step", "0",
+               *extra)
+    assert done[12].returncode == -9 and not steps_of(done[12])
+    assert_all_exact(done, 6, skip=(12,))
+    assert_path(done, bool(extra), skip=(12,))
+    assert all(12 not in s["used"] for s in steps_of(done[3]))
 
 
 def test_a_killed_rank_in_the_ring_over_lanes_is_named_on_every_rank(ranks) -> None:

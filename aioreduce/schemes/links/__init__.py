@@ -9,7 +9,7 @@ this way, and the trees and stars their chunks (``StepOptions.lanes``).
 """
 
 from .comm import CommLinks, Links
-from .lanes import LaneLinks
+from .lanes import LaneLinks, unopened
 from .posts import Post, PostBook, Wait
 
-__all__ = ["CommLinks", "LaneLinks", "Links", "Post", "PostBook", "Wait"]
+__all__ = ["CommLinks", "LaneLinks", "Links", "Post", "PostBook", "Wait", "unopened"]

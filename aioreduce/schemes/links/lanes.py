@@ -72,7 +72,8 @@ class LaneLinks:
                  on_resumed: Callable[[int, int, int], None] | None = None,
                  early: Callable[[int, int, int], bool] | None = None,
                  on_early: Callable[[int, Header, memoryview], None] | None = None,
-                 stage_bytes: int = 0, hear_comm: bool = True) -> None:
+                 stage_bytes: int = 0, hear_comm: bool = True,
+                 lost: Mapping[int, PeerLost] | None = None) -> None:
         self.comm = comm
         self._opened_by = opened_by
         self._notice_tag = notice_tag
@@ -91,7 +92,8 @@ class LaneLinks:
         self._posted = {src: threading.Condition(lock) for src in ins}
         self._book = PostBook()  # what each incoming slice fills (see .posts)
         self._closed = False
-        self._gone: dict[int, PeerLost] = {}  # peer -> why its lane (either way) ended
+        # peer -> why its lane (either way) ended, or never opened (``lost``)
+        self._gone: dict[int, PeerLost] = dict(lost or {})
         self._heard_at: dict[int, float] = {}  # peer -> perf_counter of its last bytes
         self.newest = newest
         # Per peer, the step of every message queued on its lane, oldest first; the lane
@@ -391,6 +393,13 @@ class LaneLinks:
             posts = self._book.lose(peer)
         for post in posts:
             self._finish(post, None, exc)
+
+
+def unopened(peers: Iterable[int], outs: Mapping[int, object], ins: Mapping[int, object],
+             step: int) -> dict[int, PeerLost]:
+    """The peers whose lanes a partial opening at ``step`` left out (for ``lost``)."""
+    return {p: PeerLost(p, f"no lane with rank {p}: it did not open its side at step {step}")
+            for p in peers if p not in outs or p not in ins}
 
 
 def _flushed(lane: BulkLink, timeout: float | None) -> bool:

@@ -30,7 +30,7 @@ import numpy as np
 
 from ...wire import Header, tags
 from ..base import LANES_FROM, Comm, Result, StepOptions
-from ..links import LaneLinks
+from ..links import LaneLinks, unopened
 from ..outbox import Outbox
 from ..pool import BufferPool
 from .failover import Link, ParentFailover
@@ -131,10 +131,13 @@ class ReduceSession:
         if links is None:
             return  # no mesh under this comm: the event loop's way
         peers = sorted(self._lane_peers)
-        outs, ins = await links.open_links(peers, peers, step)
+        # A peer dead before this first step has no lanes: it is lost to them, as a peer that
+        # dies later is (the tree goes on without it where its code allows).
+        outs, ins = await links.open_links(peers, peers, step, partial=True)
         parent = self.family.parent
         self.lanes = LaneLinks(
             self.comm, outs, ins, self.opts.backlog_steps, opened_by=links,
+            lost=unopened(peers, outs, ins, step),
             on_resumed=self._drained,
             # A result from the parent before we asked (we still compute): forward it now.
             early=lambda src, _step, tag: src == parent and DOWN <= tag < VERDICT_TAG,
@@ -349,3 +352,4 @@ def _result(outcome: Outcome, like: np.ndarray, t0: float) -> Result:
 
 
 __all__ = ["ReduceSession"]
+

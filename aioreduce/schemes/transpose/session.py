@@ -32,7 +32,7 @@ import numpy as np
 
 from ...codes.hadamard import Rotation
 from ..base import Comm, FellBehind, Result, StragglerError
-from ..links import CommLinks, LaneLinks, Links
+from ..links import CommLinks, LaneLinks, Links, unopened
 from ..pool import BufferPool
 from .clock import StageClock
 from .layout import NOTICE_TAG, PHASE2_TAG, Layout
@@ -100,10 +100,13 @@ class TransposeSession:
         links = self.comm.bulk_links()
         if links is None:
             return  # no mesh under this comm: the event loop's way
-        outs, ins = await links.open_links(peers, peers, step)
+        # A peer dead before this first step has no lanes: it is lost to them (its slices
+        # are missing, as a peer's that dies later are).
+        outs, ins = await links.open_links(peers, peers, step, partial=True)
         old = self.links
         self.links = LaneLinks(self.comm, outs, ins, self.opts.backlog_steps, old.newest,
-                               opened_by=links, notice_tag=NOTICE_TAG)
+                               opened_by=links, notice_tag=NOTICE_TAG,
+                               lost=unopened(peers, outs, ins, step))
         await old.close(0)
 
     def _rotation_for(self, length: int, dtype: np.dtype | None = None) -> Rotation:

@@ -242,7 +242,8 @@ def _report(cfg: Config, name: str, scheme: Scheme | None, t: np.ndarray, err: f
     # CPU per rank per step (getrusage over each timed step): the mean rank's and the
     # busiest rank's (a tree's root, a star's master).
     cpu = t[:, :, 5].mean(axis=1)
-    out.update({"cpu_s": float(cpu.mean()), "cpu_max_s": float(cpu.max())})
+    out.update({"cpu_s": float(cpu.mean()), "cpu_max_s": float(cpu.max()),
+                "cpu_per_rank_s": [round(float(c), 7) for c in cpu]})
     if cfg.verify:
         out["max_rel_err"] = err
     # The scheme's own bound on these links (see bound.py): the link rate shaped, else the

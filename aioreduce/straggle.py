@@ -4,17 +4,21 @@ A spec is a ``;``-separated list of ``TARGET:MODEL`` items:
 
 * ``TARGET`` is ``rank=R`` (or ``rank=R1,R2``) or ``all``;
 * ``MODEL`` is ``delay=SECONDS`` (added to every step), ``slow=FACTOR`` (the rank computes
-  FACTOR times slower: its measured compute time is stretched by FACTOR - 1), or
-  ``shifted-exp=SHIFT,RATE`` (each step adds SHIFT + Exp(1)/RATE seconds, the compute model of
-  the gradient-coding papers), ``spike=PROB,SECONDS`` (each step, with probability PROB,
-  SECONDS more: the rare long delays of a heavy tail, such as a GC pause or a noisy
-  neighbour), ``pause=LO,HI`` (each step ONE of the target ranks, drawn anew per step and the
-  same draw on every rank, pauses a uniform LO..HI seconds: a GC pause or a preempted VM
-  somewhere in the cluster), or ``kill=STEP`` (the rank SIGKILLs itself when it reaches step
-  STEP: a dead node, for testing tolerance).
+  FACTOR times slower: its measured compute time is stretched by FACTOR - 1),
+  ``shifted-exp=SHIFT,RATE`` (each step adds SHIFT + Exp(1)/RATE seconds, the compute model
+  of the gradient-coding papers, the same for every rank), ``load-exp=RATE`` (each step
+  stretches the rank's own compute time by Exp(1)/RATE of itself: a delay per unit of data,
+  so a rank with twice the coded load is delayed twice as long, as in the papers' model of
+  a worker's time as its load times a shifted exponential), ``spike=PROB,SECONDS`` (each
+  step, with probability PROB, SECONDS more: the rare long delays of a heavy tail, such as a
+  GC pause or a noisy neighbour), ``pause=LO,HI`` (each step ONE of the target ranks, drawn
+  anew per step and the same draw on every rank, pauses a uniform LO..HI seconds: a GC pause
+  or a preempted VM somewhere in the cluster), or ``kill=STEP`` (the rank SIGKILLs itself
+  when it reaches step STEP: a dead node, for testing tolerance).
 
 Examples: ``rank=4:delay=0.5``, ``rank=4:slow=3``, ``rank=5:kill=10``,
-``all:shifted-exp=0.01,20;rank=2:slow=3``, ``all:spike=0.005,0.2``, ``all:pause=0.1,0.5``.
+``all:shifted-exp=0.01,20;rank=2:slow=3``, ``all:load-exp=2``, ``all:spike=0.005,0.2``,
+``all:pause=0.1,0.5``.
 The runtime reads ``AIOREDUCE_STRAGGLE`` (and ``AIOREDUCE_STRAGGLE_SEED``) when a node is
 created from the environment, so a launcher can slow chosen ranks without touching the program.
 """
@@ -39,6 +43,7 @@ class StraggleRule:
     spike_prob: float = 0.0
     spike: float = 0.0
     pause: tuple[float, float] | None = None  # one target rank per step pauses LO..HI s
+    load_rate: float = 0.0  # load-exp: compute x Exp(1)/load_rate more (0: none)
 
     def applies(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
@@ -69,6 +74,9 @@ class StraggleModel:
             if rule.rate > 0 or rule.shift > 0:
                 rng = np.random.default_rng([self.seed, i, rank, step])
                 extra += rule.shift + (rng.exponential(1.0) / rule.rate if rule.rate else 0.0)
+            if rule.load_rate > 0:
+                rng = np.random.default_rng([self.seed, i, rank, step, 4])
+                extra += max(0.0, compute_seconds) * rng.exponential(1.0) / rule.load_rate
             if rule.spike_prob > 0:
                 rng = np.random.default_rng([self.seed, i, rank, step, 1])
                 extra += rule.spike if rng.random() < rule.spike_prob else 0.0
@@ -136,6 +144,10 @@ def parse_straggle(spec: str, seed: int = 0) -> StraggleModel:
             elif kind == "shifted-exp":
                 shift, rate = (float(v) for v in value.split(","))
                 rule = StraggleRule(ranks, shift=shift, rate=rate)
+            elif kind == "load-exp":
+                rule = StraggleRule(ranks, load_rate=float(value))
+                if not rule.load_rate > 0:
+                    raise ValueError(kind)
             elif kind == "spike":
                 prob, seconds = (float(v) for v in value.split(","))
                 rule = StraggleRule(ranks, spike_prob=prob, spike=seconds)
@@ -148,8 +160,8 @@ def parse_straggle(spec: str, seed: int = 0) -> StraggleModel:
                 raise ValueError(kind)
         except ValueError:
             raise ValueError(f"straggler spec {item!r}: model must be delay=S, slow=K, "
-                             "shifted-exp=SHIFT,RATE, spike=PROB,SECONDS, pause=LO,HI or kill=STEP"
-                             ) from None
+                             "shifted-exp=SHIFT,RATE, load-exp=RATE (RATE > 0), "
+                             "spike=PROB,SECONDS, pause=LO,HI or kill=STEP") from None
         if (rule.delay < 0 or rule.slow < 1 or rule.shift < 0 or rule.rate < 0
                 or (rule.kill_at or 0) < 0 or not 0 <= rule.spike_prob <= 1
                 or rule.spike < 0):

@@ -27,6 +27,18 @@ def test_shifted_exponential_is_seeded_and_has_the_right_mean() -> None:
     assert m.extra_delay(1, 5, 0) != m.extra_delay(2, 5, 0)
 
 
+def test_load_exponential_scales_with_the_ranks_own_compute() -> None:
+    # The papers' runtime: load x (shift + Exp). Twice the compute (twice the coded load),
+    # twice the delay, draw for draw; no compute, no delay.
+    m = parse_straggle("all:load-exp=2", seed=1)
+    one = np.array([m.extra_delay(3, step, 0.01) for step in range(4000)])
+    two = np.array([m.extra_delay(3, step, 0.02) for step in range(4000)])
+    np.testing.assert_allclose(two, 2 * one)
+    assert one.mean() == pytest.approx(0.01 / 2, rel=0.08)
+    assert m.extra_delay(3, 0, 0.0) == 0.0
+    assert m.extra_delay(3, 7, 0.01) != m.extra_delay(4, 7, 0.01)
+
+
 @pytest.mark.parametrize("spec, message", [
     ("rank=4", "TARGET:MODEL"),
     ("node=4:delay=1", "target must be"),
@@ -34,6 +46,7 @@ def test_shifted_exponential_is_seeded_and_has_the_right_mean() -> None:
     ("rank=4:fast=2", "model must be"),
     ("rank=4:slow=0.5", "slow >= 1"),
     ("all:shifted-exp=1", "model must be"),
+    ("all:load-exp=0", "model must be"),
 ])
 def test_bad_specs_name_the_item(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message) as info:

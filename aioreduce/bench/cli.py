@@ -141,6 +141,32 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ranks on 127.0.0.1 instead of emulated hosts (no shaping)")
     sw.add_argument("--no-gloo", action="store_true", help="leave Gloo out")
     sw.add_argument("--plot", action="store_true", help="only draw the PNGs from --out")
+    do = sub.add_parser("dose", help="dose-response: coded tree, tree and ring as one leaf's "
+                                     "delay (or slowdown) grows, with repeats and 95 %% CIs")
+    do.add_argument("--out", default="dose", help="directory for results.jsonl and table.md")
+    do.add_argument("--nodes", type=lambda t: [int(x) for x in t.split(",")], default=[7, 13],
+                    help="cluster sizes with a full tree: 7, 13, 21, 31, 40 (default 7,13)")
+    dose_kind = do.add_mutually_exclusive_group()
+    dose_kind.add_argument("--delays", type=lambda t: [float(x) for x in t.split(",")],
+                           help="the last rank's delay per step, seconds (default "
+                                "0,0.05,0.1,0.2,0.5)")
+    dose_kind.add_argument("--slow", type=lambda t: [float(x) for x in t.split(",")],
+                           help="the last rank's compute slowdowns instead, e.g. 1,2,3,5 "
+                                "(give --compute)")
+    do.add_argument("--repeats", type=int, default=3, help="launches per cell (default 3)")
+    do.add_argument("--scheme", default="coded-tree,tree,ring", help="schemes per cell")
+    do.add_argument("--size", type=parse_size, default=parse_size("40K"),
+                    help="vector size (default 40K, the papers')")
+    do.add_argument("--iters", type=int, default=10, help="timed steps per scheme and launch")
+    do.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    do.add_argument("--compute", type=float, default=0.0, metavar="SECONDS",
+                    help="emulated compute: seconds one rank needs for the whole data set")
+    do.add_argument("--netns", action="store_true",
+                    help="every rank on its own emulated host (root, iproute2)")
+    do.add_argument("--link-mbit", type=float, default=None,
+                    help="shape each emulated host's link (with --netns)")
+    do.add_argument("--latency", type=float, default=0.0, metavar="SECONDS",
+                    help="emulated one-way latency per frame")
     sim = sub.add_parser("sim", help="the simulator: fit it to a sweep (--sweep), or predict "
                                      "schemes on a cluster we cannot run (--costs)")
     sim.add_argument("--sweep", metavar="DIR", help="fit costs to DIR/results.jsonl; write "
@@ -377,6 +403,25 @@ def _sweep(opts: argparse.Namespace) -> int:
     return 0
 
 
+def _dose(opts: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from . import dose
+
+    kind, doses = (("slow", opts.slow) if opts.slow
+                   else ("delay", opts.delays or [0.0, 0.05, 0.1, 0.2, 0.5]))
+    try:
+        path = dose.run_dose(opts.nodes, doses, kind, opts.repeats, Path(opts.out),
+                             schemes=[s.strip() for s in opts.scheme.split(",") if s.strip()],
+                             size_bytes=opts.size, iters=opts.iters, warmup=opts.warmup,
+                             compute=opts.compute, netns=opts.netns,
+                             link_mbit=opts.link_mbit, latency=opts.latency)
+    except ValueError as exc:
+        raise SystemExit(f"aioreduce-bench dose: {exc}") from None
+    print(path.read_text(), end="")
+    return 0
+
+
 def _json_lines(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         print(json.dumps(r))
@@ -410,6 +455,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if opts.command == "sweep":
         return _sweep(opts)
+    if opts.command == "dose":
+        return _dose(opts)
     if opts.command == "sim":
         return _sim(opts)
     if opts.command == "advise":

@@ -177,3 +177,20 @@ def test_every_option_of_every_tool_has_help() -> None:
     trace = subprocess.run([sys.executable, "-m", "aioreduce.telemetry", "--help"],
                            capture_output=True, text=True, timeout=60)
     assert "'aioreduce[plot]'" in trace.stdout and "'.[plot]'" in trace.stdout
+
+
+def test_dose_runs_every_cell_every_repeat_and_tabulates_them(tmp_path) -> None:
+    res = subprocess.run([sys.executable, "-m", "aioreduce.bench.cli", "dose", "--nodes", "7",
+                          "--delays", "0,0.02", "--repeats", "2", "--iters", "2", "--warmup",
+                          "1", "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    cells = sorted((r["dose"], r["repeat"], r["scheme"]) for r in rows)
+    assert cells == sorted((d, k, s) for d in (0.0, 0.02) for k in (0, 1)
+                           for s in ("coded-tree", "tree", "ring"))
+    assert all(r["nodes"] == 7 and r["median_s"] > 0 for r in rows)
+    table = (tmp_path / "table.md").read_text().splitlines()
+    assert table == res.stdout.splitlines() and len(table) == 4
+    assert table[2].startswith("| 7 | 0 | ") and table[3].startswith("| 7 | 0.02 | ")
+    assert all(line.count("±") == 3 for line in table[2:])  # two runs: an interval each

@@ -1,0 +1,148 @@
+"""``aioreduce-bench dose``: how a step's time grows with one rank's slowness (dose-response),
+the coded tree against the uncoded tree and the ring, with repeats and confidence intervals.
+
+The dose is one leaf's (the last rank's) fixed delay per step (``--delays``, seconds), or its
+compute slowdown (``--slow K``: it computes K times longer; give ``--compute``, each rank's
+compute in seconds, large enough that K x shows). The coded tree's parents decode from the
+first sufficient set of their children, so its step should stay flat as the dose grows, while
+the uncoded tree and the ring wait for the slow rank. What the coding buys is the coded tree
+against the *uncoded* tree (same topology, same messages); the ring shows the baseline.
+
+Every (ranks, dose) cell runs its schemes alternated in one launch (they share the machine's
+noise), ``--repeats`` times with other seeds; the table gives, per cell and scheme, the mean
+of the runs' median steps with a 95 % confidence interval (Student's t over the repeats) and
+the coded tree's ratio to each other scheme. Tree shapes as the sweep's: 7 ranks (fan-out 2),
+13 (3), 21 (4), 31 (2, four levels), 40 (3, three levels). Rows go to ``OUT/results.jsonl``
+as they are measured and the table to ``OUT/table.md``.
+
+    aioreduce-bench dose --nodes 7,13 --delays 0,0.05,0.2,0.5 --repeats 3 --netns \\
+        --latency 0.0001 --out dose
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..sim.config import Config
+from .allreduce import run_allreduce
+from .sweep import tree_shape
+
+SCHEMES = ["coded-tree", "tree", "ring"]
+# Student's t, two-sided 95 %, by degrees of freedom (beyond the table: the normal's 1.96).
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+        9: 2.262, 10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def t95(dof: int) -> float:
+    """Student's t for a two-sided 95 % interval with ``dof`` degrees of freedom (the table's
+    next smaller entry between its rows: a slightly wider interval, never a narrower one)."""
+    if dof < 1:
+        raise ValueError("a confidence interval needs at least two runs")
+    return _T95[max(k for k in _T95 if k <= dof)] if dof <= 30 else 1.96
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The mean of ``n`` runs' medians and its 95 % half-width (``nan`` for one run)."""
+
+    mean: float
+    half_width: float
+    n: int
+
+    def __str__(self) -> str:
+        if math.isnan(self.half_width):
+            return f"{1e3 * self.mean:.2f}"
+        return f"{1e3 * self.mean:.2f} ± {1e3 * self.half_width:.2f}"
+
+
+def estimate(values: Sequence[float]) -> Estimate:
+    """Mean and 95 % confidence half-width of ``values`` (seconds)."""
+    if not values:
+        raise ValueError("no values")
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return Estimate(mean, math.nan, 1)
+    sd = statistics.stdev(values)
+    return Estimate(mean, t95(len(values) - 1) * sd / math.sqrt(len(values)), len(values))
+
+
+def straggle_spec(nodes: int, dose: float, kind: str) -> str:
+    """The straggler spec that gives the last rank (a leaf of every tree) ``dose``."""
+    last = nodes - 1
+    if kind == "delay":
+        return f"rank={last}:delay={dose:g}" if dose > 0 else ""
+    if kind == "slow":
+        return f"rank={last}:slow={dose:g}" if dose > 1 else ""
+    raise ValueError(f"unknown dose {kind!r} (delay or slow)")
+
+
+def cell_config(nodes: int, dose: float, kind: str, repeat: int, *, schemes: Sequence[str],
+                size_bytes: int, iters: int, warmup: int, compute: float, netns: bool,
+                link_mbit: float | None, latency: float) -> Config:
+    """One launch: every scheme of the cell alternated, this repeat's seed."""
+    shape = tree_shape(nodes)
+    if shape is None:
+        raise ValueError(f"no full tree has {nodes} ranks (7, 13, 21, 31, 40 do)")
+    fanout, levels = shape
+    return Config(schemes=list(schemes), nodes=nodes, size_bytes=size_bytes, iters=iters,
+                  warmup=warmup, fanout=fanout, levels=levels, compute=compute,
+                  straggle=straggle_spec(nodes, dose, kind), netns=netns,
+                  link_mbit=link_mbit, latency=latency, seed=repeat)
+
+
+def summarize(rows: Iterable[dict[str, Any]]) -> dict[tuple[int, float, str], Estimate]:
+    """Per (ranks, dose, scheme): the estimate over the repeats' median steps."""
+    runs: dict[tuple[int, float, str], list[float]] = {}
+    for row in rows:
+        runs.setdefault((row["nodes"], row["dose"], row["scheme"]), []).append(row["median_s"])
+    return {key: estimate(v) for key, v in sorted(runs.items())}
+
+
+def table(summary: dict[tuple[int, float, str], Estimate], kind: str,
+          schemes: Sequence[str] = SCHEMES) -> str:
+    """A markdown table: one row per (ranks, dose), each scheme's mean ± 95 % CI in ms, and
+    the coded tree's mean over each other scheme's."""
+    others = [s for s in schemes if s != "coded-tree"]
+    unit = "s delay" if kind == "delay" else "x slower"
+    head = (["ranks", f"dose ({unit})", *(f"{s} ms" for s in schemes)]
+            + [f"coded / {s}" for s in others if "coded-tree" in schemes])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for nodes, dose in dict.fromkeys((n, d) for n, d, _s in summary):
+        cells = [str(summary[(nodes, dose, s)]) if (nodes, dose, s) in summary else "-"
+                 for s in schemes]
+        ratios = []
+        coded = summary.get((nodes, dose, "coded-tree"))
+        if coded is not None:
+            for s in others:
+                other = summary.get((nodes, dose, s))
+                ratios.append(f"{coded.mean / other.mean:.2f}" if other is not None else "-")
+        lines.append("| " + " | ".join([str(nodes), f"{dose:g}", *cells, *ratios]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run_dose(nodes: Sequence[int], doses: Sequence[float], kind: str, repeats: int,
+             out: Path, **kw: Any) -> Path:
+    """Measure every cell ``repeats`` times (rows appended to ``out/results.jsonl`` as they
+    come); write and return ``out/table.md``."""
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "results.jsonl"
+    for repeat in range(repeats):  # repeats outermost: a drifting machine spreads evenly
+        for n in nodes:
+            for dose in doses:
+                cfg = cell_config(n, dose, kind, repeat, **kw)
+                for row in run_allreduce(cfg):
+                    row = {**row, "dose": dose, "kind": kind, "repeat": repeat}
+                    row.pop("steps_s", None)
+                    with results.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+    rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    path = out / "table.md"
+    path.write_text(table(summarize(r for r in rows if r.get("kind") == kind), kind,
+                          kw.get("schemes", SCHEMES)))
+    return path

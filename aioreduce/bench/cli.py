@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="shape each emulated host's link (with --netns)")
     do.add_argument("--latency", type=float, default=0.0, metavar="SECONDS",
                     help="emulated one-way latency per frame")
+    do.add_argument("--straggle", default="", metavar="SPEC",
+                    help="a straggler model for every cell beside the dose, e.g. "
+                         "'all:load-exp=2'")
     sim = sub.add_parser("sim", help="the simulator: fit it to a sweep (--sweep), or predict "
                                      "schemes on a cluster we cannot run (--costs)")
     sim.add_argument("--sweep", metavar="DIR", help="fit costs to DIR/results.jsonl; write "
@@ -415,7 +418,8 @@ def _dose(opts: argparse.Namespace) -> int:
                              schemes=[s.strip() for s in opts.scheme.split(",") if s.strip()],
                              size_bytes=opts.size, iters=opts.iters, warmup=opts.warmup,
                              compute=opts.compute, netns=opts.netns,
-                             link_mbit=opts.link_mbit, latency=opts.latency)
+                             link_mbit=opts.link_mbit, latency=opts.latency,
+                             straggle=opts.straggle)
     except ValueError as exc:
         raise SystemExit(f"aioreduce-bench dose: {exc}") from None
     print(path.read_text(), end="")

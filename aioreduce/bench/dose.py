@@ -11,7 +11,11 @@ against the *uncoded* tree (same topology, same messages); the ring shows the ba
 Every (ranks, dose) cell runs its schemes alternated in one launch (they share the machine's
 noise), ``--repeats`` times with other seeds; the table gives, per cell and scheme, the mean
 of the runs' median steps with a 95 % confidence interval (Student's t over the repeats) and
-the coded tree's ratio to each other scheme. Tree shapes as the sweep's: 7 ranks (fan-out 2),
+the first scheme's ratio to each other one (the coded tree's, by default). ``--straggle``
+adds a model for every rank beside the dose, and ``--scheme`` takes any schemes: with
+``--slow 1 --compute C --straggle 'all:load-exp=2' --scheme 'gc+code="cyclic",gc+code="gaussian"'``
+it compares gradient codes (m = 1 against the communication-efficient m = 2) under compute
+that grows with each rank's load. Tree shapes as the sweep's: 7 ranks (fan-out 2),
 13 (3), 21 (4), 31 (2, four levels), 40 (3, three levels). Rows go to ``OUT/results.jsonl``
 as they are measured and the table to ``OUT/table.md``.
 
@@ -84,15 +88,18 @@ def straggle_spec(nodes: int, dose: float, kind: str) -> str:
 
 def cell_config(nodes: int, dose: float, kind: str, repeat: int, *, schemes: Sequence[str],
                 size_bytes: int, iters: int, warmup: int, compute: float, netns: bool,
-                link_mbit: float | None, latency: float) -> Config:
-    """One launch: every scheme of the cell alternated, this repeat's seed."""
+                link_mbit: float | None, latency: float, straggle: str = "") -> Config:
+    """One launch: every scheme of the cell alternated, this repeat's seed; ``straggle``, a
+    model for every rank beside the dose (``all:load-exp=2``: compute that grows with the
+    load, as in the papers)."""
     shape = tree_shape(nodes)
     if shape is None:
         raise ValueError(f"no full tree has {nodes} ranks (7, 13, 21, 31, 40 do)")
     fanout, levels = shape
     return Config(schemes=list(schemes), nodes=nodes, size_bytes=size_bytes, iters=iters,
                   warmup=warmup, fanout=fanout, levels=levels, compute=compute,
-                  straggle=straggle_spec(nodes, dose, kind), netns=netns,
+                  straggle=";".join(x for x in (straggle_spec(nodes, dose, kind), straggle)
+                                    if x), netns=netns,
                   link_mbit=link_mbit, latency=latency, seed=repeat)
 
 
@@ -107,21 +114,21 @@ def summarize(rows: Iterable[dict[str, Any]]) -> dict[tuple[int, float, str], Es
 def table(summary: dict[tuple[int, float, str], Estimate], kind: str,
           schemes: Sequence[str] = SCHEMES) -> str:
     """A markdown table: one row per (ranks, dose), each scheme's mean ± 95 % CI in ms, and
-    the coded tree's mean over each other scheme's."""
-    others = [s for s in schemes if s != "coded-tree"]
+    the first scheme's mean over each other one's."""
+    first, others = schemes[0], list(schemes[1:])
     unit = "s delay" if kind == "delay" else "x slower"
     head = (["ranks", f"dose ({unit})", *(f"{s} ms" for s in schemes)]
-            + [f"coded / {s}" for s in others if "coded-tree" in schemes])
+            + [f"{first} / {s}" for s in others])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for nodes, dose in dict.fromkeys((n, d) for n, d, _s in summary):
         cells = [str(summary[(nodes, dose, s)]) if (nodes, dose, s) in summary else "-"
                  for s in schemes]
+        base = summary.get((nodes, dose, first))
         ratios = []
-        coded = summary.get((nodes, dose, "coded-tree"))
-        if coded is not None:
-            for s in others:
-                other = summary.get((nodes, dose, s))
-                ratios.append(f"{coded.mean / other.mean:.2f}" if other is not None else "-")
+        for s in others:
+            other = summary.get((nodes, dose, s))
+            ratios.append(f"{base.mean / other.mean:.2f}"
+                          if base is not None and other is not None else "-")
         lines.append("| " + " | ".join([str(nodes), f"{dose:g}", *cells, *ratios]) + " |")
     return "\n".join(lines) + "\n"
 

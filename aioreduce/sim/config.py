@@ -65,7 +65,11 @@ def build_scheme(name: str, cfg: Config) -> Scheme:
         make = {"default": lambda: default_code(n, s), "frc": lambda: frc(n, s),
                 "cyclic": lambda: cyclic_mds(n, s), "random": lambda: random_cyclic(n, s),
                 "gaussian": lambda: gaussian_mds(n, s, 2)}
-        code = make[cfg.code]()
+        # gc+code="gaussian": a variant with its own code, beside another in one launch.
+        named = extra.pop("code", cfg.code)
+        if named not in make:
+            raise ValueError(f"unknown code {named!r} for gc (one of {sorted(make)})")
+        code = make[named]()
     options = {"fanout": cfg.fanout, "levels": cfg.levels, "stragglers": cfg.stragglers,
                "deadline": None if name == "transpose" else cfg.deadline,
                "chunk_bytes": cfg.chunk_bytes, "code": code, **cfg.options, **extra}

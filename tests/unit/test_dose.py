@@ -41,6 +41,10 @@ def test_each_size_gets_its_full_tree_and_the_repeat_its_seed(nodes: int, fanout
                            latency=1e-4)
     assert (cfg.fanout, cfg.levels, cfg.seed) == (fanout, levels, 2)
     assert cfg.straggle == f"rank={nodes - 1}:delay=0.1" and cfg.latency == 1e-4
+    both = dose.cell_config(nodes, 1, "slow", 0, schemes=dose.SCHEMES, size_bytes=40960,
+                            iters=10, warmup=3, compute=0.05, netns=True, link_mbit=None,
+                            latency=0.0, straggle="all:load-exp=2")
+    assert both.straggle == "all:load-exp=2"  # no dose at 1x: the model for every rank alone
     with pytest.raises(ValueError, match="no full tree"):
         dose.cell_config(12, 0.1, "delay", 0, schemes=dose.SCHEMES, size_bytes=40960,
                          iters=10, warmup=3, compute=0.0, netns=False, link_mbit=None,

@@ -380,3 +380,10 @@ def test_a_bench_variant_adds_its_options_to_that_scheme_only() -> None:
     plain, laned, ring = (build_scheme(name, cfg) for name in cfg.schemes)
     assert isinstance(plain, Tree) and isinstance(laned, Tree) and isinstance(ring, Ring)
     assert not plain.lanes and laned.lanes and not ring.lanes
+    # A gradient code by name per variant: m = 1 and m = 2 side by side in one launch.
+    cfg = Config(schemes=['gc+code="cyclic"', 'gc+code="gaussian"'], nodes=13,
+                 size_bytes=40960, iters=1)
+    one, two = (build_scheme(name, cfg) for name in cfg.schemes)
+    assert (one.code.n, one.code.m) == (12, 1) and (two.code.n, two.code.m) == (12, 2)
+    with pytest.raises(ValueError, match="unknown code"):
+        build_scheme('gc+code="lt"', cfg)

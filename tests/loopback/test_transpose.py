@@ -108,11 +108,13 @@ def test_a_rank_stopped_for_5_s_costs_the_others_only_their_bounds_and_rejoins(
         assert all(s["rel_err"] < 1e-9 for s in exact), rank
 
 
-def test_a_killed_rank_costs_the_others_only_their_bounds(ranks) -> None:
+@pytest.mark.parametrize("die_at", [20, 0])
+def test_a_killed_rank_costs_the_others_only_their_bounds(ranks, die_at: int) -> None:
     """Rank 2 is SIGKILLed at step 20: its lanes end, every receive from it fails at once, and
     the others go on (max_loss 1: accepting what arrived), each step naming rank 2, within
-    its bound, over lanes."""
-    steps, die_at = 50, 20
+    its bound, over lanes. At step 0, before any lane opened: the others open theirs without
+    it (it starts lost) instead of failing their opening."""
+    steps = 50
     done = run(ranks, 4, "transpose", "--steps", str(steps), "--dim", "20000", "--die", "2",
                "--die-step", str(die_at), "--deadline", "0", "--options",
                json.dumps({"deadline": None, "max_loss": 1.0}))

@@ -361,13 +361,15 @@ class StepOptions:
 
 
 MAX_CHUNKS = 16
-# From what size of vector the trees take lanes (StepOptions.lanes=None): where each rank has
-# a core, lanes win for large vectors and lose for the papers' small ones (docs/schemes.md).
-LANES_FROM = 1 << 20
 """A step's vector travels in at most this many chunks per message: larger vectors get larger
 chunks than ``chunk_bytes``. Every chunk costs a frame (a fraction of a millisecond of Python
 on each side) and pipelining gains little beyond a few chunks per level: a 64 MiB tree on 7
 ranks of a 2-core host took 1.21x the ring's time with 64 chunks of 1 MiB, 1.01x with 16."""
+
+LANES_FROM = 1 << 20
+"""From what size of vector (bytes) the trees take lanes (``StepOptions.lanes=None``): where
+each rank has a core, lanes win for large vectors and lose for the papers' small ones
+(docs/schemes.md)."""
 
 
 def chunk_step(length: int, itemsize: int, chunk_bytes: int) -> int:

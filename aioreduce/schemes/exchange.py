@@ -37,8 +37,7 @@ async def exchange(comm: Comm, step: int, sends: Mapping[int, np.ndarray],
         return
     comm.discard_before(step)
     try:
-        if me in recvs and me in sends:
-            np.copyto(recvs[me].reshape(-1), sends[me].reshape(-1), casting="no")
+        _copy_own(me, sends, recvs)
         await asyncio.gather(
             *(comm.send(r, np.ascontiguousarray(a), step=step, tag=EXCHANGE_TAG)
               for r, a in sends.items() if r != me and a.size),
@@ -52,8 +51,7 @@ async def _over_links(links: LaneLinks, me: int, step: int, sends: Mapping[int, 
                       recvs: Mapping[int, np.ndarray]) -> None:
     links.discard_before(step)
     try:
-        if me in recvs and me in sends:
-            np.copyto(recvs[me].reshape(-1), sends[me].reshape(-1), casting="no")
+        _copy_own(me, sends, recvs)
         posts = [links.post(r, out, step, EXCHANGE_TAG)
                  for r, out in recvs.items() if r != me and out.size]
         to = [r for r, a in sends.items() if r != me and a.size]
@@ -64,3 +62,9 @@ async def _over_links(links: LaneLinks, me: int, step: int, sends: Mapping[int, 
     finally:
         links.discard_before(step + 1)
         links.end_step(step)
+
+
+def _copy_own(me: int, sends: Mapping[int, np.ndarray], recvs: Mapping[int, np.ndarray]) -> None:
+    """This rank's own entry, if it sends and receives one, is copied locally."""
+    if me in recvs and me in sends:
+        np.copyto(recvs[me].reshape(-1), sends[me].reshape(-1), casting="no")

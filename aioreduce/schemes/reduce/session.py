@@ -352,4 +352,3 @@ def _result(outcome: Outcome, like: np.ndarray, t0: float) -> Result:
 
 
 __all__ = ["ReduceSession"]
-

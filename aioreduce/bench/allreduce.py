@@ -27,6 +27,7 @@ step of its scheme; warm-up iterations cover the transpose's warm-up stages.
 from __future__ import annotations
 
 import asyncio
+import cProfile
 import json
 import os
 import queue
@@ -130,6 +131,7 @@ async def _worker(cfg: Config) -> None:
         # rank that spends them between steps starves the ranks still in one (2 cores).
         loads = {n: load_fraction(schemes.get(n), world) for n in names}
         warmup = warmup_iterations(cfg)
+        profile = _Profile(rank)
         for it in range(warmup + cfg.iters):
             order = names if it % 2 == 0 else names[::-1]
             for name in order:
@@ -149,6 +151,7 @@ async def _worker(cfg: Config) -> None:
                 await node.barrier(timeout=300)
                 t0 = time.monotonic()
                 cpu0 = _cpu_seconds()
+                profile.start(it >= warmup)
                 received, refused = 1.0, 0.0
                 value: np.ndarray | None = None
                 delay = sleep + model.extra_delay(rank, it, sleep, world)
@@ -176,6 +179,7 @@ async def _worker(cfg: Config) -> None:
                         if exc.received is None:
                             raise
                         received, refused = exc.received, 1.0  # the safety valve said no
+                profile.stop()
                 t1 = time.monotonic()
                 cpu = _cpu_seconds() - cpu0
                 # A straggler-tolerant step can end with messages it did not need still on the
@@ -188,6 +192,7 @@ async def _worker(cfg: Config) -> None:
                     times[name].append((t0, t1, received, refused, t2, cpu))
                     if rank == 0 and cfg.verify and value is not None and received >= 1.0:
                         errors[name] = max(errors[name], data.rel_err(name, value))
+        profile.dump()
         # Everyone's timings, one collective step per scheme (every rank ran the same steps).
         for name in names:
             every = (await node.allgather(np.array(times[name], np.float64))).value
@@ -195,6 +200,32 @@ async def _worker(cfg: Config) -> None:
                 _report(cfg, name, schemes.get(name), every, errors[name], world)
         if dist is not None:
             dist.destroy_process_group()
+
+
+class _Profile:
+    """``AIOREDUCE_BENCH_PROFILE=DIR``: each rank profiles its timed steps only (cProfile of
+    the event loop's thread; barriers and drains between steps left out) and writes
+    ``DIR/rank<N>.prof`` (read with ``python -m pstats``). Where a step's CPU goes, per rank."""
+
+    def __init__(self, rank: int) -> None:
+        where = os.environ.get("AIOREDUCE_BENCH_PROFILE")
+        self.path = os.path.join(where, f"rank{rank}.prof") if where else None
+        self.profiler = cProfile.Profile() if where else None
+        self.on = False
+
+    def start(self, timed: bool) -> None:
+        if self.profiler is not None and timed:
+            self.profiler.enable()
+            self.on = True
+
+    def stop(self) -> None:
+        if self.profiler is not None and self.on:
+            self.profiler.disable()
+            self.on = False
+
+    def dump(self) -> None:
+        if self.profiler is not None and self.path is not None:
+            self.profiler.dump_stats(self.path)
 
 
 def _cpu_seconds() -> float:

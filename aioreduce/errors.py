@@ -55,6 +55,11 @@ class ConfigError(AioreduceError, ValueError):
     """The environment or arguments do not describe a valid job."""
 
 
+class LaneClosed(PeerLost):
+    """A lane (one direction of bulk data, see :mod:`aioreduce.transport.lane`) ended: its
+    peer closed it, or is gone. Whether the peer is gone is the mesh's word."""
+
+
 class LaneMismatch(AioreduceError):
     """A lane message is not the one expected: ``got`` and ``want`` are (step, index, bytes)."""
 
@@ -67,6 +72,7 @@ __all__ = [
     "AioreduceError",
     "AuthError",
     "ConfigError",
+    "LaneClosed",
     "LaneMismatch",
     "PeerLost",
     "ProtocolError",

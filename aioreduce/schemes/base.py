@@ -27,11 +27,14 @@ EarlyHandler = Callable[[Header, memoryview], None]
 class BulkLink(Protocol):
     """One direction of a blocking byte stream between two ranks, for a scheme's bulk data,
     driven from a worker thread instead of the event loop (the mesh's lanes,
-    :mod:`aioreduce.transport.lane`). Each message is (step, index, payload, meta); the
-    receiver says what it expects and a mismatch raises :class:`~aioreduce.errors.LaneMismatch`.
-    """
+    :mod:`aioreduce.transport.lane`). Each message is (step, index, payload, meta); what a
+    message fills is the matcher's business (:class:`~.links.lanes.LaneLinks`)."""
 
     peer: int  # the rank at the other end
+
+    @property
+    def buffered(self) -> int:
+        """Bytes read ahead: a read of at most this many returns at once."""
     sent: int  # payload bytes sent so far
     latency: float  # emulated one-way latency of every message received (0: none)
 
@@ -41,20 +44,27 @@ class BulkLink(Protocol):
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued message is in the kernel; False after ``timeout``."""
 
-    def recv_into(self, step: int, index: int, out: memoryview) -> None:
-        """Receive the message (step, index) into ``out``, which has its exact size."""
-
     def read_head(self) -> tuple[int, int, int, int]:
         """The next message's (step, index, payload bytes, meta bytes)."""
 
     def read_meta(self, nbytes: int) -> bytes:
         """The next ``nbytes`` of meta."""
 
-    def wait_readable(self) -> None:
-        """Block until bytes can be read (or the link is interrupted)."""
+    def wait_readable(self) -> bool:
+        """Block until bytes can be read (or the link is interrupted): True; False once
+        :meth:`wake` was called."""
+
+    def readable_now(self) -> bool:
+        """Whether bytes can be read at this moment (without blocking)."""
+
+    def wake(self) -> None:
+        """End a :meth:`wait_readable` in progress, or the next one (from any thread)."""
 
     def recv_now(self, view: memoryview) -> int:
         """Read what is there into ``view`` without blocking; the bytes read."""
+
+    def read_into(self, view: memoryview) -> None:
+        """Read exactly ``view.nbytes`` into ``view`` (blocking)."""
 
     def skip(self, nbytes: int) -> None:
         """Read and drop ``nbytes``."""

@@ -18,20 +18,25 @@ bandwidth (a unidirectional ring already keeps every host's sending and receivin
 doubles the flows and halves the segments; measured on one 2-core host it was no faster on 4
 ranks and 1.3-1.6x slower on 13 (9 MiB: 213 ms against 160 ms), so it is off by default.
 
-``lanes=True`` moves the segments off the event loop: each rank opens a blocking TCP lane to
-its successor and one from its predecessor (:mod:`aioreduce.transport.lane`, authenticated
-with the job's secret) and runs the step's sends and receives on a thread of the session's,
-the sends on the lane's own thread. A frame through the event loop costs tens of
-microseconds of interpreter time; where ranks share cores that is the step's time (13 ranks
-x 8 MiB on 2 cores: see the lane module). Lanes are opened at the first step and again at
-the step after a failed one (a failure drops them on every rank, with the abort below);
-the step telemetry counts their bytes once per step. Without a mesh (the in-memory network)
-the ring runs on the event loop.
+``lanes=True`` moves the segments off the event loop: each rank opens a lane to its
+successor and one from its predecessor (the comm's bulk links, authenticated with the job's
+secret) and runs the step's sends and receives on a thread of the session's, through the
+lane links every scheme's lanes go through (:class:`~.links.lanes.LaneLinks`, without reader
+threads: the step's thread reads its predecessor's lane itself, in order, and its segments
+go bare, without a wire header). A frame through the event loop costs tens of microseconds
+of interpreter time; where ranks share cores that is the step's time (13 ranks x 8 MiB on
+2 cores: see the lane module). Lanes are opened at the first step and again at the step
+after a failed one; the step telemetry counts their bytes. Without a mesh (the in-memory
+network) the ring runs on the event loop.
 
 The ring waits for every rank: it is the baseline that stragglers hurt. A step that fails on
 one rank (a lost neighbour, a vector of another shape) would leave the ranks further round
 the ring waiting forever, so the rank that sees the failure tells every rank (an abort frame,
-payload-less, on a tag of its own) and they all raise the same error.
+payload-less, on a tag of its own) and they all raise the same error. The step's work, its
+abort and its lanes' part in it end together (:meth:`RingSession._lane_exchange`): an abort
+heard withdraws the step's receives, which releases its thread, and a lane that ends while
+its peer's connection is up waits for that connection's word (the abort, or the loss), which
+comes in order behind everything the peer sent before, so no timer decides what went wrong.
 """
 
 from __future__ import annotations
@@ -47,18 +52,19 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import AioreduceError, LaneMismatch, PeerLost, VectorMismatch
+from ..errors import AioreduceError, LaneClosed, LaneMismatch, PeerLost, VectorMismatch
 from ..topology import ring_neighbours
-from ..wire import Header, byte_view, tags
+from ..wire import Header, tags
 from ..wire.control import StepFailed, decode_failed, failed_meta
-from .base import Arrival, BulkLink, BulkLinks, Comm, Result
+from .base import Arrival, Comm, Result
+from .links.lanes import LaneLinks
 from .pool import BufferPool
 
 ABORT_TAG = tags.ABORT  # above every data tag of a step
 MAX_AHEAD = 4
 POSTED_AHEAD = 4 << 20  # bytes of reduce-scatter scratch posted ahead (see _depth)
 EMPTY = np.empty(0, np.uint8)
-LANE_GRACE_S = 10.0  # how long a closed lane waits for the reason over the mesh
+_NO_META: dict[str, Any] = {}
 
 
 @functools.lru_cache(maxsize=32)
@@ -148,34 +154,37 @@ def _depth(n: int, width_bytes: int) -> int:
     return min(n - 1, max(2, POSTED_AHEAD // max(1, width_bytes)))
 
 
-def _lane_ring(out: BulkLink, into: BulkLink, mine: np.ndarray, acc: np.ndarray,
+def _lane_ring(links: LaneLinks, prev: int, nxt: int, mine: np.ndarray, acc: np.ndarray,
                scratch: np.ndarray, seg: tuple[tuple[int, int], ...], pos: int, step: int,
-               divisor: float, arrival: Arrival | None = None) -> tuple[int, int]:
+               divisor: float, arrival: Arrival | None = None) -> None:
     """:func:`_ring` over lanes, on a worker thread: the same segments (``seg``) in the same
-    order, each send queued to ``out``'s thread while this one receives from ``into``. The
+    order, each send queued to the successor ``nxt`` while this thread receives from the
+    predecessor ``prev`` (reading its lane itself, in order: :meth:`LaneLinks.recv`). The
     hazards are those of :func:`_ring`: a segment is written only after the send that reads
     it was received further round the ring (every byte this rank receives depends on it), and
-    the step returns only once every send is in the kernel (``flush``). Returns the bytes
-    sent and received.
+    the step returns only once every send is in the kernel. If the session ends the step
+    (it failed elsewhere), the receive in progress raises ``Withdrawn``.
 
     With ``arrival`` (a staged device tensor), a segment of ``mine`` is read only once it has
     landed (the segments land in :func:`read_order`, so the first send waits for 1/N of the
     copy), and each segment of the result is handed back as soon as it is final: this rank's
     own once reduced, the others as the all-gather brings them."""
-    n, sent, got = len(seg), 0, 0
+    n = len(seg)
+
+    def send(array: np.ndarray, index: int) -> None:
+        if not links.send(nxt, array, step, index, _NO_META, bare=True):
+            raise links.lost(nxt) or PeerLost(nxt, "lane lost")
+
     for i in range(n - 1):  # reduce-scatter
         s_lo, s_hi = seg[(pos - i) % n]
         if i == 0 and arrival is not None:
             arrival.landed(s_lo, s_hi)
-        view = byte_view((mine if i == 0 else acc)[s_lo:s_hi])
-        out.send(step, i, view)
+        send((mine if i == 0 else acc)[s_lo:s_hi], i)
         r_lo, r_hi = seg[(pos - i - 1) % n]
-        buf = byte_view(scratch[: r_hi - r_lo])
-        into.recv_into(step, i, buf)
+        links.recv(prev, scratch[: r_hi - r_lo], step, i)
         if arrival is not None:
             arrival.landed(r_lo, r_hi)
         np.add(mine[r_lo:r_hi], scratch[: r_hi - r_lo], out=acc[r_lo:r_hi])
-        sent, got = sent + view.nbytes, got + buf.nbytes
     lo, hi = seg[(pos + 1) % n]
     if divisor != 1:
         np.divide(acc[lo:hi], divisor, out=acc[lo:hi])
@@ -183,16 +192,12 @@ def _lane_ring(out: BulkLink, into: BulkLink, mine: np.ndarray, acc: np.ndarray,
         arrival.final(lo, hi)
     for i in range(n - 1):  # all-gather
         s_lo, s_hi = seg[(pos + 1 - i) % n]
-        view = byte_view(acc[s_lo:s_hi])
-        out.send(step, n + i, view)
+        send(acc[s_lo:s_hi], n + i)
         r_lo, r_hi = seg[(pos - i) % n]
-        buf = byte_view(acc[r_lo:r_hi])
-        into.recv_into(step, n + i, buf)
+        links.recv(prev, acc[r_lo:r_hi], step, n + i)
         if arrival is not None:
             arrival.final(r_lo, r_hi)
-        sent, got = sent + view.nbytes, got + buf.nbytes
-    out.flush()
-    return sent, got
+    links.wait_sent([nxt])
 
 
 def read_order(size: int, pos: int, n: int) -> tuple[tuple[int, int], ...]:
@@ -229,10 +234,8 @@ class RingSession:
         # Lanes: wanted (and not refused by the comm), the open pair (to the successor, from
         # the predecessor), and the thread the steps run on.
         self._want_lanes = lanes and not bidirectional and comm.world_size > 1
-        self._lanes: tuple[BulkLink, BulkLink] | None = None
-        self._links: BulkLinks | None = None  # the comm's, which the lanes came from
-        # a failed step's, closed after the abort
-        self._dropped: tuple[BulkLink, BulkLink] | None = None
+        self._links: LaneLinks | None = None  # to the successor and from the predecessor
+        self._reopen = False  # a step failed: every rank opens new lanes at the next one
         self._thread: ThreadPoolExecutor | None = None
         self._step = -1
         self._aborted: asyncio.Future[AioreduceError] | None = None
@@ -251,10 +254,9 @@ class RingSession:
         for remove in self._removers:
             remove()
         self._removers.clear()
-        for lanes in (self._lanes, self._dropped):
-            if lanes is not None:
-                await asyncio.to_thread(_close_lanes, lanes)
-        self._lanes = self._dropped = None
+        if self._links is not None:
+            await self._links.close(timeout)
+            self._links = None
         if self._thread is not None:
             self._thread.shutdown(wait=False)
         if self._sends:
@@ -270,26 +272,18 @@ class RingSession:
                 del self._ahead[max(self._ahead)]
         elif self._aborted is not None and not self._aborted.done():
             self._aborted.set_result(error)
-            if self._lanes is not None:
-                # Pass it on to our lane successor before we close our lanes on it: its
-                # lane thread will see them end, and it must know why (the abort names the
-                # culprit; "lane closed" would name us).
-                nxt = ring_neighbours(self.comm.rank, self.comm.world_size)[1]
-                if nxt != peer and not self.comm.is_lost(nxt):
-                    self._spawn_send(self._send_abort(nxt, header.step, dict(header.meta)))
 
-    def _tell_everyone(self, step: int, exc: BaseException) -> list[asyncio.Task[None]]:
-        """Send every other rank this step's failure (in the background, best effort);
-        returns the sends."""
+    def _tell_everyone(self, step: int, exc: BaseException) -> None:
+        """Send every other rank this step's failure (in the background, best effort)."""
         if isinstance(exc, VectorMismatch):
             meta = failed_meta(StepFailed("mismatch", str(exc), tuple(exc.ranks)))
         elif isinstance(exc, PeerLost):
             meta = failed_meta(StepFailed("lost", exc.reason, rank=exc.rank))
         else:
-            return []
-        return [self._spawn_send(self._send_abort(peer, step, meta))
-                for peer in range(self.comm.world_size)
-                if peer != self.comm.rank and not self.comm.is_lost(peer)]
+            return
+        for peer in range(self.comm.world_size):
+            if peer != self.comm.rank and not self.comm.is_lost(peer):
+                self._spawn_send(self._send_abort(peer, step, meta))
 
     def _spawn_send(self, send: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(send)
@@ -304,7 +298,7 @@ class RingSession:
     @property
     def lanes_open(self) -> bool:
         """Whether the steps run over lanes (opened by the first step and after a failed one)."""
-        return self._lanes is not None
+        return self._links is not None
 
     def known(self, step: int) -> bool:
         return False  # a ring's result needs everyone's vector
@@ -351,16 +345,15 @@ class RingSession:
             if not work.done() or work.cancelled():
                 with contextlib.suppress(asyncio.CancelledError):
                     await work
-                await self._close_dropped([])
+                self._failed(step)
                 raise self._aborted.result()
             exc = work.exception()
             if isinstance(exc, VectorMismatch):
                 exc = _mismatch(step, exc, comm.rank, mine)
             if exc is not None:
-                told: list[asyncio.Task[None]] = []
                 if not (self._aborted.done() and exc is self._aborted.result()):
-                    told = self._tell_everyone(step, exc)  # (not an abort heard elsewhere)
-                await self._close_dropped(told)
+                    self._tell_everyone(step, exc)  # (not an abort heard elsewhere)
+                self._failed(step)
                 raise exc
         elif into is not None:
             acc = into.reshape(-1)
@@ -382,15 +375,23 @@ class RingSession:
         n, rank = comm.world_size, comm.rank
         prev, nxt = ring_neighbours(rank, n)
         if self._want_lanes:
-            if self._lanes is None:
-                self._links = comm.bulk_links()
-                if self._links is None:
+            if self._reopen and self._links is not None:
+                await self._links.close(0.0)  # (what a failed step left in them is stale)
+                self._links = None
+            self._reopen = False
+            if self._links is None:
+                bulk = comm.bulk_links()
+                if bulk is None:
                     self._want_lanes = False  # no mesh under this comm: the event loop's way
                 else:
-                    outs, ins = await self._links.open_links([nxt], [prev], step)
-                    self._lanes = (outs[nxt], ins[prev])
-            if self._lanes is not None:
-                await self._lane_exchange(self._lanes, mine, acc, step, divisor, arrival)
+                    outs, ins = await bulk.open_links([nxt], [prev], step)
+                    # The step's thread reads its lane itself (readers=False): a reader
+                    # thread handing each segment over cost a 13-rank 40 KB ring three
+                    # times its CPU on 2 cores.
+                    self._links = LaneLinks(comm, outs, ins, None, opened_by=bulk,
+                                            hear_comm=False, readers=False)
+            if self._links is not None:
+                await self._lane_exchange(self._links, mine, acc, step, divisor, arrival)
                 return
         if arrival is not None:  # the event loop's ring reads every segment at once
             await asyncio.to_thread(arrival.landed, 0, mine.size)
@@ -405,48 +406,42 @@ class RingSession:
         else:
             await _ring(comm, mine, acc, self.pool, nxt, prev, rank, step, 0, divisor)
 
-    async def _lane_exchange(self, lanes: tuple[BulkLink, BulkLink], mine: np.ndarray,
-                             acc: np.ndarray, step: int, divisor: float,
-                             arrival: Arrival | None) -> None:
-        """The step on the session's thread over ``lanes``. If it fails here, or is cancelled
-        because it failed elsewhere, the lanes are interrupted (which releases the thread),
-        the thread is waited for (it must not touch the vectors after the step), and they are
-        dropped: the next step opens new ones, on every rank."""
+    async def _lane_exchange(self, links: LaneLinks, mine: np.ndarray, acc: np.ndarray,
+                             step: int, divisor: float, arrival: Arrival | None) -> None:
+        """The step on the session's thread over ``links``, in one scope: whatever ends it
+        (done, failed here, or cancelled because it failed elsewhere), the thread has let go
+        of the vectors when this returns. Cancelled, the step's receives are withdrawn, which
+        releases the thread at its next wait."""
         comm = self.comm
+        n, rank = comm.world_size, comm.rank
+        prev, nxt = ring_neighbours(rank, n)
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="aioreduce-ring")
-        seg = _segments(acc.size, comm.world_size)
-        scratch = self.pool.take(max(hi - lo for lo, hi in seg), acc.dtype)
+        seg = _segments(acc.size, n)
+        width = max(hi - lo for lo, hi in seg)
+        scratch = self.pool.take(width, acc.dtype)
         job = asyncio.get_running_loop().run_in_executor(
-            self._thread, _lane_ring, lanes[0], lanes[1], mine, acc, scratch, seg, comm.rank,
-            step, divisor, arrival)
+            self._thread, _lane_ring, links, prev, nxt, mine, acc, scratch, seg, rank, step,
+            divisor, arrival)
         try:
-            sent, got = await asyncio.shield(job)
-            assert self._links is not None  # the lanes came from them
-            self._links.count_moved(step, sent, ring_neighbours(comm.rank, comm.world_size)[0],
-                                    got, 2 * (comm.world_size - 1))
+            await asyncio.shield(job)
         except BaseException as exc:
-            self._lanes = None
-            if job.done():
-                # Failed here: the lanes stay up until every rank was sent the abort (see
-                # _close_dropped), so a neighbour learns why before its lane ends.
-                self._dropped = lanes
-            else:  # cancelled: the step failed elsewhere; release the thread now
-                for lane in lanes:
-                    lane.interrupt()
+            if not job.done():  # cancelled: the step failed elsewhere
+                links.discard_before(step + 1)
                 with contextlib.suppress(BaseException):
                     await job
-                await asyncio.to_thread(_close_lanes, lanes)
-            if isinstance(exc, PeerLost) and not self.comm.is_lost(exc.rank):
-                # A lane closed under us while the peer's mesh connection is up: the peer
-                # dropped it because its step failed, and its abort (the error every rank
-                # must raise) is on its way over the mesh. Wait for that, or for the peer
-                # to be lost after all.
+                raise
+            if isinstance(exc, LaneClosed) and not comm.is_lost(exc.rank):
+                # A lane ended while the peer's connection is up: the peer is closing, or
+                # it opens new lanes after a step that failed there, and its abort (the
+                # error every rank must raise) comes over that connection before it closes.
+                # Wait for either: both come over the one connection, in order. (Anything
+                # else on a lane, such as a message out of order, fails the step at once.)
                 await self._abort_or_loss(exc.rank)
-            if isinstance(exc, PeerLost) and self._aborted is not None and self._aborted.done():
-                # Heard meanwhile: the step failed elsewhere first (a neighbour that exited
-                # after its own abort closes its lanes and its connections too).
-                raise self._aborted.result() from None
+                if self._aborted is not None and self._aborted.done():
+                    raise self._aborted.result() from None
+            if isinstance(exc, LaneClosed):  # the peer is lost: the error every rank raises
+                raise PeerLost(exc.rank, exc.reason) from None
             if isinstance(exc, LaneMismatch):
                 if exc.got[:2] == exc.want[:2]:  # the right segment, of another size
                     raise VectorMismatch(f"rank {exc.peer} sent a segment of {exc.got[2]} "
@@ -454,18 +449,18 @@ class RingSession:
                                          [exc.peer]) from None
                 raise PeerLost(exc.peer, f"lane out of step: {exc}") from None
             raise
+        finally:
+            links.end_step(step)
 
-    async def _close_dropped(self, told: list[asyncio.Task[None]]) -> None:
-        """Close the lanes a failed step left, once the aborts in ``told`` are sent."""
-        lanes, self._dropped = self._dropped, None
-        if lanes is None:
-            return
-        if told:
-            await asyncio.wait(told, timeout=LANE_GRACE_S)
-        await asyncio.to_thread(_close_lanes, lanes)
+    def _failed(self, step: int) -> None:
+        """A step failed on this rank: its messages still on the way are stale, and every
+        rank opens new lanes at the next step (a lane may have ended with it)."""
+        if self._links is not None:
+            self._links.discard_before(step + 1)
+            self._reopen = True
 
     async def _abort_or_loss(self, peer: int) -> None:
-        """Return once this step's abort is heard, ``peer`` is lost, or LANE_GRACE_S."""
+        """Return once this step's abort is heard or ``peer`` is lost."""
         aborted = self._aborted
         if aborted is None:
             return
@@ -477,15 +472,11 @@ class RingSession:
 
         remove = self.comm.on_peer_lost(heard)
         try:
-            waits: set[asyncio.Future[Any]] = {asyncio.shield(aborted), lost}
-            await asyncio.wait(waits, timeout=LANE_GRACE_S, return_when=asyncio.FIRST_COMPLETED)
+            if not self.comm.is_lost(peer):
+                waits: set[asyncio.Future[Any]] = {asyncio.shield(aborted), lost}
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
             remove()
-
-
-def _close_lanes(lanes: tuple[BulkLink, BulkLink]) -> None:
-    for lane in lanes:
-        lane.close()
 
 
 def _mismatch(step: int, exc: VectorMismatch, me: int, mine: np.ndarray) -> VectorMismatch:

@@ -11,9 +11,10 @@ segment and costs no Python beyond the call.
 What. A lane is one TCP connection between two ranks of a job, outside the event loop, for one
 direction of a scheme's bulk data (the ring's successor and predecessor). Each message on it
 is a 32-byte header (step, index, payload bytes, meta bytes), at most :data:`MAX_META` bytes
-of msgpack meta and the raw payload: the receiver knows what it expects and checks the header
-against it (a mismatch is the caller's: vectors of another shape), so a lane never allocates
-for a peer beyond the meta's bound. Sending runs on a thread of the lane's own, so a
+of meta (the message's wire header, msgpack) and the raw payload; the receiving side's
+matcher (:class:`~aioreduce.schemes.links.lanes.LaneLinks`, the one every scheme's lanes go
+through) checks it and says where the payload goes, so a lane never allocates for a peer
+beyond the meta's bound. Sending runs on a thread of the lane's own, so a
 rank can send segment *i* while it receives segment *i - 1*, as the event-loop path does;
 a small message (up to :data:`INLINE_BYTES`) on an idle lane goes to the kernel from the
 caller's thread instead, without blocking: waking the sender thread cost a small transpose
@@ -52,7 +53,7 @@ import threading
 import time
 from typing import cast
 
-from ..errors import LaneMismatch, PeerLost
+from ..errors import LaneClosed, PeerLost
 from .sockopts import send_queue_bytes, tune
 
 HEADER = struct.Struct("<qqqq")  # step, index, payload bytes, meta bytes
@@ -64,6 +65,9 @@ MAX_PENDING = 64  # connections read at once while a lane opens
 # A message this small goes to the kernel from the caller's thread when the lane is idle:
 # waking the sender thread for it cost more than the copy (see Lane.send).
 INLINE_BYTES = 256 << 10
+# Bytes a receive reads at once when it wants a message's head (see Lane._read_ahead): one
+# call for a small message instead of three (head, meta, payload).
+READ_AHEAD = 8 << 10  # (more: a large message's first bytes are copied once more)
 # A lane's abstract Unix name: this prefix and a random nonce in hex, so that nobody can take
 # the name before us, and a peer's offer can be checked for its shape before we connect.
 LOCAL_PREFIX = "aioreduce-lane-"
@@ -99,11 +103,20 @@ class Lane:
         self._idle = threading.Condition()
         self._pending = 0
         self._sender: threading.Thread | None = None
-        self._head = bytearray(HEADER.size)
+        # Read ahead: a message's head is read with whatever follows it, up to READ_AHEAD
+        # bytes (a small message's head, meta and payload in one call); reads take from here
+        # first. _r0:_r1 is what it holds.
+        self._rbuf = bytearray(READ_AHEAD)
+        self._rview = memoryview(self._rbuf)
+        self._r0 = self._r1 = 0
         self.sent = 0  # messages in the kernel (or failed): they leave in the order queued
         self._unsent = 0  # bytes queued here, not yet handed to the kernel
         self._poll: select.poll | None = None
         self._sink: bytearray | None = None
+        # wake(): a byte on this pipe ends a wait_readable without touching the socket
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
 
     @property
     def local(self) -> bool:
@@ -186,56 +199,115 @@ class Lane:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise PeerLost(self.peer, f"lane to rank {self.peer}: {self._error}")
+            raise LaneClosed(self.peer, f"lane to rank {self.peer}: {self._error}")
 
     # -- receiving (the caller's thread) ---------------------------------------------------------
-    def recv_into(self, step: int, index: int, out: memoryview) -> None:
-        """Receive the message (step, index) of exactly ``out.nbytes`` bytes and no meta into
-        ``out``."""
-        got_step, got_index, nbytes, meta = self.read_head()
-        got, want = (got_step, got_index, nbytes), (step, index, out.nbytes)
-        if got != want or meta:
-            raise LaneMismatch(self.peer, got, want)
-        self._read_exactly(out)
-        if self.latency > 0:
-            time.sleep(self.latency)
-
     def read_head(self) -> tuple[int, int, int, int]:
         """The next message's (step, index, payload bytes, meta bytes); a peer announcing more
         meta than :data:`MAX_META` or a negative size is lost (it is not one of ours)."""
-        self._read_exactly(memoryview(self._head))
-        step, index, nbytes, meta = HEADER.unpack(self._head)
+        while self._r1 - self._r0 < HEADER.size:
+            self._read_ahead(0)
+        step, index, nbytes, meta = HEADER.unpack_from(self._rbuf, self._r0)
+        self._r0 += HEADER.size
         if nbytes < 0 or not 0 <= meta <= MAX_META:
             raise PeerLost(self.peer, f"lane from rank {self.peer}: malformed header")
         return step, index, nbytes, meta
 
     def read_meta(self, nbytes: int) -> bytes:
         """The message's meta (after :meth:`read_head`; ``nbytes`` <= MAX_META)."""
-        buf = bytearray(nbytes)
-        self._read_exactly(memoryview(buf))
-        return bytes(buf)
+        while self._r1 - self._r0 < nbytes:
+            self._read_ahead(0)
+        meta = bytes(self._rview[self._r0:self._r0 + nbytes])
+        self._r0 += nbytes
+        return meta
 
-    def wait_readable(self) -> None:
-        """Block until the lane has bytes to read (or has ended: the read then says so)."""
+    def _read_ahead(self, flags: int) -> None:
+        """Read what the socket has (blocking for some, unless ``flags`` says not to) into
+        the read-ahead buffer, after what it holds."""
+        if self._r0 == self._r1:
+            self._r0 = self._r1 = 0
+        elif self._r1 > READ_AHEAD - MAX_META - HEADER.size:  # make room for a head and meta
+            held = self._r1 - self._r0
+            self._rview[:held] = self._rview[self._r0:self._r1]
+            self._r0, self._r1 = 0, held
+        try:
+            n = self.sock.recv_into(self._rview[self._r1:], 0, flags)
+        except BlockingIOError:
+            raise
+        except OSError as exc:
+            raise LaneClosed(self.peer, f"lane from rank {self.peer}: {exc}") from None
+        if n == 0:
+            raise LaneClosed(self.peer, f"lane from rank {self.peer} closed")
+        self._r1 += n
+
+    def _take(self, view: memoryview) -> int:
+        """Copy what the read-ahead buffer holds, at most ``view.nbytes``, into ``view``."""
+        n = min(view.nbytes, self._r1 - self._r0)
+        if n:
+            _flat(view)[:n] = self._rview[self._r0:self._r0 + n]
+            self._r0 += n
+        return n
+
+    def wait_readable(self) -> bool:
+        """Block until the lane has bytes to read (or has ended: the read then says so) and
+        return True, or return False once :meth:`wake` was called (since the last wait)."""
+        if self._r1 > self._r0:
+            return True
         if self._poll is None:
             self._poll = select.poll()
             self._poll.register(self.sock, select.POLLIN)
-        self._poll.poll()
+            self._poll.register(self._wake_r, select.POLLIN)
+        events = self._poll.poll()
+        if any(fd == self._wake_r for fd, _ in events):
+            with contextlib.suppress(OSError):
+                while os.read(self._wake_r, 64):
+                    pass
+            return False
+        return True
+
+    def readable_now(self) -> bool:
+        """Whether the lane has bytes to read at this moment (what it has is read ahead)."""
+        if self._r1 > self._r0:
+            return True
+        try:
+            self._read_ahead(socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except PeerLost:
+            return True  # ended: the read says how
+        return True
+
+    def wake(self) -> None:
+        """End a :meth:`wait_readable` in progress, or the next one (any thread); unlike
+        :meth:`interrupt`, the lane stays usable."""
+        with contextlib.suppress(OSError):  # full (a wake is pending anyway) or closed
+            os.write(self._wake_w, b"!")
 
     def recv_now(self, view: memoryview) -> int:
         """Read what the lane has, at most ``view.nbytes``, into ``view`` without blocking
         (0 if nothing after all). With :meth:`wait_readable` before it, a caller knows when
         bytes are being written into its buffer and when not, and can take the buffer away
         in between (the transpose's lanes do)."""
+        if self._r1 > self._r0:
+            return self._take(view)
         try:
             n = self.sock.recv_into(view, view.nbytes, socket.MSG_DONTWAIT)
         except BlockingIOError:
             return 0
         except OSError as exc:
-            raise PeerLost(self.peer, f"lane from rank {self.peer}: {exc}") from None
+            raise LaneClosed(self.peer, f"lane from rank {self.peer}: {exc}") from None
         if n == 0 and view.nbytes:
-            raise PeerLost(self.peer, f"lane from rank {self.peer} closed")
+            raise LaneClosed(self.peer, f"lane from rank {self.peer} closed")
         return n
+
+    @property
+    def buffered(self) -> int:
+        """Bytes read ahead and not taken yet (a read of at most this many needs no call)."""
+        return self._r1 - self._r0
+
+    def read_into(self, view: memoryview) -> None:
+        """Read exactly ``view.nbytes`` into ``view``, blocking until they are there."""
+        self._read_exactly(view)
 
     def skip(self, nbytes: int) -> None:
         """Read and drop the next ``nbytes`` (a message nobody wants any more)."""
@@ -248,15 +320,15 @@ class Lane:
             nbytes -= n
 
     def _read_exactly(self, view: memoryview) -> None:
-        got, total = 0, view.nbytes
         flat = _flat(view)
+        got, total = self._take(flat), flat.nbytes
         while got < total:
             try:
                 n = self.sock.recv_into(flat[got:])
             except OSError as exc:
-                raise PeerLost(self.peer, f"lane from rank {self.peer}: {exc}") from None
+                raise LaneClosed(self.peer, f"lane from rank {self.peer}: {exc}") from None
             if n == 0:
-                raise PeerLost(self.peer, f"lane from rank {self.peer} closed")
+                raise LaneClosed(self.peer, f"lane from rank {self.peer} closed")
             got += n
 
     # -- teardown --------------------------------------------------------------------------------
@@ -274,6 +346,9 @@ class Lane:
         if self._sender is not None and self._sender is not threading.current_thread():
             self._sender.join(timeout=5)
         self.sock.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def dial(host: str, port: int, token: bytes, peer: int, timeout: float,

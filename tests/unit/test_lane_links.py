@@ -14,14 +14,15 @@ import asyncio
 import socket
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 import pytest
 
-from aioreduce.errors import PeerLost
-from aioreduce.schemes.links.lanes import LaneLinks
+from aioreduce.errors import LaneMismatch, PeerLost
+from aioreduce.schemes.links.lanes import LaneLinks, Withdrawn
 from aioreduce.schemes.transpose.layout import NOTICE_TAG
-from aioreduce.transport.lane import HEADER, Lane, LaneMismatch
+from aioreduce.transport.lane import HEADER, Lane
 from aioreduce.wire import Header, Kind
 
 PEER = 1
@@ -51,19 +52,24 @@ def _message(step: int, tag: int, payload: np.ndarray, meta: dict[str, object]) 
     return HEADER.pack(step, tag, payload.nbytes, len(head)) + head + payload.tobytes()
 
 
-@pytest.fixture
-async def wired() -> AsyncIterator[tuple[LaneLinks, socket.socket]]:
+async def _wire(**options: Any) -> AsyncIterator[tuple[LaneLinks, socket.socket]]:
     """Links on rank 0 whose lane from rank 1 is fed by the test through ``peer``."""
     ours, peer = socket.socketpair()
     out_ours, out_peer = socket.socketpair()
     links = LaneLinks(_Comm(), {PEER: Lane(out_ours, PEER)},  # type: ignore[arg-type]
-                      {PEER: Lane(ours, PEER)}, backlog_steps=8)
+                      {PEER: Lane(ours, PEER)}, **options)
     try:
         yield links, peer
     finally:
         await links.close(1.0)
         peer.close()
         out_peer.close()
+
+
+@pytest.fixture
+async def wired() -> AsyncIterator[tuple[LaneLinks, socket.socket]]:
+    async for pair in _wire(backlog_steps=8):
+        yield pair
 
 
 async def _until(done: object, timeout: float = 10.0) -> None:
@@ -211,3 +217,72 @@ async def test_a_peer_that_does_not_read_is_skipped_after_backlog_steps(caplog) 
         await links.close(1.0)
         theirs.close()
         in_theirs.close()
+
+
+# -- in-order receives by the waiting thread (readers=False: the ring's way) -------------------
+def _bare(step: int, tag: int, payload: np.ndarray) -> bytes:
+    """A message without a wire header (``send(..., bare=True)``): the lane's head only."""
+    return HEADER.pack(step, tag, payload.nbytes, 0) + payload.tobytes()
+
+
+@pytest.fixture
+async def inline() -> AsyncIterator[tuple[LaneLinks, socket.socket]]:
+    """:func:`wired` without reader threads."""
+    async for pair in _wire(backlog_steps=None, readers=False):
+        yield pair
+
+
+async def test_in_order_receives_drop_stale_messages_and_name_a_mismatch(inline) -> None:
+    links, peer = inline
+    a, b, c = np.arange(4.0), np.arange(400.0), np.arange(3.0)
+    # A failed step's leftover (below the floor), then step 1's two messages, one of them
+    # described (a wire header), then one of the wrong size, then the next.
+    links.discard_before(1)
+    peer.sendall(_bare(0, 5, np.ones(1000)) + _bare(1, 0, a) + _message(1, 1, b, {"x": 1})
+                 + _bare(1, 2, np.ones(7)) + _bare(1, 3, c))
+    got_a, got_b, got_c = np.empty(4), np.empty(400), np.empty(3)
+    await asyncio.to_thread(links.recv, PEER, got_a, 1, 0)
+    await asyncio.to_thread(links.recv, PEER, got_b, 1, 1)
+    with pytest.raises(LaneMismatch) as info:
+        await asyncio.to_thread(links.recv, PEER, np.empty(3), 1, 2)
+    assert info.value.peer == PEER and info.value.got == (1, 2, 56)
+    await asyncio.to_thread(links.recv, PEER, got_c, 1, 3)  # the lane stayed in step
+    assert (got_a == a).all() and (got_b == b).all() and (got_c == c).all()
+    links.end_step(1)
+
+
+async def test_a_discard_releases_a_waiting_receive_and_waits_for_a_payload_coming(
+        inline) -> None:
+    links, peer = inline
+    out = np.full(1 << 13, -1.0)  # 64 KB: half of it fits the socket's buffer
+    waiting = asyncio.ensure_future(asyncio.to_thread(links.recv, PEER, out, 3, 0))
+    await _until(lambda: links._ins[PEER].buffered == 0 and not waiting.done())
+    links.discard_before(4)  # nothing was coming: the thread is woken and gives up
+    with pytest.raises(Withdrawn):
+        await asyncio.wait_for(waiting, 10)
+    assert (out == -1).all()
+    # A payload under way when the step ends is read to its end before discard_before
+    # returns, then the receive gives up; the next message is received as usual.
+    data = np.arange(out.size, dtype=float)
+    wire = _bare(4, 0, data)
+    peer.sendall(wire[: len(wire) // 2])
+    reading = asyncio.ensure_future(asyncio.to_thread(links.recv, PEER, out, 4, 0))
+    await _until(lambda: links._reading[PEER] == (4, 0))  # the path under test: mid-payload
+    discarding = asyncio.ensure_future(asyncio.to_thread(links.discard_before, 5))
+    await asyncio.sleep(0)  # (let it start; it cannot return before the rest came)
+    assert not discarding.done()
+    peer.sendall(wire[len(wire) // 2:] + _bare(5, 0, np.arange(2.0)))
+    await asyncio.wait_for(discarding, 10)
+    with pytest.raises(Withdrawn):
+        await asyncio.wait_for(reading, 10)
+    nxt = np.empty(2)
+    await asyncio.to_thread(links.recv, PEER, nxt, 5, 0)
+    assert nxt.tolist() == [0.0, 1.0]
+
+
+async def test_an_in_order_receive_from_an_ended_lane_names_the_peer(inline) -> None:
+    links, peer = inline
+    peer.close()
+    with pytest.raises(PeerLost) as info:
+        await asyncio.to_thread(links.recv, PEER, np.empty(2), 0, 0)
+    assert info.value.rank == PEER and links.is_lost(PEER)

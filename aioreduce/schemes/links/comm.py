@@ -32,9 +32,10 @@ class Links(Protocol):
         its header (meta included) once every byte is in, or with ``PeerLost``."""
 
     def send(self, peer: int, array: np.ndarray, step: int, tag: int,
-             meta: dict[str, Any]) -> None:
+             meta: dict[str, Any]) -> bool:
         """Send in the background; ``array`` must stay unchanged until it is sent (a peer
-        that is not reading is skipped once it has many steps unsent)."""
+        that is not reading is skipped once it has many steps unsent). False: ``peer`` is
+        lost, nothing was sent."""
 
     def discard_before(self, step: int, tag: int = 0) -> None:
         """Drop slices below ``(step, tag)`` on arrival; a posted receive below it is
@@ -71,8 +72,11 @@ class CommLinks:
         return self.comm.post_recv(src, out, step=step, tag=tag)
 
     def send(self, peer: int, array: np.ndarray, step: int, tag: int,
-             meta: dict[str, Any]) -> None:
+             meta: dict[str, Any]) -> bool:
+        if self.comm.is_lost(peer):
+            return False
         self.outbox.send(peer, array, step=step, tag=tag, meta=meta)
+        return True
 
     def discard_before(self, step: int, tag: int = 0) -> None:
         self.comm.discard_before(step, tag)

@@ -16,13 +16,22 @@ each chunk read without blocking once the lane has bytes, and marked as being wr
 it is: :meth:`LaneLinks.discard_before` withdraws a post between two chunks (waiting at most
 for one chunk's copy), so once it returns the buffer is never written again, even if the peer
 sends the rest later. Sends go to the lane's own sender thread; a peer with
-``backlog_steps`` steps unsent is skipped, so a stopped peer holds at most that many steps
+``backlog_steps`` steps unsent is skipped (None: never, a ring's way: it waits for every
+rank anyway), so a stopped peer holds at most that many steps
 of our arrays. While we skip it we tell it (if the scheme gives a ``notice_tag``), over the
 mesh (whose frames it reads all at once when it runs again), which step we are at: a
 stopped rank that resumes learns at once how far behind it is and jumps (``FellBehind``),
 instead of first running through every step its lanes still hold while its peers keep
 skipping it because those lanes are full. Once it reads again, ``on_resumed`` lets the
 scheme send what was skipped (a tree's results).
+
+Without reader threads (``readers=False``, the ring's way). A thread that receives one
+message after another from a peer, in the order they are sent, reads that peer's lane itself
+(:meth:`LaneLinks.recv`): no post, no hand-off between threads per message, the same floor
+(stale messages dropped), loss book and telemetry. Waiting for the next message it can be
+woken (``Lane.wake``: :meth:`LaneLinks.discard_before` does, and the receive gives up with
+:class:`Withdrawn`); a payload already coming is read to its end first (its peer is sending
+it now), and discard_before waits for that copy, as it waits for a reader's chunk.
 
 Early messages. A message that no receive is posted for yet normally waits in the lane (see
 above). A scheme that must act on some before it asks for them (a tree rank forwards a result
@@ -58,6 +67,11 @@ from ..base import BulkLink, BulkLinks, Comm
 from .posts import Post, PostBook, Wait
 
 log = logging.getLogger("aioreduce.schemes")
+
+
+class Withdrawn(Exception):
+    """An in-order receive (:meth:`LaneLinks.recv`) whose step is over: it fell below the
+    floor (:meth:`LaneLinks.discard_before`) before or while it came."""
 _NOTHING = np.empty(0, np.uint8)
 
 
@@ -67,13 +81,13 @@ class LaneLinks:
     links they came from, is told what each step moved over them (step telemetry)."""
 
     def __init__(self, comm: Comm, outs: Mapping[int, BulkLink], ins: Mapping[int, BulkLink],
-                 backlog_steps: int, newest: int = -1, *,
+                 backlog_steps: int | None, newest: int = -1, *,
                  opened_by: BulkLinks | None = None, notice_tag: int | None = None,
                  on_resumed: Callable[[int, int, int], None] | None = None,
                  early: Callable[[int, int, int], bool] | None = None,
                  on_early: Callable[[int, Header, memoryview], None] | None = None,
                  stage_bytes: int = 0, hear_comm: bool = True,
-                 lost: Mapping[int, PeerLost] | None = None) -> None:
+                 lost: Mapping[int, PeerLost] | None = None, readers: bool = True) -> None:
         self.comm = comm
         self._opened_by = opened_by
         self._notice_tag = notice_tag
@@ -88,6 +102,7 @@ class LaneLinks:
         # One lock; on its conditions wait the session for a withdrawn chunk's copy
         # (_cond) and each peer's reader for a post (_posted[src]): see "Waking" above.
         lock = threading.RLock()
+        self._lock = lock  # (taken directly where nobody waits: a Condition's with is Python)
         self._cond = threading.Condition(lock)
         self._posted = {src: threading.Condition(lock) for src in ins}
         self._book = PostBook()  # what each incoming slice fills (see .posts)
@@ -107,17 +122,28 @@ class LaneLinks:
         # Which step the peers are at, from their frames on the comm too (a scheme's verdicts
         # and notices); a user of the comm's other frames (exact exchanges) leaves them be.
         self._removers = [comm.on_early(p, 0, self._heard) for p in ins] if hear_comm else []
+        # Without reader threads, the thread that waits for a receive reads (see result()).
+        self._inline = not readers
+        self._skip_left: dict[int, int] = dict.fromkeys(ins, 0)  # of a stale message
+        # src -> (step, tag) of the message recv is reading now (discard_before waits)
+        self._reading: dict[int, tuple[int, int] | None] = dict.fromkeys(ins)
+        self._discarding = 0  # discard_before calls waiting for a copy to end
         self._readers = [threading.Thread(target=self._read, args=(src, lane), daemon=True,
                                           name=f"aioreduce-lane-from-{src}")
-                         for src, lane in ins.items()]
+                         for src, lane in ins.items() if readers]
         for reader in self._readers:
             reader.start()
 
     # -- the session's side (event loop) ------------------------------------------------------
     def post(self, src: int, out: np.ndarray, step: int, tag: int) -> asyncio.Future[Header]:
         fut: asyncio.Future[Header] = self._loop.create_future()
+        self._post(src, out, step, tag, fut)
+        return fut
+
+    def _post(self, src: int, out: np.ndarray, step: int, tag: int,
+              fut: asyncio.Future[Header]) -> None:
         key = (src, step, tag)
-        with self._cond:
+        with self._lock:
             staged = self._staged.pop(key, None)
             if staged is not None:  # it came early: copy it in (on the loop, as the inbox)
                 header, payload = staged
@@ -129,27 +155,98 @@ class LaneLinks:
                     view[:] = payload
                     fut.set_result(header)
                     self._count(step, src, payload.nbytes)
-                return fut
+                return
             gone = self._gone.get(src)
             if gone is not None:
                 fut.set_exception(gone)
-                return fut
+                return
             self._book.post(Post(key, byte_view(out), fut))
             waiting = self._posted.get(src)
-            if waiting is not None:
+            if waiting is not None and not self._inline:  # (inline: nobody waits there)
                 waiting.notify()
-        return fut
+
+    def recv(self, src: int, out: np.ndarray, step: int, tag: int) -> None:
+        """Without reader threads (``readers=False``): receive message (step, ``tag``) from
+        ``src`` into ``out``, the calling thread (not the loop) reading ``src``'s lane itself,
+        in order: a message below the floor is dropped, the next one must be this one. The
+        same framing, floor and loss as the posted receives, without a hand-off per message
+        (a ring's segments, one after the other: a reader thread handing each over cost a
+        13-rank 40 KB ring three times its CPU on 2 cores).
+
+        Raises :class:`Withdrawn` once (step, ``tag``) is below the floor
+        (:meth:`discard_before`: the step failed elsewhere; a payload that is coming is read
+        to its end first, and discard_before waits for that), :class:`PeerLost` if the lane
+        ended or the peer sent something else, :class:`LaneMismatch` for a message of
+        another size (dropped: the lane stays usable)."""
+        lane, view, key = self._ins[src], byte_view(out), (step, tag)
+        try:
+            while True:
+                if key < self._book.floor:
+                    raise Withdrawn()
+                gone = self._gone.get(src)
+                if gone is not None:
+                    raise gone
+                if self._skip_left[src]:  # the rest of a stale message
+                    self._skip_left[src] = self._drop(lane, self._skip_left[src])
+                    continue
+                if not lane.buffered and not lane.wait_readable():
+                    continue  # woken: look at the floor again
+                m_step, m_tag, nbytes, _header = self._head(src, lane, bare_ok=True)
+                if (m_step, m_tag) < self._book.floor:  # a failed step's: stale
+                    self._skip_left[src] = nbytes
+                    continue
+                if (m_step, m_tag) != key:
+                    raise PeerLost(src, f"lane from rank {src}: message {(m_step, m_tag)} "
+                                   f"where {key} was next")
+                if nbytes != view.nbytes:
+                    self._skip_left[src] = nbytes
+                    raise _mismatch((src, step, tag), nbytes, view.nbytes)
+                with self._lock:
+                    if key < self._book.floor:
+                        self._skip_left[src] = nbytes
+                        continue
+                    if lane.buffered >= nbytes:  # a small one, read with its head
+                        lane.read_into(view)
+                        self._count(step, src, nbytes)
+                        break
+                    self._reading[src] = key  # (discard_before waits for this copy)
+                try:
+                    lane.read_into(view)
+                finally:
+                    with self._lock:  # (the lock of _cond: notify may be called here)
+                        self._reading[src] = None
+                        if self._discarding:
+                            self._cond.notify_all()
+                        over = key < self._book.floor
+                        if not over:
+                            self._count(step, src, nbytes)
+                if over:
+                    raise Withdrawn()  # over meanwhile: the bytes landed for nobody
+                break
+        except PeerLost as exc:
+            self._lost(src, exc)
+            raise self._gone.get(src, exc) from None
+        if lane.latency > 0:  # emulated: it arrives this much later
+            time.sleep(lane.latency)
 
     def send(self, peer: int, array: np.ndarray, step: int, tag: int,
-             meta: dict[str, Any]) -> None:
-        if self.is_lost(peer):
-            return
-        lane, queued = self._outs[peer], self._queued[peer]
+             meta: dict[str, Any], *, bare: bool = False) -> bool:
+        """See :class:`~.comm.Links`; False if ``peer`` is lost (nothing was sent).
+        ``bare``: the message carries no wire header (dtype, shape, meta), only the lane's
+        (step, slice, bytes), for a receiver that knows what it receives (a ring's segments:
+        the header would cost more than a small one's copy); never for a message the
+        receiver may take early."""
+        if peer in self._gone or self.comm.is_lost(peer):
+            return False
+        lane = self._outs[peer]
+        if self._backlog is None:  # never skipped: nothing to keep count of
+            return self._put(peer, lane, array, step, tag, meta, bare)
+        queued = self._queued[peer]
         sent = lane.sent  # once: the lane's thread may count more meanwhile
         for _done in range(sent - self._forgotten[peer]):
             queued.popleft()
         self._forgotten[peer] = sent
-        if len(set(queued) - {step}) >= self._backlog:
+        if len(queued) >= self._backlog and len(set(queued) - {step}) >= self._backlog:
             self._tell(peer, step)
             skipped = self._skipping.get(peer)
             if skipped is None:
@@ -158,23 +255,31 @@ class LaneLinks:
                             "its messages until it drains", self.comm.rank, peer, len(queued))
             else:
                 skipped[1] = max(skipped[1], step)
-            return
+            return True
         skipped = self._skipping.pop(peer, None)
         if skipped is not None:
             log.warning("rank %d: rank %d reads again", self.comm.rank, peer)
             if self._on_resumed is not None:
                 # Before this message: what the scheme re-sends goes out first, in step order.
                 self._on_resumed(peer, skipped[0], skipped[1])
+        if not self._put(peer, lane, array, step, tag, meta, bare):
+            return False
+        queued.append(step)
+        return True
+
+    def _put(self, peer: int, lane: BulkLink, array: np.ndarray, step: int, tag: int,
+             meta: dict[str, Any], bare: bool) -> bool:
+        """Queue the message on ``lane``; False if the lane has ended (``peer`` is lost)."""
         # dtype and shape as on the mesh: an early message is forwarded as what it is.
-        head = Header(Kind.DATA, step, tag, self.comm.rank, array.dtype.str, array.shape,
-                      meta).to_bytes()
+        head = b"" if bare else Header(Kind.DATA, step, tag, self.comm.rank, array.dtype.str,
+                                       array.shape, meta).to_bytes()
         try:
             lane.send(step, tag, byte_view(array), head)
         except PeerLost as exc:
             self._lost(peer, exc)
-            return
-        queued.append(step)
+            return False
         self._sent[step] = self._sent.get(step, 0) + array.nbytes
+        return True
 
     async def flush(self, peers: Iterable[int]) -> None:
         """Return once every message queued to ``peers`` is in the kernel, so the arrays sent
@@ -183,6 +288,19 @@ class LaneLinks:
         lanes = [self._outs[p] for p in peers if p in self._outs]
         if any(not _flushed(lane, 0.0) for lane in lanes):
             await asyncio.to_thread(lambda: [_flushed(lane, None) for lane in lanes])
+
+    def wait_sent(self, peers: Iterable[int]) -> None:
+        """:meth:`flush` for a worker thread: block until it is so."""
+        for peer in peers:
+            if peer in self._outs:
+                _flushed(self._outs[peer], None)
+
+    def lost(self, peer: int) -> PeerLost | None:
+        """Why ``peer`` can no longer be sent to or received from (None: it can)."""
+        gone = self._gone.get(peer)
+        if gone is None and self.comm.is_lost(peer):
+            gone = PeerLost(peer, "connection lost")
+        return gone
 
     def _tell(self, peer: int, step: int) -> None:
         """Tell a peer we skip that we are at ``step`` (once a step, in the background)."""
@@ -204,12 +322,22 @@ class LaneLinks:
             for key in [k for k in self._staged if (k[1], k[2]) < (step, tag)]:
                 self._staging -= self._staged.pop(key)[1].nbytes
             writing = self._book.discard_before(step, tag)
+            floor = self._book.floor
             # One chunk's copy at most (the read never blocks). While we wait, readers may
-            # complete or lose other posts: the book took these out already.
-            while any(p.writing for p in writing):
-                self._cond.wait()
+            # complete or lose other posts: the book took these out already. An in-order
+            # receive (recv) reads the rest of a message its peer is sending now.
+            self._discarding += 1
+            try:
+                while (any(p.writing for p in writing)
+                       or any(k is not None and k < floor for k in self._reading.values())):
+                    self._cond.wait()
+            finally:
+                self._discarding -= 1
             for waiting in self._posted.values():  # a message it waits with may be over now
                 waiting.notify()
+        if self._inline:  # a thread waiting in recv: let it see its receive is over
+            for lane in self._ins.values():
+                lane.wake()
 
     def is_lost(self, rank: int) -> bool:
         return rank in self._gone or self.comm.is_lost(rank)
@@ -250,33 +378,56 @@ class LaneLinks:
         for reader in self._readers:
             reader.join(timeout=5)
 
-    # -- the readers (one thread per peer) ----------------------------------------------------
+    # -- the readers (one thread per peer, or the waiting thread: see result()) --------------
     def _read(self, src: int, lane: BulkLink) -> None:
         try:
             while True:
-                step, tag, nbytes, meta_bytes = lane.read_head()
-                try:
-                    header = Header.from_bytes(lane.read_meta(meta_bytes))
-                except ProtocolError as exc:
-                    raise PeerLost(src, f"lane from rank {src}: {exc}") from None
-                if (header.step, header.tag, header.src) != (step, tag, src):
-                    raise PeerLost(src, f"lane from rank {src}: header {header} for "
-                                   f"(step, slice) {(step, tag)}")
-                post = self._claim(src, step, tag, nbytes)
-                if post is None:
-                    lane.skip(nbytes)
-                elif post.view.nbytes != nbytes:
-                    self._finish(post, None, _mismatch(post.key, nbytes, post.view.nbytes))
-                    lane.skip(nbytes)
-                elif post.future is None:  # an early message, into a buffer of its own
-                    self._fill(lane, post, nbytes)
-                    self._staged_in(post, header, lane.latency)
-                elif self._fill(lane, post, nbytes):
-                    self._finish(post, header, None, nbytes, lane.latency)
+                self._receive(src, lane)
         except PeerLost as exc:
             self._lost(src, exc)
         except Exception as exc:  # a bug: end this lane, say why
             self._lost(src, PeerLost(src, f"lane from rank {src}: {exc!r}"))
+
+    def _receive(self, src: int, lane: BulkLink) -> None:
+        """Take one message off ``src``'s lane and put it where it goes."""
+        step, tag, nbytes, header = self._head(src, lane)
+        assert header is not None  # (bare ones come with a header made of the lane's)
+        post = self._claim(src, step, tag, nbytes)
+        if post is None:
+            lane.skip(nbytes)
+        elif post.view.nbytes != nbytes:
+            self._finish(post, None, _mismatch(post.key, nbytes, post.view.nbytes))
+            lane.skip(nbytes)
+        elif post.future is None:  # an early message, into a buffer of its own
+            self._fill(lane, post, nbytes)
+            self._staged_in(post, header, lane.latency)
+        elif self._fill(lane, post, nbytes):
+            self._finish(post, header, None, nbytes, lane.latency)
+
+    @staticmethod
+    def _head(src: int, lane: BulkLink, bare_ok: bool = False
+              ) -> tuple[int, int, int, Header | None]:
+        """The next message's (step, slice, payload bytes) and wire header, checked (None:
+        a bare one, if ``bare_ok``)."""
+        step, tag, nbytes, meta_bytes = lane.read_head()
+        if not meta_bytes:  # a bare message (see send): what the lane says is all there is
+            return step, tag, nbytes, None if bare_ok else Header(Kind.DATA, step, tag, src)
+        try:
+            header = Header.from_bytes(lane.read_meta(meta_bytes))
+        except ProtocolError as exc:
+            raise PeerLost(src, f"lane from rank {src}: {exc}") from None
+        if (header.step, header.tag, header.src) != (step, tag, src):
+            raise PeerLost(src, f"lane from rank {src}: header {header} for "
+                           f"(step, slice) {(step, tag)}")
+        return step, tag, nbytes, header
+
+    @staticmethod
+    def _drop(lane: BulkLink, nbytes: int) -> int:
+        """Read and drop up to ``nbytes`` until woken; what is left."""
+        sink = memoryview(bytearray(min(nbytes, 1 << 18)))
+        while nbytes > 0 and lane.wait_readable():
+            nbytes -= lane.recv_now(sink[:min(nbytes, sink.nbytes)])
+        return nbytes
 
     def _claim(self, src: int, step: int, tag: int, nbytes: int) -> Post | None:
         """The post this message fills, once there is one (or a staging buffer, for an early
@@ -359,15 +510,17 @@ class LaneLinks:
 
     def _finish(self, post: Post, header: Header | None, exc: BaseException | None,
                 nbytes: int = 0, latency: float = 0.0) -> None:
+        fut = post.future
+        assert fut is not None  # a staging buffer is never finished
+
         def done() -> None:
-            assert post.future is not None  # a staging buffer is never finished
-            if post.future.done():
+            if fut.done():
                 return  # withdrawn: the stage ended without it
             if exc is not None:
-                post.future.set_exception(exc)
+                fut.set_exception(exc)
                 return
             assert header is not None
-            post.future.set_result(header)
+            fut.set_result(header)
             self._count(header.step, header.src, nbytes)
 
         try:

@@ -191,7 +191,9 @@ class LaneLinks:
                     continue
                 if not lane.buffered and not lane.wait_readable():
                     continue  # woken: look at the floor again
-                m_step, m_tag, nbytes, _header = self._head(src, lane, bare_ok=True)
+                m_step, m_tag, nbytes, meta_bytes = lane.read_head()
+                if meta_bytes:  # a described message: its header is checked, not needed
+                    self._described(src, lane, m_step, m_tag, meta_bytes)
                 if (m_step, m_tag) < self._book.floor:  # a failed step's: stale
                     self._skip_left[src] = nbytes
                     continue
@@ -391,7 +393,6 @@ class LaneLinks:
     def _receive(self, src: int, lane: BulkLink) -> None:
         """Take one message off ``src``'s lane and put it where it goes."""
         step, tag, nbytes, header = self._head(src, lane)
-        assert header is not None  # (bare ones come with a header made of the lane's)
         post = self._claim(src, step, tag, nbytes)
         if post is None:
             lane.skip(nbytes)
@@ -404,14 +405,17 @@ class LaneLinks:
         elif self._fill(lane, post, nbytes):
             self._finish(post, header, None, nbytes, lane.latency)
 
-    @staticmethod
-    def _head(src: int, lane: BulkLink, bare_ok: bool = False
-              ) -> tuple[int, int, int, Header | None]:
-        """The next message's (step, slice, payload bytes) and wire header, checked (None:
-        a bare one, if ``bare_ok``)."""
+    @classmethod
+    def _head(cls, src: int, lane: BulkLink) -> tuple[int, int, int, Header]:
+        """The next message's (step, slice, payload bytes) and wire header, checked."""
         step, tag, nbytes, meta_bytes = lane.read_head()
         if not meta_bytes:  # a bare message (see send): what the lane says is all there is
-            return step, tag, nbytes, None if bare_ok else Header(Kind.DATA, step, tag, src)
+            return step, tag, nbytes, Header(Kind.DATA, step, tag, src)
+        return step, tag, nbytes, cls._described(src, lane, step, tag, meta_bytes)
+
+    @staticmethod
+    def _described(src: int, lane: BulkLink, step: int, tag: int, meta_bytes: int) -> Header:
+        """A message's wire header (``meta_bytes`` of it follow the lane's head), checked."""
         try:
             header = Header.from_bytes(lane.read_meta(meta_bytes))
         except ProtocolError as exc:
@@ -419,7 +423,7 @@ class LaneLinks:
         if (header.step, header.tag, header.src) != (step, tag, src):
             raise PeerLost(src, f"lane from rank {src}: header {header} for "
                            f"(step, slice) {(step, tag)}")
-        return step, tag, nbytes, header
+        return header
 
     @staticmethod
     def _drop(lane: BulkLink, nbytes: int) -> int:

@@ -187,10 +187,13 @@ class GradientCode:
         self._check_workers(order)
         if self.groups is not None:
             return self._frc_decoder(order)
-        A, residual = self._solve(frozenset(order))
+        pattern = frozenset(order)
+        A, residual = self._solve(pattern)
         if residual > self.tol:
             raise NotDecodable(order, self.n, residual)
-        self._check_amplification(A, order)
+        if pattern not in self._amplification_checked:  # (once a pattern: every step asks)
+            self._check_amplification(A, order)
+            self._amplification_checked.add(pattern)
         return A[0].copy() if self.m == 1 else A.copy()
 
     def is_sufficient(self, responders: Iterable[int]) -> bool:
@@ -268,6 +271,11 @@ class GradientCode:
             max_cond = max(max_cond, _effective_condition(self.B[F]))
         return Stability(max_coef, max_sum, max_cond, max_sum * row_l1, len(patterns),
                          exhaustive)
+
+    @functools.cached_property
+    def _amplification_checked(self) -> set[frozenset[int]]:
+        """The responder patterns :meth:`decoder` has checked for fp32 amplification."""
+        return set()
 
     @functools.cached_property
     def _row_l1(self) -> float:

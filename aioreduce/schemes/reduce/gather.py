@@ -131,16 +131,20 @@ def combine(out: np.ndarray, mine: np.ndarray, bufs: list[np.ndarray], a: np.nda
     """out[chunk] = own chunk + sum_i a_i * child_i chunk (per output chunk row when m > 1)."""
     if m == 1:
         seg = out[lo:hi]
-        ones = [i for i, ai in enumerate(a) if ai == 1.0]
+        coef = a.tolist()  # (Python floats: a numpy scalar's compare costs more)
+        ones = [i for i, ai in enumerate(coef) if ai == 1.0]
         if ones:  # the first plain addition also copies our own term: one pass fewer
             np.add(mine[lo:hi], bufs[ones[0]][lo:hi], out=seg)
         else:
             np.copyto(seg, mine[lo:hi])
-        for i, ai in enumerate(a):
+        scalar = seg.dtype.type
+        for i, ai in enumerate(coef):
             if ai == 1.0 and i != ones[0]:
                 seg += bufs[i][lo:hi]
             elif ai not in (0.0, 1.0):
-                seg += ai * bufs[i][lo:hi]
+                # In the vector's dtype: a float64 scalar would make a float64 temporary
+                # and cast it back (4x the time for float32 vectors).
+                seg += scalar(ai) * bufs[i][lo:hi]
         return
     rows = out.reshape(m, msg_len)
     for u in range(m):

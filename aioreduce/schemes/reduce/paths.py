@@ -97,7 +97,7 @@ class UpPath:
                 self._failed(gather.missing(kids, responders))
                 return None
             exact, err = exact and c_exact, max(err, c_err)
-            used_kids.update(i for i in range(len(kids)) if np.any(a[..., i]))
+            used_kids.update(np.flatnonzero(a if a.ndim == 1 else a.any(axis=0)).tolist())
             combine(out, mine, self.bufs, a, lo, hi, lay.msg_len, m)
             s.decoded(self.step, time.perf_counter() - t)
             if m == 1:

@@ -67,12 +67,12 @@ from ..base import BulkLink, BulkLinks, Comm
 from .posts import Post, PostBook, Wait
 
 log = logging.getLogger("aioreduce.schemes")
+_NOTHING = np.empty(0, np.uint8)
 
 
 class Withdrawn(Exception):
     """An in-order receive (:meth:`LaneLinks.recv`) whose step is over: it fell below the
     floor (:meth:`LaneLinks.discard_before`) before or while it came."""
-_NOTHING = np.empty(0, np.uint8)
 
 
 class LaneLinks:
@@ -122,7 +122,7 @@ class LaneLinks:
         # Which step the peers are at, from their frames on the comm too (a scheme's verdicts
         # and notices); a user of the comm's other frames (exact exchanges) leaves them be.
         self._removers = [comm.on_early(p, 0, self._heard) for p in ins] if hear_comm else []
-        # Without reader threads, the thread that waits for a receive reads (see result()).
+        # Without reader threads, the thread that waits for a message reads (see recv()).
         self._inline = not readers
         self._skip_left: dict[int, int] = dict.fromkeys(ins, 0)  # of a stale message
         # src -> (step, tag) of the message recv is reading now (discard_before waits)
@@ -137,13 +137,8 @@ class LaneLinks:
     # -- the session's side (event loop) ------------------------------------------------------
     def post(self, src: int, out: np.ndarray, step: int, tag: int) -> asyncio.Future[Header]:
         fut: asyncio.Future[Header] = self._loop.create_future()
-        self._post(src, out, step, tag, fut)
-        return fut
-
-    def _post(self, src: int, out: np.ndarray, step: int, tag: int,
-              fut: asyncio.Future[Header]) -> None:
         key = (src, step, tag)
-        with self._lock:
+        with self._cond:
             staged = self._staged.pop(key, None)
             if staged is not None:  # it came early: copy it in (on the loop, as the inbox)
                 header, payload = staged
@@ -155,15 +150,16 @@ class LaneLinks:
                     view[:] = payload
                     fut.set_result(header)
                     self._count(step, src, payload.nbytes)
-                return
+                return fut
             gone = self._gone.get(src)
             if gone is not None:
                 fut.set_exception(gone)
-                return
+                return fut
             self._book.post(Post(key, byte_view(out), fut))
             waiting = self._posted.get(src)
-            if waiting is not None and not self._inline:  # (inline: nobody waits there)
+            if waiting is not None:
                 waiting.notify()
+        return fut
 
     def recv(self, src: int, out: np.ndarray, step: int, tag: int) -> None:
         """Without reader threads (``readers=False``): receive message (step, ``tag``) from
@@ -380,7 +376,7 @@ class LaneLinks:
         for reader in self._readers:
             reader.join(timeout=5)
 
-    # -- the readers (one thread per peer, or the waiting thread: see result()) --------------
+    # -- the readers (one thread per peer; without them, recv() reads) ------------------------
     def _read(self, src: int, lane: BulkLink) -> None:
         try:
             while True:

@@ -239,8 +239,9 @@ class RingSession:
         self._thread: ThreadPoolExecutor | None = None
         self._step = -1
         self._aborted: asyncio.Future[AioreduceError] | None = None
-        # Aborts of steps this rank has not begun (it is behind): a few, newest kept.
-        self._ahead: dict[int, AioreduceError] = {}
+        # Aborts of steps this rank has not begun (it is behind): a few, newest kept; with
+        # what they said and who said it, to pass them on (see _adopt).
+        self._ahead: dict[int, tuple[AioreduceError, dict[str, object], int]] = {}
         self._sends: set[asyncio.Task[None]] = set()
         # Results and scratch reused once nobody holds them (fresh memory costs page faults
         # every step, which on a 4-rank 64 MiB ring was as much CPU as the additions): a
@@ -265,13 +266,26 @@ class RingSession:
     def _abort_heard(self, peer: int, header: Header, _payload: memoryview) -> None:
         if header.tag != ABORT_TAG or header.step < self._step:
             return  # a stale abort: that step is over here
-        error = _abort_error(peer, header.meta)
+        error = (_abort_error(peer, header.meta), dict(header.meta), peer)
         if header.step > self._step:
             self._ahead.setdefault(header.step, error)
             while len(self._ahead) > MAX_AHEAD:
                 del self._ahead[max(self._ahead)]
         elif self._aborted is not None and not self._aborted.done():
-            self._aborted.set_result(error)
+            self._adopt(header.step, *error)
+
+    def _adopt(self, step: int, error: AioreduceError, meta: dict[str, object],
+               heard_from: int) -> None:
+        """This step failed elsewhere (``error``, told by ``heard_from``): raise it here, and
+        pass it on to every other rank first. A rank that raises it may exit, and a rank
+        that has not heard it yet would see that exit as the step's failure, naming the
+        wrong rank; passed on, the abort reaches it over the exiting rank's connection ahead
+        of that connection's end."""
+        assert self._aborted is not None
+        self._aborted.set_result(error)
+        for peer in range(self.comm.world_size):
+            if peer not in (self.comm.rank, heard_from) and not self.comm.is_lost(peer):
+                self._spawn_send(self._send_abort(peer, step, meta))
 
     def _tell_everyone(self, step: int, exc: BaseException) -> None:
         """Send every other rank this step's failure (in the background, best effort)."""
@@ -330,7 +344,7 @@ class RingSession:
         early = self._ahead.pop(step, None)
         self._ahead = {s: e for s, e in self._ahead.items() if s > step}
         if early is not None:
-            self._aborted.set_result(early)
+            self._adopt(step, *early)
         mine = (await own).reshape(-1)
         if comm.world_size > 1:
             acc = (self.pool.take(mine.size, mine.dtype) if into is None
@@ -348,6 +362,10 @@ class RingSession:
                 self._failed(step)
                 raise self._aborted.result()
             exc = work.exception()
+            if isinstance(exc, PeerLost) and self._aborted.done():
+                # The step failed elsewhere first: a rank that raised it and exited is seen
+                # lost here (its abort came ahead of that, over the same connection).
+                exc = self._aborted.result()
             if isinstance(exc, VectorMismatch):
                 exc = _mismatch(step, exc, comm.rank, mine)
             if exc is not None:
@@ -493,4 +511,4 @@ def _abort_error(peer: int, meta: dict[str, object]) -> AioreduceError:
     if failed.kind == "mismatch":
         return VectorMismatch(failed.text, list(failed.ranks))
     assert failed.rank is not None
-    return PeerLost(failed.rank, f"{failed.text} (reported by rank {peer}, its ring neighbour)")
+    return PeerLost(failed.rank, f"{failed.text} (reported by rank {peer})")

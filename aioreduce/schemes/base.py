@@ -31,12 +31,12 @@ class BulkLink(Protocol):
     message fills is the matcher's business (:class:`~.links.lanes.LaneLinks`)."""
 
     peer: int  # the rank at the other end
+    sent: int  # payload bytes sent so far
+    latency: float  # emulated one-way latency of every message received (0: none)
 
     @property
     def buffered(self) -> int:
         """Bytes read ahead: a read of at most this many returns at once."""
-    sent: int  # payload bytes sent so far
-    latency: float  # emulated one-way latency of every message received (0: none)
 
     def send(self, step: int, index: int, payload: memoryview, meta: bytes = b"") -> None:
         """Queue one message (the sender thread writes it; a small one may go at once)."""
@@ -53,9 +53,6 @@ class BulkLink(Protocol):
     def wait_readable(self) -> bool:
         """Block until bytes can be read (or the link is interrupted): True; False once
         :meth:`wake` was called."""
-
-    def readable_now(self) -> bool:
-        """Whether bytes can be read at this moment (without blocking)."""
 
     def wake(self) -> None:
         """End a :meth:`wait_readable` in progress, or the next one (from any thread)."""

@@ -207,7 +207,7 @@ class Lane:
         """The next message's (step, index, payload bytes, meta bytes); a peer announcing more
         meta than :data:`MAX_META` or a negative size is lost (it is not one of ours)."""
         while self._r1 - self._r0 < HEADER.size:
-            self._read_ahead(0)
+            self._read_ahead()
         step, index, nbytes, meta = HEADER.unpack_from(self._rbuf, self._r0)
         self._r0 += HEADER.size
         if nbytes < 0 or not 0 <= meta <= MAX_META:
@@ -217,14 +217,14 @@ class Lane:
     def read_meta(self, nbytes: int) -> bytes:
         """The message's meta (after :meth:`read_head`; ``nbytes`` <= MAX_META)."""
         while self._r1 - self._r0 < nbytes:
-            self._read_ahead(0)
+            self._read_ahead()
         meta = bytes(self._rview[self._r0:self._r0 + nbytes])
         self._r0 += nbytes
         return meta
 
-    def _read_ahead(self, flags: int) -> None:
-        """Read what the socket has (blocking for some, unless ``flags`` says not to) into
-        the read-ahead buffer, after what it holds."""
+    def _read_ahead(self) -> None:
+        """Read what the socket has (blocking until there is some) into the read-ahead
+        buffer, after what it holds."""
         if self._r0 == self._r1:
             self._r0 = self._r1 = 0
         elif self._r1 > READ_AHEAD - MAX_META - HEADER.size:  # make room for a head and meta
@@ -232,9 +232,7 @@ class Lane:
             self._rview[:held] = self._rview[self._r0:self._r1]
             self._r0, self._r1 = 0, held
         try:
-            n = self.sock.recv_into(self._rview[self._r1:], 0, flags)
-        except BlockingIOError:
-            raise
+            n = self.sock.recv_into(self._rview[self._r1:])
         except OSError as exc:
             raise LaneClosed(self.peer, f"lane from rank {self.peer}: {exc}") from None
         if n == 0:
@@ -266,18 +264,6 @@ class Lane:
             return False
         return True
 
-    def readable_now(self) -> bool:
-        """Whether the lane has bytes to read at this moment (what it has is read ahead)."""
-        if self._r1 > self._r0:
-            return True
-        try:
-            self._read_ahead(socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return False
-        except PeerLost:
-            return True  # ended: the read says how
-        return True
-
     def wake(self) -> None:
         """End a :meth:`wait_readable` in progress, or the next one (any thread); unlike
         :meth:`interrupt`, the lane stays usable."""
@@ -306,15 +292,6 @@ class Lane:
         """Bytes read ahead and not taken yet (a read of at most this many needs no call)."""
         return self._r1 - self._r0
 
-    def read_into(self, view: memoryview) -> None:
-        """Read exactly ``view.nbytes`` into ``view``, blocking until they are there."""
-        held = self._r1 - self._r0
-        if held >= view.nbytes:  # (all read ahead: a small message's payload)
-            if view.nbytes:
-                _flat(view)[:] = self._rview[self._r0:self._r0 + view.nbytes]
-                self._r0 += view.nbytes
-            return
-        self._read_exactly(view)
 
     def skip(self, nbytes: int) -> None:
         """Read and drop the next ``nbytes`` (a message nobody wants any more)."""
@@ -323,10 +300,12 @@ class Lane:
         sink = memoryview(self._sink)
         while nbytes > 0:
             n = min(nbytes, sink.nbytes)
-            self._read_exactly(sink[:n])
+            self.read_into(sink[:n])
             nbytes -= n
 
-    def _read_exactly(self, view: memoryview) -> None:
+    def read_into(self, view: memoryview) -> None:
+        """Read exactly ``view.nbytes`` into ``view``, blocking until they are there (what
+        was read ahead first)."""
         flat = _flat(view)
         got, total = self._take(flat), flat.nbytes
         while got < total:

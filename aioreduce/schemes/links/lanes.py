@@ -234,7 +234,7 @@ class LaneLinks:
         (step, slice, bytes), for a receiver that knows what it receives (a ring's segments:
         the header would cost more than a small one's copy); never for a message the
         receiver may take early."""
-        if peer in self._gone or self.comm.is_lost(peer):
+        if self.is_lost(peer):
             return False
         lane = self._outs[peer]
         if self._backlog is None:  # never skipped: nothing to keep count of
@@ -283,9 +283,9 @@ class LaneLinks:
         """Return once every message queued to ``peers`` is in the kernel, so the arrays sent
         may change (what a lost peer's lane held is dropped: its loss is reported by the
         receives)."""
-        lanes = [self._outs[p] for p in peers if p in self._outs]
-        if any(not _flushed(lane, 0.0) for lane in lanes):
-            await asyncio.to_thread(lambda: [_flushed(lane, None) for lane in lanes])
+        ours = [p for p in peers if p in self._outs]
+        if any(not _flushed(self._outs[p], 0.0) for p in ours):
+            await asyncio.to_thread(self.wait_sent, ours)
 
     def wait_sent(self, peers: Iterable[int]) -> None:
         """:meth:`flush` for a worker thread: block until it is so."""

@@ -371,14 +371,19 @@ def _bound_cells(row: dict[str, Any], shown: bool) -> str:
 
 
 def _print_p2p(results: list[dict[str, Any]]) -> None:
-    print(f"{'size':>6} {'aioreduce GB/s':>15} {'raw GB/s':>10} {'ratio':>7}")
+    print("GB/s, and each driver's ratio to raw (event loop: Node.send/recv_into; "
+          "blocking: the bulk links)")
+    print(f"{'size':>6} {'event loop':>11} {'ratio':>6} {'blocking':>9} {'ratio':>6} "
+          f"{'raw':>7}")
     for r in results:
         if r["kind"] == "throughput":
-            print(f"{fmt_size(r['size_bytes']):>6} {r['aioreduce_gbps']:>15.2f} "
-                  f"{r['raw_gbps']:>10.2f} {r['ratio']:>7.2f}")
+            print(f"{fmt_size(r['size_bytes']):>6} {r['aioreduce_gbps']:>11.2f} "
+                  f"{r['ratio']:>6.2f} {r['lanes_gbps']:>9.2f} {r['lanes_ratio']:>6.2f} "
+                  f"{r['raw_gbps']:>7.2f}")
         else:
-            print(f"round trip of {r['message_bytes']} B: aioreduce {r['aioreduce_rtt_us']:.0f} "
-                  f"us, raw {r['raw_rtt_us']:.0f} us (median of {r['rounds']})")
+            print(f"round trip of {r['message_bytes']} B: event loop {r['aioreduce_rtt_us']:.0f} "
+                  f"us, blocking {r['lanes_rtt_us']:.0f} us, raw {r['raw_rtt_us']:.0f} us "
+                  f"(median of {r['rounds']})")
 
 
 def _sweep(opts: argparse.Namespace) -> int:

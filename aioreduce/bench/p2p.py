@@ -1,12 +1,16 @@
 """``aioreduce-bench p2p``: aioreduce's framed transfer against a raw blocking socket.
 
 Two rank processes on one host; the raw socket is of the kind the mesh uses between them
-(an abstract Unix socket, or TCP on 127.0.0.1 with ``AIOREDUCE_LOCAL_UNIX=0``). For each
-size, trials alternate between the two transports in ABBA order (raw, aioreduce, aioreduce,
-raw, ...) so that both see the same machine noise and neither always goes first; every trial
-streams enough messages to move at least ``--min-bytes`` and ends with an 8-byte ack, and the
-receiver lands every message in one preallocated array on both sides. Reported: medians, GB/s
-and the ratio aioreduce/raw; then the small-message round trip of both.
+(an abstract Unix socket, or TCP on 127.0.0.1 with ``AIOREDUCE_LOCAL_UNIX=0``). aioreduce is
+measured through both of its drivers: the event loop's (``Node.send`` / ``Node.recv_into``,
+what ``node.p2p`` and small scheme frames use) and the blocking one (the comm's bulk links,
+read in order by the waiting thread, :meth:`LaneLinks.recv`: what the ring's and large
+vectors' messages use), each message with its wire header. For each size, trials rotate the
+order of the three (raw first, then second, then third) so that all see the same machine
+noise and none always goes first; every trial streams enough messages to move at least
+``--min-bytes`` and ends with an 8-byte ack, and the receiver lands every message in one
+preallocated array. Reported: medians, GB/s and each driver's ratio to raw; then the
+small-message round trip of all three.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from typing import Any
 import numpy as np
 
 from ..node import Node
+from ..schemes.links import LaneLinks
 from ..transport.loop import run
 
 ACK = 8
+MODES = ("raw", "aioreduce", "lanes")
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -73,15 +79,43 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         raw_ack = memoryview(bytearray(ACK))
 
+        # The blocking driver: a lane each way over the comm's bulk links, read by the
+        # thread that waits (no reader thread), as the ring reads its lanes.
+        bulk = node.mesh.bulk_links()
+        peer = 1 - me
+        outs, ins = await bulk.open_links([peer], [peer], step)
+        links = LaneLinks(node.mesh, outs, ins, None, opened_by=bulk, hear_comm=False,
+                          readers=False)
+        step += 1
+
+        def lane_stream(buf: np.ndarray, first: int, reps: int) -> float:
+            t0 = time.perf_counter()
+            if me == 0:
+                for i in range(reps):
+                    links.send(1, buf, first + i, 0, {}, bare=True)
+                links.recv(1, ack, first, 2)
+            else:
+                for i in range(reps):
+                    links.recv(0, buf, first + i, 0)
+                links.send(0, ack, first, 2, {}, bare=True)
+            return time.perf_counter() - t0
+
         for size in sizes:
             reps = max(1, min_bytes // size)
-            buf = np.ones(size, np.uint8) if me == 0 else np.empty(size, np.uint8)
+            sent = (np.arange(size) % 251).astype(np.uint8)
+            buf = sent if me == 0 else np.empty(size, np.uint8)
             view = buf.data
-            times: dict[str, list[float]] = {"aioreduce": [], "raw": []}
-            for trial in range(trials + 1):  # trial 0 warms both paths up
-                # ABBA order: whichever transport goes second in a pair is not favoured.
-                for mode in ("aioreduce", "raw") if trial % 2 else ("raw", "aioreduce"):
-                    if me == 0:
+            times: dict[str, list[float]] = {m: [] for m in MODES}
+            for trial in range(len(MODES) * trials + 1):  # trial 0 warms the paths up
+                # The order rotates, so that no transport always goes first.
+                for mode in MODES[trial % 3:] + MODES[:trial % 3]:
+                    if trial == 0 and me == 1:
+                        buf.fill(0)  # the warm-up checks what each transport delivered
+                    if mode == "lanes":  # (blocking the event loop, as raw does)
+                        took = lane_stream(buf, step, reps)
+                        if trial and me == 0:
+                            times[mode].append(took)
+                    elif me == 0:
                         t0 = time.perf_counter()
                         if mode == "aioreduce":
                             for i in range(reps):
@@ -102,21 +136,33 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
                         for _ in range(reps):
                             _recv_exact(raw, view)
                         raw.sendall(raw_ack)
+                    if trial == 0 and me == 1 and not np.array_equal(buf, sent):
+                        raise RuntimeError(f"{mode}: the {size}-byte message arrived altered")
                     step += reps
             if me == 0:
-                a, r = statistics.median(times["aioreduce"]), statistics.median(times["raw"])
+                r = statistics.median(times["raw"])
+                a, lane = statistics.median(times["aioreduce"]), statistics.median(times["lanes"])
                 moved = size * reps
                 _emit({"kind": "throughput", "size_bytes": size, "reps": reps, "trials": trials,
-                       "aioreduce_ms": a * 1e3, "raw_ms": r * 1e3,
-                       "aioreduce_gbps": moved / a / 1e9, "raw_gbps": moved / r / 1e9,
-                       "ratio": r / a})
+                       "aioreduce_ms": a * 1e3, "lanes_ms": lane * 1e3, "raw_ms": r * 1e3,
+                       "aioreduce_gbps": moved / a / 1e9, "lanes_gbps": moved / lane / 1e9,
+                       "raw_gbps": moved / r / 1e9, "ratio": r / a, "lanes_ratio": r / lane})
 
         small = np.zeros(ACK, np.uint8)
-        rtts: dict[str, list[float]] = {"aioreduce": [], "raw": []}
-        for mode in ("aioreduce", "raw") * 2:
-            for _ in range(rtt_rounds):
+        rtts: dict[str, list[float]] = {m: [] for m in MODES}
+        # Round by round, the three in turn (the order rotating): a round trip's time on
+        # this host swings with where the two processes run, and all three see the same.
+        for i in range(len(MODES) * rtt_rounds):
+            for mode in MODES[i % 3:] + MODES[:i % 3]:
                 t0 = time.perf_counter()
-                if mode == "aioreduce":
+                if mode == "lanes":
+                    if me == 0:
+                        links.send(1, small, step, 0, {}, bare=True)
+                        links.recv(1, small, step, 0)
+                    else:
+                        links.recv(0, small, step, 0)
+                        links.send(0, small, step, 0, {}, bare=True)
+                elif mode == "aioreduce":
                     if me == 0:
                         await node.send(1, small, step=step)
                         await node.recv_into(1, small, step=step, timeout=30)
@@ -132,9 +178,12 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
                 rtts[mode].append(time.perf_counter() - t0)
                 step += 1
         if me == 0:
-            a, r = statistics.median(rtts["aioreduce"]), statistics.median(rtts["raw"])
-            _emit({"kind": "latency", "message_bytes": ACK, "rounds": 2 * rtt_rounds,
-                   "aioreduce_rtt_us": a * 1e6, "raw_rtt_us": r * 1e6, "ratio": r / a})
+            r = statistics.median(rtts["raw"])
+            a, lane = statistics.median(rtts["aioreduce"]), statistics.median(rtts["lanes"])
+            _emit({"kind": "latency", "message_bytes": ACK, "rounds": len(rtts["raw"]),
+                   "aioreduce_rtt_us": a * 1e6, "lanes_rtt_us": lane * 1e6,
+                   "raw_rtt_us": r * 1e6, "ratio": r / a, "lanes_ratio": r / lane})
+        await links.close(1.0)
         raw.close()
 
 

@@ -103,6 +103,7 @@ class Lane:
         self._idle_lock = threading.Lock()  # (taken directly on the hot path: cheaper)
         self._idle = threading.Condition(self._idle_lock)
         self._pending = 0
+        self._flushers = 0  # threads in flush(): the sender notifies only when there are
         self._sender: threading.Thread | None = None
         # Read ahead: a message's head is read with whatever follows it, up to READ_AHEAD
         # bytes (a small message's head, meta and payload in one call); reads take from here
@@ -165,8 +166,12 @@ class Lane:
         """Block until every queued message is in the kernel (or raise the send's error);
         False if ``timeout`` seconds passed first."""
         with self._idle:
-            done = self._idle.wait_for(lambda: not self._pending or self._error is not None,
-                                       timeout)
+            self._flushers += 1
+            try:
+                done = self._idle.wait_for(
+                    lambda: not self._pending or self._error is not None, timeout)
+            finally:
+                self._flushers -= 1
         self._raise_if_failed()
         return done
 
@@ -177,16 +182,25 @@ class Lane:
             nbytes = len(head) + payload.nbytes
             try:
                 if self._error is None:
-                    self.sock.sendall(head)
-                    self.sock.sendall(payload)
+                    self._send_all(head, payload)
             except OSError as exc:
                 self._error = exc
             del payload
-            with self._idle:
+            with self._idle_lock:
                 self._pending -= 1
                 self._unsent -= nbytes
                 self.sent += 1
-                self._idle.notify_all()
+                if self._flushers:  # (a Condition's notify is Python: not per message)
+                    self._idle.notify_all()
+
+    def _send_all(self, head: bytes, payload: memoryview) -> None:
+        """Send head and payload, blocking: one call for both where the kernel takes them."""
+        flat = _flat(payload)
+        n = self.sock.sendmsg([head, flat]) if head else 0
+        if n < len(head):
+            self.sock.sendall(head[n:])
+            n = len(head)
+        self.sock.sendall(flat[n - len(head):])
 
     def unacked(self) -> int:
         """Bytes queued on this lane that the peer's kernel has not acknowledged yet (what the
@@ -222,9 +236,9 @@ class Lane:
         self._r0 += nbytes
         return meta
 
-    def _read_ahead(self) -> None:
-        """Read what the socket has (blocking until there is some) into the read-ahead
-        buffer, after what it holds."""
+    def _read_ahead(self, flags: int = 0) -> bool:
+        """Read what the socket has (blocking until there is some; with MSG_DONTWAIT, False
+        if there is none) into the read-ahead buffer, after what it holds."""
         if self._r0 == self._r1:
             self._r0 = self._r1 = 0
         elif self._r1 > READ_AHEAD - MAX_META - HEADER.size:  # make room for a head and meta
@@ -232,12 +246,15 @@ class Lane:
             self._rview[:held] = self._rview[self._r0:self._r1]
             self._r0, self._r1 = 0, held
         try:
-            n = self.sock.recv_into(self._rview[self._r1:])
+            n = self.sock.recv_into(self._rview[self._r1:], 0, flags)
+        except BlockingIOError:
+            return False
         except OSError as exc:
             raise LaneClosed(self.peer, f"lane from rank {self.peer}: {exc}") from None
         if n == 0:
             raise LaneClosed(self.peer, f"lane from rank {self.peer} closed")
         self._r1 += n
+        return True
 
     def _take(self, view: memoryview) -> int:
         """Copy what the read-ahead buffer holds, at most ``view.nbytes``, into ``view``."""
@@ -252,6 +269,11 @@ class Lane:
         return True, or return False once :meth:`wake` was called (since the last wait)."""
         if self._r1 > self._r0:
             return True
+        # What is there already is read without a poll (a stream of messages: a syscall
+        # less each); an ended lane reads as closed when the caller reads.
+        with contextlib.suppress(LaneClosed):
+            if self._read_ahead(socket.MSG_DONTWAIT):
+                return True
         if self._poll is None:
             self._poll = select.poll()
             self._poll.register(self.sock, select.POLLIN)

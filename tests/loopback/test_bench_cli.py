@@ -29,10 +29,12 @@ def test_p2p_json_has_every_field() -> None:
     rows = [json.loads(line) for line in res.stdout.splitlines()]
     sizes = [r["size_bytes"] for r in rows if r["kind"] == "throughput"]
     assert sizes == [65536, 2 << 20]
-    for r in rows[:2]:
-        assert r["aioreduce_gbps"] > 0 and r["raw_gbps"] > 0
+    for r in rows[:2]:  # both drivers, each against raw
+        assert r["aioreduce_gbps"] > 0 and r["lanes_gbps"] > 0 and r["raw_gbps"] > 0
         assert r["ratio"] == pytest.approx(r["aioreduce_gbps"] / r["raw_gbps"])
-    assert rows[2]["kind"] == "latency" and rows[2]["aioreduce_rtt_us"] > 0
+        assert r["lanes_ratio"] == pytest.approx(r["lanes_gbps"] / r["raw_gbps"])
+    assert rows[2]["kind"] == "latency" and rows[2]["rounds"] == 15
+    assert rows[2]["aioreduce_rtt_us"] > 0 and rows[2]["lanes_rtt_us"] > 0
 
 
 def test_allreduce_bench_json_verify() -> None:

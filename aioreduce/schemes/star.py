@@ -84,7 +84,7 @@ class GradientCoding:
     def family(self, rank: int) -> Family:
         if rank == 0:
             return Family(None, list(range(1, self.code.n + 1)), self.code)
-        return Family(0, [], None, parent_m=self.code.m)
+        return Family(0, [], None, parent_m=self.code.m, depth=1)
 
     def open(self, comm: Comm) -> ReduceSession:
         """A session; workers' vectors are encoded (``m > 1``) inside it."""
@@ -125,7 +125,8 @@ class Star:
 
     def open(self, comm: Comm) -> ReduceSession:
         rank, world = comm.rank, comm.world_size
-        fam = Family(None, list(range(1, world)), None) if rank == 0 else Family(0, [], None)
+        fam = Family(None, list(range(1, world)), None) if rank == 0 else Family(0, [], None,
+                                                                              depth=1)
         opts = StepOptions(self.deadline, "raise", self.chunk_bytes, self.history_bytes,
                            lanes=self.lanes)
         return ReduceSession(comm, fam, opts)

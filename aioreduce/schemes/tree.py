@@ -101,9 +101,12 @@ def _tree_family(rank: int, parent_of: Callable[[int], int | None],
                  children_of: Callable[[int], list[int]], code: GradientCode | None) -> Family:
     parent = parent_of(rank)
     kids = children_of(rank)
+    depth, above = 0, parent
+    while above is not None:
+        depth, above = depth + 1, parent_of(above)
     return Family(parent, kids, code,
                   grandparent=parent_of(parent) if parent is not None else None,
-                  grandchildren={c: children_of(c) for c in kids})
+                  grandchildren={c: children_of(c) for c in kids}, depth=depth)
 
 
 def _neighbours(fam: Family) -> list[int]:

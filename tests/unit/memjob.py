@@ -18,8 +18,8 @@ class Job:
     """Every rank's session of ``scheme``; vectors are deterministic per (rank, step)."""
 
     def __init__(self, scheme: Scheme, world: int, net: MemoryNetwork | None = None,
-                 comms: Sequence[Comm] | None = None) -> None:
-        self.scheme, self.world = scheme, world
+                 comms: Sequence[Comm] | None = None, dim: int = DIM) -> None:
+        self.scheme, self.world, self.dim = scheme, world, dim
         self.net = net or MemoryNetwork(world)
         self.sessions: list[Session] = [scheme.open(c) for c in comms or self.net.comms]
         self.coded = isinstance(scheme, CodedScheme)
@@ -29,13 +29,13 @@ class Job:
             self.place = [scheme.placement(r, self.samples) for r in range(world)]
 
     def data(self, step: int) -> np.ndarray:
-        return np.random.default_rng([7, step]).standard_normal((self.samples, DIM))
+        return np.random.default_rng([7, step]).standard_normal((self.samples, self.dim))
 
     def vector(self, rank: int, step: int) -> np.ndarray:
         if self.coded:
             ids, w = self.place[rank]
-            return w @ self.data(step)[ids] if len(ids) else np.zeros(DIM)
-        return np.random.default_rng([rank, step]).standard_normal(DIM)
+            return w @ self.data(step)[ids] if len(ids) else np.zeros(self.dim)
+        return np.random.default_rng([rank, step]).standard_normal(self.dim)
 
     def truth(self, step: int) -> np.ndarray:
         if self.coded:
@@ -47,7 +47,7 @@ class Job:
         async def one(rank: int) -> Result:
             own: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
             own.set_result(self.vector(rank, step))
-            return await self.sessions[rank].step(step, np.zeros(DIM), own)
+            return await self.sessions[rank].step(step, np.zeros(self.dim), own)
         return {r: asyncio.ensure_future(one(r)) for r in ranks}
 
     async def run(self, step: int, ranks: Iterable[int] | None = None

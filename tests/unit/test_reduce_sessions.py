@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,9 +17,11 @@ import pytest
 import aioreduce as ar
 from aioreduce.codes import cyclic_mds, frc, gaussian_mds
 from aioreduce.schemes import FellBehind, StragglerError
-from aioreduce.schemes.base import SumsInPlace
+from aioreduce.schemes.base import Comm, CommWrapper, SumsInPlace
 from aioreduce.schemes.reduce import Link, ReduceSession
 from aioreduce.schemes.reduce.family import DOWN, REQUEST_TAG
+from aioreduce.transport.memory import MemoryNetwork
+from aioreduce.wire import Header, tags
 
 from .memjob import DIM, Job
 
@@ -391,4 +394,56 @@ async def test_memory_is_reused_only_once_nobody_holds_it(scheme: ar.Scheme, wor
     assert reused > 0  # the reuse path was taken
     # Small arrays come back at the same address from the allocator anyway: ask the pools.
     assert all(s.pool.reused > 0 for s in job.sessions)  # type: ignore[attr-defined]
+    await job.close()
+
+
+class _Order(CommWrapper):
+    """Records, in order, the chunks this rank sends up and the result chunks it receives."""
+
+    def __init__(self, inner: Comm, parent: int) -> None:
+        super().__init__(inner)
+        self.parent, self.events = parent, list[tuple[str, int]]()
+
+    async def send(self, rank: int, array: np.ndarray, *, step: int, tag: int = 0,
+                   meta: dict[str, Any] | None = None) -> None:
+        if rank == self.parent and tag < DOWN:
+            self.events.append(("up", tag))
+        await super().send(rank, array, step=step, tag=tag, meta=meta)
+
+    def post_recv(self, rank: int, out: np.ndarray, *, step: int,
+                  tag: int = 0) -> asyncio.Future[Header]:
+        fut = super().post_recv(rank, out, step=step, tag=tag)
+        if rank == self.parent and DOWN <= tag < tags.VERDICT:
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
+                                  or self.events.append(("result", tag - DOWN)))
+        return fut
+
+
+@pytest.mark.parametrize("scheme, world, leaf, window", [
+    (ar.Tree(2, deadline=NO_WAIT, chunk_bytes=64), 7, 5, 4),  # depth 2: 2 hops up, 2 down
+    (ar.Star(deadline=NO_WAIT, chunk_bytes=64), 4, 2, 2),
+    (ar.CodedTree(**{**TREE, "deadline": D}, chunk_bytes=64), 13, 7, 4),
+], ids=["tree", "star", "coded-tree"])
+async def test_a_leaf_paces_its_chunks_by_the_result_and_sums_stay_exact(
+        scheme: ar.Scheme, world: int, leaf: int, window: int) -> None:
+    """A leaf whose vector is many chunks sends chunk c only once result chunk c - window is
+    here (a round trip's worth ahead: its chunks would otherwise take its parent's link from
+    the result); the sums stay exact, and a held-back sibling (coded tree) stalls nobody."""
+    net = MemoryNetwork(world)
+    parent = 0 if world == 4 else (leaf - 1) // (2 if world == 7 else 3)
+    order = _Order(net.comms[leaf], parent)
+    chunks = 12  # of 8 float64 (64 bytes)
+    job = Job(scheme, world, net, [order if r == leaf else c for r, c in enumerate(net.comms)],
+              dim=chunks * 8)
+    for step in range(2):
+        order.events.clear()
+        if world == 13:
+            job.net.hold(8, 2)  # the coded tree decodes without it, at its deadline
+        job.assert_exact(step, await job.run(step))
+        if world == 13:
+            job.net.release(8, 2)
+        ups = [c for kind, c in order.events if kind == "up"]
+        assert ups == list(range(chunks))
+        for c in range(window, chunks):  # chunk c went after result chunk c - window came
+            assert order.events.index(("result", c - window)) < order.events.index(("up", c))
     await job.close()

@@ -27,6 +27,7 @@ class Family:
     parent_m: int = 1  # the parent's message reduction: we send ceil(length / m) entries
     grandparent: int | None = None
     grandchildren: dict[int, list[int]] = field(default_factory=dict)  # child -> its children
+    depth: int = 0  # hops from this rank up to the root
 
     def served(self) -> set[int]:
         """Ranks that may ask this rank for results: children and grandchildren."""

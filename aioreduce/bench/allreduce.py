@@ -225,6 +225,7 @@ class _Profile:
 
     def dump(self) -> None:
         if self.profiler is not None and self.path is not None:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
             self.profiler.dump_stats(self.path)
 
 

@@ -57,6 +57,10 @@ class BulkLink(Protocol):
     def wake(self) -> None:
         """End a :meth:`wait_readable` in progress, or the next one (from any thread)."""
 
+    def read_ahead_now(self) -> bool:
+        """Read what is there into the link's read-ahead without blocking; whether bytes are
+        buffered now."""
+
     def recv_now(self, view: memoryview) -> int:
         """Read what is there into ``view`` without blocking; the bytes read."""
 

@@ -269,11 +269,6 @@ class Lane:
         return True, or return False once :meth:`wake` was called (since the last wait)."""
         if self._r1 > self._r0:
             return True
-        # What is there already is read without a poll (a stream of messages: a syscall
-        # less each); an ended lane reads as closed when the caller reads.
-        with contextlib.suppress(LaneClosed):
-            if self._read_ahead(socket.MSG_DONTWAIT):
-                return True
         if self._poll is None:
             self._poll = select.poll()
             self._poll.register(self.sock, select.POLLIN)
@@ -284,6 +279,16 @@ class Lane:
                 while os.read(self._wake_r, 64):
                     pass
             return False
+        return True
+
+    def read_ahead_now(self) -> bool:
+        """Read what the socket holds into the read-ahead buffer without blocking; whether
+        bytes are buffered now (a caller about to read a message's head need not poll: in a
+        stream of messages, a syscall less each). An ended lane says so at the next read."""
+        if self._r1 > self._r0:
+            return True
+        with contextlib.suppress(LaneClosed):
+            return self._read_ahead(socket.MSG_DONTWAIT)
         return True
 
     def wake(self) -> None:

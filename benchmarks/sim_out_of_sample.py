@@ -1,0 +1,96 @@
+"""The simulator scored out of sample: fitted on some of the sweep's cells, checked on cells
+of another cluster size or vector size that the fit never saw, beside the in-sample fit that
+``docs/sweep/sim.md`` reports (fitted per cluster size on its calm cells).
+
+Splits (the sweep of ``docs/sweep``: 13 and 40 emulated hosts; 40 KB and 4 MiB at both, 64 MiB
+at 13; five straggler models):
+
+- ranks: fitted on the 13-rank calm cells, checked on every 40-rank cell;
+- size: fitted on the 13-rank calm cells at 40 KB and 4 MiB, checked on every 13-rank 64 MiB
+  cell.
+
+Writes a Markdown report (errors per split, the advisor's picks from the out-of-sample
+predictions, every cell) to ``--out`` and prints its summary.
+
+    python benchmarks/sim_out_of_sample.py [--sweep docs/sweep] [--out docs/sweep/out_of_sample.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from aioreduce.bench.sweep import row_config
+from aioreduce.sim.calibrate import Check, Measured, compare, emulation_start, fit, from_sweep
+from aioreduce.sim.config import fmt_size
+from aioreduce.sim.report import advisor_hits
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def summary(name: str, checks: list[Check]) -> str:
+    errs = [abs(c.error) for c in checks]
+    worst = max(checks, key=lambda c: abs(c.error))
+    hits = advisor_hits(checks)
+    right = sum(h[3] for h in hits)
+    return (f"| {name} | {len(checks)} | {statistics.median(errs):.0%} | "
+            f"{sum(e <= 0.25 for e in errs)} of {len(errs)} | {worst.measured.label} "
+            f"{worst.error:+.0%} | {right} of {len(hits)} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sweep", type=Path, default=ROOT / "docs" / "sweep")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "sweep" / "out_of_sample.md")
+    opts = ap.parse_args()
+    rows = [json.loads(line) for line in (opts.sweep / "results.jsonl").open()]
+    measured = from_sweep(rows, row_config)
+    link = next((r["link_mbit"] for r in rows if r.get("link_mbit")), 1000.0)
+
+    def cells(nodes: int, sizes: set[int] | None = None, calm: bool = False) -> list[Measured]:
+        return [m for m in measured if m.cfg.nodes == nodes
+                and (sizes is None or m.cfg.size_bytes in sizes)
+                and (not calm or m.straggler == "none")]
+
+    small = {40 << 10, 4 << 20}
+    big = {m.cfg.size_bytes for m in measured} - small
+    t0 = time.perf_counter()
+    fitted = {"13 calm": fit(cells(13, calm=True), emulation_start(link)),
+              "40 calm": fit(cells(40, calm=True), emulation_start(link)),
+              "13 calm, 40K and 4M": fit(cells(13, small, calm=True), emulation_start(link))}
+    splits = [
+        ("in sample: 40 ranks, fitted on 40's calm cells", compare(cells(40),
+                                                                    fitted["40 calm"])),
+        ("ranks: 40 ranks, fitted on 13's calm cells", compare(cells(40), fitted["13 calm"])),
+        ("in sample: 13 ranks 64M, fitted on 13's calm cells",
+         compare(cells(13, big), fitted["13 calm"])),
+        ("size: 13 ranks 64M, fitted on 13's calm 40K and 4M",
+         compare(cells(13, big), fitted["13 calm, 40K and 4M"])),
+    ]
+    lines = ["# The simulator out of sample", "",
+             "Made by `python benchmarks/sim_out_of_sample.py` from `docs/sweep/results.jsonl` "
+             "(the sweep of 2026-11-25; no new runs). Error = simulated / measured - 1 of each "
+             "cell's median; the advisor's pick is right when its measured median is within "
+             "10 % of the fastest measured (as in `sim.md`). The in-sample rows are the fit "
+             "`sim.md` reports (one per cluster size, on its calm cells).", "",
+             "| split | cells | median abs error | within 25 % | worst | advisor right |",
+             "|---|---|---|---|---|---|"]
+    lines += [summary(name, checks) for name, checks in splits]
+    lines += ["", "## Every cell", "", "| split | ranks | size | stragglers | scheme | measured "
+              "ms | simulated ms | error |", "|---|---|---|---|---|---|---|---|"]
+    for name, checks in splits:
+        for c in checks:
+            m = c.measured
+            lines.append(f"| {name.split(':')[0]} | {m.cfg.nodes} | {fmt_size(m.cfg.size_bytes)}"
+                         f" | {m.straggler} | {m.scheme} | {m.median * 1e3:.1f} | "
+                         f"{c.predicted * 1e3:.1f} | {c.error:+.0%} |")
+    opts.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[6:6 + len(splits) + 2]))
+    print(f"({time.perf_counter() - t0:.0f} s; report in {opts.out})")
+
+
+if __name__ == "__main__":
+    main()

@@ -103,7 +103,7 @@ class Lane:
         self._idle_lock = threading.Lock()  # (taken directly on the hot path: cheaper)
         self._idle = threading.Condition(self._idle_lock)
         self._pending = 0
-        self._flushers = 0  # threads in flush(): the sender notifies only when there are
+        self._flushers = 0  # threads in flush(): the sender notifies only when some wait
         self._sender: threading.Thread | None = None
         # Read ahead: a message's head is read with whatever follows it, up to READ_AHEAD
         # bytes (a small message's head, meta and payload in one call); reads take from here

@@ -216,9 +216,8 @@ class ReduceSession:
         # Paced by the result: chunk c goes once result chunk c - window is here, window
         # being the chunks a round trip to the root and back holds. Sent at once, a leaf's
         # chunks took its parent's link from the result coming down, which then lagged and
-        # ended the step alone (16 MiB on 7 emulated hosts with 1 Gbit/s links: the binary
-        # tree 0.74-0.75 of its bound, 0.82-0.83 paced; the star 0.76 and 0.82-0.83). The
-        # result's chunk c - window needs nothing of ours past chunk c - window, so this
+        # ended the step alone where links bind (docs/status.md has the fractions of bound).
+        # The result's chunk c - window needs nothing of ours past chunk c - window, so this
         # never waits for itself; a result that fails or is dropped ends the wait.
         return asyncio.ensure_future(self._send_paced(step, chunks, mine, source.chunks,
                                                       window))

@@ -108,7 +108,7 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
             times: dict[str, list[float]] = {m: [] for m in MODES}
             for trial in range(len(MODES) * trials + 1):  # trial 0 warms the paths up
                 # The order rotates, so that no transport always goes first.
-                for mode in MODES[trial % 3:] + MODES[:trial % 3]:
+                for mode in MODES[trial % len(MODES):] + MODES[:trial % len(MODES)]:
                     if trial == 0 and me == 1:
                         buf.fill(0)  # the warm-up checks what each transport delivered
                     if mode == "lanes":  # (blocking the event loop, as raw does)
@@ -153,7 +153,7 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
         # Round by round, the three in turn (the order rotating): a round trip's time on
         # this host swings with where the two processes run, and all three see the same.
         for i in range(len(MODES) * rtt_rounds):
-            for mode in MODES[i % 3:] + MODES[:i % 3]:
+            for mode in MODES[i % len(MODES):] + MODES[:i % len(MODES)]:
                 t0 = time.perf_counter()
                 if mode == "lanes":
                     if me == 0:

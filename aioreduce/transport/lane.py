@@ -196,7 +196,7 @@ class Lane:
     def _send_all(self, head: bytes, payload: memoryview) -> None:
         """Send head and payload, blocking: one call for both where the kernel takes them."""
         flat = _flat(payload)
-        n = self.sock.sendmsg([head, flat]) if head else 0
+        n = self.sock.sendmsg([head, flat])  # (a head is never empty: the lane's own)
         if n < len(head):
             self.sock.sendall(head[n:])
             n = len(head)
@@ -318,7 +318,6 @@ class Lane:
     def buffered(self) -> int:
         """Bytes read ahead and not taken yet (a read of at most this many needs no call)."""
         return self._r1 - self._r0
-
 
     def skip(self, nbytes: int) -> None:
         """Read and drop the next ``nbytes`` (a message nobody wants any more)."""

@@ -202,35 +202,41 @@ class ReduceSession:
 
     def _send_own(self, step: int, lay: Layout, mine: np.ndarray,
                   down: DownPath) -> asyncio.Task[None] | None:
-        """A leaf's message: its own vector, sent without a copy, at once if it is a few
-        chunks, else paced (a task, returned)."""
-        chunks = list(enumerate(lay.own_bounds))
-        last = len(chunks) - 1
+        """A leaf's message: its own vector, sent without a copy; the chunks past the first
+        ``window`` paced (a task, returned), the rest at once."""
+        bounds = lay.own_bounds
         window = 2 * self.family.depth
         source = down.sources.get(self.family.parent) if self.family.parent is not None else None
-        if len(chunks) <= window or source is None or lay.own_bounds != lay.bounds:
-            for c, (lo, hi) in chunks:
-                self.send_up(step, c, mine[lo:hi], Report((self.comm.rank,)).to_meta()
-                             if c == last else None)
-            return None
         # Paced by the result: chunk c goes once result chunk c - window is here, window
         # being the chunks a round trip to the root and back holds. Sent at once, a leaf's
         # chunks took its parent's link from the result coming down, which then lagged and
         # ended the step alone where links bind (docs/status.md has the fractions of bound).
         # The result's chunk c - window needs nothing of ours past chunk c - window, so this
-        # never waits for itself; a result that fails or is dropped ends the wait.
-        return asyncio.ensure_future(self._send_paced(step, chunks, mine, source.chunks,
+        # never waits for itself; a result that fails or is dropped ends the wait. (Not
+        # where up and down chunks differ: a star master with m > 1 sends only at the end.)
+        paced = source is not None and bounds == lay.bounds
+        first = min(window, len(bounds)) if paced else len(bounds)
+        for c in range(first):
+            self._send_chunk(step, mine, bounds, c)
+        if first == len(bounds):
+            return None
+        assert source is not None
+        return asyncio.ensure_future(self._send_paced(step, mine, bounds, source.chunks,
                                                       window))
 
-    async def _send_paced(self, step: int, chunks: list[tuple[int, tuple[int, int]]],
-                          mine: np.ndarray, result: list[asyncio.Future[Header]],
-                          window: int) -> None:
-        last = len(chunks) - 1
-        for c, (lo, hi) in chunks:
-            if c >= window:
-                await asyncio.wait([result[c - window]])
-            self.send_up(step, c, mine[lo:hi],
-                         Report((self.comm.rank,)).to_meta() if c == last else None)
+    async def _send_paced(self, step: int, mine: np.ndarray,
+                          bounds: tuple[tuple[int, int], ...],
+                          result: list[asyncio.Future[Header]], window: int) -> None:
+        for c in range(window, len(bounds)):
+            await asyncio.wait([result[c - window]])
+            self._send_chunk(step, mine, bounds, c)
+
+    def _send_chunk(self, step: int, mine: np.ndarray, bounds: tuple[tuple[int, int], ...],
+                    c: int) -> None:
+        """Chunk ``c`` of a leaf's own vector to the parent (the last one with its report)."""
+        lo, hi = bounds[c]
+        self.send_up(step, c, mine[lo:hi],
+                     Report((self.comm.rank,)).to_meta() if c == len(bounds) - 1 else None)
 
     def _end_probe(self) -> None:
         """A bypassed parent whose result of the last step arrived after all is back."""

@@ -31,10 +31,9 @@ from .schemes.base import Arrival, Comm, SumsInPlace
 from .schemes.p2p import PointToPoint
 from .sessions import Sessions, preconnect
 from .settings import bind_for, env_extras
-from .stepgc import StepGC
 from .stepper import Stepper, mean_divisor
-from .straggle import StraggleModel, parse_straggle
-from .telemetry import Tracer, TracingComm, trace_path
+from .straggle import StraggleModel
+from .telemetry import TracingComm
 from .transport import Mesh, MeshOptions, barrier, rendezvous
 
 log = logging.getLogger("aioreduce")
@@ -66,9 +65,6 @@ class Node(Peers):
         chosen = None if isinstance(scheme, str) else scheme
         if chosen is not None:
             chosen.validate(env.world_size)
-        if isinstance(straggle, str):
-            straggle = parse_straggle(straggle)
-        self.straggle = straggle or StraggleModel()
         self._sessions = Sessions(self._comm)
         self._sessions.scheme = chosen
         self._inputs = Inputs(env.rank)
@@ -79,15 +75,10 @@ class Node(Peers):
         self.p2p = PointToPoint(mesh)
         self.close_timeout = close_timeout
         self._started = False
-        # Step telemetry: one JSON line per step (see aioreduce.telemetry).
-        self.tracer = Tracer(env.rank, trace_path(trace, env.rank)) if trace else None
-        # gc_every=N: Python's collector runs after every N-th step, the same on every rank
-        # (see aioreduce.stepgc); 0 leaves it alone.
-        if gc_every < 0:
-            raise ValueError(f"rank {env.rank}: gc_every must be >= 0, not {gc_every}")
-        self.stepgc = StepGC(gc_every) if gc_every else None
-        super().__init__(mesh, Stepper(env.rank, env.world_size, self.straggle, self.tracer,
-                                       self.stepgc))
+        steps = Stepper.configured(env.rank, env.world_size, straggle, trace, gc_every)
+        # injected stragglers, step telemetry and garbage collection: see the Stepper
+        self.straggle, self.tracer, self.stepgc = steps.straggle, steps.tracer, steps.stepgc
+        super().__init__(mesh, steps)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, *,

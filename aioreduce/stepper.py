@@ -22,8 +22,8 @@ from .errors import VectorMismatch
 from .schemes import FellBehind, Result, Session
 from .schemes.base import Arrival, DecodeTimed, SumsInPlace, WritesInto
 from .stepgc import StepGC
-from .straggle import StraggleModel
-from .telemetry import Tracer
+from .straggle import StraggleModel, parse_straggle
+from .telemetry import Tracer, trace_path
 
 
 class Stepper:
@@ -36,6 +36,21 @@ class Stepper:
         self.step = 0  # the number of the next step
         self.like: np.ndarray | None = None  # shape and dtype of this scheme's steps
         self._last_return = time.perf_counter()
+
+    @classmethod
+    def configured(cls, rank: int, world_size: int, straggle: StraggleModel | str | None,
+                   trace: str | None, gc_every: int) -> Stepper:
+        """A stepper from a node's arguments: ``straggle`` a model or its text (see
+        :mod:`aioreduce.straggle`), ``trace`` a folder for one JSON line per step (see
+        :mod:`aioreduce.telemetry`), ``gc_every=N`` runs Python's collector after every N-th
+        step, the same on every rank (see :mod:`aioreduce.stepgc`; 0 leaves it alone)."""
+        if gc_every < 0:
+            raise ValueError(f"rank {rank}: gc_every must be >= 0, not {gc_every}")
+        if isinstance(straggle, str):
+            straggle = parse_straggle(straggle)
+        return cls(rank, world_size, straggle or StraggleModel(),
+                   Tracer(rank, trace_path(trace, rank)) if trace else None,
+                   StepGC(gc_every) if gc_every else None)
 
     def take(self) -> int:
         """A step number for a collective step (allgather, broadcast, exchange)."""

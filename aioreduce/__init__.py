@@ -11,6 +11,7 @@ from .errors import (
     RendezvousError,
     VectorMismatch,
 )
+from .heal import StateHooks
 from .node import Node
 from .schemes import (
     CodedTree,
@@ -48,6 +49,7 @@ __all__ = [
     "Ring",
     "Scheme",
     "Star",
+    "StateHooks",
     "StraggleModel",
     "StragglerError",
     "SyncNode",

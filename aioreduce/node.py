@@ -24,9 +24,10 @@ from typing import Any, Literal, TypeAlias
 import numpy as np
 
 from .env import NodeEnv, discover
+from .heal import Healer, StateHooks
 from .inputs import Inputs
 from .peers import Peers
-from .schemes import CodedScheme, Result, Scheme, Session
+from .schemes import CodedScheme, FellBehind, Result, Scheme, Session
 from .schemes.base import Arrival, Comm, SumsInPlace
 from .schemes.p2p import PointToPoint
 from .sessions import Sessions, preconnect
@@ -52,7 +53,7 @@ class Node(Peers):
                  options: MeshOptions | None = None, close_timeout: float = 10.0,
                  trace: str | None = None,
                  on_listen: Callable[[str, int], None] | None = None,
-                 gc_every: int = 0) -> None:
+                 gc_every: int = 0, state: StateHooks | None = None) -> None:
         self.env = env
         # Rank 0: called with the rendezvous (address, port) once it listens, before waiting
         # for the others (the torch backend publishes it in torch's store).
@@ -73,6 +74,8 @@ class Node(Peers):
         mesh = Mesh(env.rank, env.world_size, env.secret, env.job, options)
         # send/recv outside the collective steps (torch's point-to-point calls)
         self.p2p = PointToPoint(mesh)
+        # state: how a replacement of a dead rank gets the program's state (see aioreduce.heal)
+        self.healer = Healer(mesh, state, env.rendezvous_timeout, self._neighbours)
         self.close_timeout = close_timeout
         self._started = False
         steps = Stepper.configured(env.rank, env.world_size, straggle, trace, gc_every)
@@ -128,12 +131,19 @@ class Node(Peers):
                          advertise=env.advertise_addr, bind=env.bind_addr,
                          timeout=env.rendezvous_timeout)
         self._started = True
+        if self.mesh.incarnations.rejoined:  # this process replaces a dead one: heal it
+            self._steps.step = await self.healer.heal()
         await preconnect(self.mesh, self.scheme)
         if self.scheme is not None:
             self._sessions.open(self.scheme, self._steps.step)
+            if self.mesh.incarnations.rejoined:
+                self._sessions.rejoined(self._steps.step)
         if self.stepgc is not None:  # last: nothing after it can fail and leave it on
             self.stepgc.start()
         log.debug("rank %d joined job %s (%d ranks)", env.rank, env.job, env.world_size)
+
+    def _neighbours(self) -> list[int]:
+        return self.scheme.neighbours(self.rank, self.world_size) if self.scheme else []
 
     async def close(self, *, wait_for_peers: bool = True) -> None:
         """Leave the job: results still on their way to slower ranks get ``close_timeout``
@@ -284,8 +294,14 @@ class Node(Peers):
         array, like = self._inputs.numpy(vector)
         session = self._sessions.current
         assert session is not None  # aggregate()/allreduce() checked it
-        res = await self._steps.run(session, type(self.scheme).__name__, array, into, divisor,
-                                    arrival)
+        self.healer.serve(self._steps.step)  # a step boundary: rejoined ranks that asked
+        try:
+            res = await self._steps.run(session, type(self.scheme).__name__, array, into,
+                                        divisor, arrival)
+        except FellBehind as exc:
+            if self.healer.hooks is not None:  # heal the program's state from a peer too
+                self._steps.step, exc.healed = await self.healer.heal(), True
+            raise
         return res if into is not None else self._inputs.result(res, like, callable(array))
 
     def _require(self, *, coded: bool) -> Scheme:

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 
 from .schemes import CodedScheme, Scheme, Session
-from .schemes.base import Comm
+from .schemes.base import Comm, Rejoins
 from .schemes.dormant import GatedComm
 from .transport import Mesh
 
@@ -53,6 +53,11 @@ class Sessions:
             self._gate = GatedComm(self._comm(), first_step=step)
             self.current = scheme.open(self._gate)
 
+    def rejoined(self, step: int) -> None:
+        """This process replaced a dead rank and starts at ``step``: tell the session."""
+        if isinstance(self.current, Rejoins):
+            self.current.rejoined(step)
+
     async def leave(self, step: int, *, keep: bool, timeout: float) -> None:
         """Stop running the current session at ``step``: keep it (asleep) or close it."""
         session, self.current = self.current, None
@@ -77,11 +82,13 @@ class Sessions:
 
 async def preconnect(mesh: Mesh, scheme: Scheme | None) -> None:
     """Open ``scheme``'s connections now, in parallel, instead of inside the first steps.
-    Each link is dialed by its lower rank, so every pair gets one connection."""
+    Each link is dialed by its lower rank, so every pair gets one connection; a process that
+    replaced a dead rank dials every neighbour (their connections to the dead one broke)."""
     if scheme is None:
         return
     rank = mesh.rank
-    peers = [p for p in scheme.neighbours(rank, mesh.world_size) if p > rank]
+    peers = [p for p in scheme.neighbours(rank, mesh.world_size)
+             if p > rank or mesh.incarnations.rejoined]
     results = await asyncio.gather(*(mesh.connect(p) for p in peers), return_exceptions=True)
     for p, r in zip(peers, results, strict=True):
         if isinstance(r, BaseException):  # the step will dial again and report it

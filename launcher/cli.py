@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="up to K ranks may die without stopping the job, for schemes that "
                         "finish without them (coded-tree, gc); the summary names them "
                         "(default 0: the first death stops the job)")
+    p.add_argument("--restart", type=int, default=0, metavar="N",
+                   help="restart a rank that dies, up to N times in all, on its host; the new "
+                        "process rejoins the running job and heals its state from a live "
+                        "peer (coded-tree, gc, tree, star; see docs/heal.md); local ranks "
+                        "only for now (default 0)")
     p.add_argument("--cause-wait", type=float, default=3.0, metavar="S",
                    help="when the deaths that stop the job all report a lost peer, wait up to "
                         "S seconds for the rank that caused them before stopping the others, "
@@ -165,6 +170,11 @@ async def launch(opts: argparse.Namespace, command: list[str]) -> int:
                              "reach its ranks")
     if opts.tolerate < 0:
         raise UsageError("--tolerate K: K must be 0 or more")
+    if opts.restart < 0:
+        raise UsageError("--restart N: N must be 0 or more")
+    if opts.restart and any(not e.is_local for e in entries):
+        raise UsageError("--restart: ranks on remote hosts cannot be restarted yet; run them "
+                         "under an engine that restarts processes (they rejoin the same way)")
     master_port, rendezvous_port = job_ports(opts, entries[0])
     job = JobConfig(master_addr=entries[0].data_addr, master_port=master_port,
                     rendezvous_port=rendezvous_port,
@@ -202,9 +212,16 @@ async def launch(opts: argparse.Namespace, command: list[str]) -> int:
         hosts = [RemoteHost(e.host, conns[e.host], ssh_opts) for e in remote_entries]
 
     ranks: list[RankHandle] = []
-    supervisor = Supervisor(ranks, kill_timeout=opts.kill_timeout, tolerate=opts.tolerate,
-                            cause_wait=opts.cause_wait)
     tag = not opts.no_tag_output
+    spec_of = {spec.rank: spec for spec in specs}
+
+    async def restart(old: RankHandle) -> RankHandle:
+        return await LocalRank.start(spec_of[old.rank], command, tag=tag,
+                                     output_dir=opts.output_dir, restarted=True)
+
+    supervisor = Supervisor(ranks, kill_timeout=opts.kill_timeout, tolerate=opts.tolerate,
+                            cause_wait=opts.cause_wait, restart=opts.restart,
+                            restarter=restart)
     try:
         for e in entries:
             if e.is_local and e.host in by_host:

@@ -51,15 +51,20 @@ class LocalRank:
 
     @classmethod
     async def start(cls, spec: RankSpec, argv: Sequence[str], *, tag: bool = True,
-                    output_dir: str | None = None, cwd: str | None = None) -> LocalRank:
+                    output_dir: str | None = None, cwd: str | None = None,
+                    restarted: bool = False) -> LocalRank:
+        """Start ``spec``'s rank; ``restarted``: it replaces a dead process of that rank
+        (its output files go on)."""
         env = dict(os.environ)
         env.update(spec.env)
         proc = await asyncio.create_subprocess_exec(
             *argv, env=env, cwd=cwd, stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True, preexec_fn=_die_with_parent)
-        outputs = (RankOutput(spec.rank, "stdout", tag=tag, copy_to=output_dir),
-                   RankOutput(spec.rank, "stderr", tag=tag, copy_to=output_dir))
+        outputs = (RankOutput(spec.rank, "stdout", tag=tag, copy_to=output_dir,
+                              append=restarted),
+                   RankOutput(spec.rank, "stderr", tag=tag, copy_to=output_dir,
+                              append=restarted))
         return cls(spec, proc, outputs)
 
     @staticmethod

@@ -22,7 +22,7 @@ class RankOutput:
 
     def __init__(self, rank: int, stream: str, *, tag: bool = True,
                  out: BinaryIO | None = None, copy_to: str | None = None,
-                 keep_lines: int = 20) -> None:
+                 keep_lines: int = 20, append: bool = False) -> None:
         self.rank = rank
         self.stream = stream
         self.prefix = f"[{rank}] " if tag else ""
@@ -35,7 +35,9 @@ class RankOutput:
         self._file: BinaryIO | None = None
         if copy_to is not None:
             os.makedirs(copy_to, exist_ok=True)
-            self._file = open(os.path.join(copy_to, f"rank.{rank}.{stream}"), "wb")  # noqa: SIM115
+            # append: a restarted rank's process goes on in its predecessor's file
+            self._file = open(os.path.join(copy_to, f"rank.{rank}.{stream}"),  # noqa: SIM115
+                              "ab" if append else "wb")
 
     def feed(self, data: bytes) -> None:
         """Write every complete line in ``data`` (and what was pending), tagged."""

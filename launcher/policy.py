@@ -1,8 +1,10 @@
 """The launcher's failure policy, without processes: which deaths stop a job, who caused it.
 
 A rank *dies* when it exits non-zero on its own (not because the launcher was stopping the
-job). Up to ``tolerate`` deaths leave the job running, for schemes that finish without a few
-ranks (coded tree, gradient coding, bounded-time); one more stops the job.
+job). Up to ``restart`` deaths are answered with a new process for that rank, which rejoins
+the running job and heals from a live peer (see :mod:`aioreduce.heal`); past those, up to
+``tolerate`` deaths leave the job running, for schemes that finish without a few ranks (coded
+tree, gradient coding, bounded-time); one more stops the job.
 
 The *culprit* is the first death that is not a consequence of another: a rank whose last
 output shows it died of :class:`~aioreduce.errors.PeerLost` (or a ``StragglerError`` naming
@@ -76,6 +78,15 @@ class FailurePolicy:
     tolerate: int = 0
     deaths: list[Death] = field(default_factory=list)
     stopped: bool = False  # the launcher is stopping the job: later exits are not deaths
+    restart: int = 0  # deaths answered with a new process, in all
+    restarted: list[Death] = field(default_factory=list)
+
+    def restarts(self, rank: int, host: str, code: int, last_lines: Sequence[str]) -> bool:
+        """Record an exit as a death to restart, if it is one and restarts are left."""
+        if code == 0 or self.stopped or len(self.restarted) >= self.restart:
+            return False
+        self.restarted.append(Death(rank, host, code, tuple(last_lines)))
+        return True
 
     def exited(self, rank: int, host: str, code: int, last_lines: Sequence[str]) -> bool:
         """Record an exit; True if the deaths are now beyond the tolerance (the job must
@@ -120,13 +131,17 @@ class FailurePolicy:
         return 0
 
     def summary(self) -> list[str]:
-        """Lines for the end of the job: every death, then the culprit with its last lines."""
+        """Lines for the end of the job: every restart, every death, then the culprit with
+        its last lines."""
+        lines = [f"{d.describe()}; restarted ({i} of at most {self.restart})"
+                 + (f": {d.error}" if d.error and d.code != 137 else "")
+                 for i, d in enumerate(self.restarted, 1)]
         if not self.deaths:
-            return []
+            return lines
         verdict = ("the job was stopped" if self.failed
                    else f"tolerated ({len(self.deaths)} of at most {self.tolerate}); "
                         "the others finished")
-        lines = [f"{len(self.deaths)} rank(s) died, {verdict}:"]
+        lines.append(f"{len(self.deaths)} rank(s) died, {verdict}:")
         # Ranks that ended the same way with the same error are one line.
         groups: dict[tuple[str, int, str], list[Death]] = {}
         for d in self.deaths:

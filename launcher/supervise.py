@@ -2,7 +2,9 @@
 
 Policy (the same for local and remote ranks; which deaths count is :mod:`.policy`):
 
-* a rank that exits non-zero dies; up to ``tolerate`` deaths (``--tolerate K``) leave the job
+* a rank that exits non-zero dies; up to ``restart`` deaths in all (``--restart N``) are
+  answered with a new process for that rank (``restarter``), which rejoins the running job;
+  past those, up to ``tolerate`` deaths (``--tolerate K``) leave the job
   running, one more terminates every other rank; the culprit (the first death that was not
   just a lost peer) decides the exit code, and a summary names every death and how it ended;
 * while every death beyond the tolerance only reports a lost peer, the launcher waits up to
@@ -21,7 +23,8 @@ import asyncio
 import contextlib
 import signal
 import sys
-from typing import Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from .output import RankOutput
 from .policy import FailurePolicy, how_it_ended
@@ -51,12 +54,17 @@ class Supervisor:
     """Runs the failure and interrupt policy over a set of started ranks."""
 
     def __init__(self, ranks: list[RankHandle], kill_timeout: float = 10.0,
-                 tolerate: int = 0, cause_wait: float = 3.0) -> None:
+                 tolerate: int = 0, cause_wait: float = 3.0, restart: int = 0,
+                 restarter: Callable[[RankHandle], Awaitable[RankHandle]] | None = None
+                 ) -> None:
         self.ranks = ranks
         self.kill_timeout = kill_timeout
         self.cause_wait = cause_wait
         self._cause_handle: asyncio.TimerHandle | None = None
-        self.policy = FailurePolicy(tolerate)
+        self.policy = FailurePolicy(tolerate, restart=restart if restarter else 0)
+        self._restarter = restarter
+        self._restarting = 0  # restarts in flight
+        self._waits: dict[asyncio.Future[int], RankHandle] = {}
         self.interrupted: int | None = None  # signal number
         self._stopping = False
         self._kill_handle: asyncio.TimerHandle | None = None
@@ -96,18 +104,22 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.interrupt, sig)
-        waits = {asyncio.ensure_future(r.wait()): r for r in self.ranks}
-        pending = set(waits)
+        self._waits = {asyncio.ensure_future(r.wait()): r for r in self.ranks}
+        handled: set[asyncio.Future[int]] = set()
         try:
-            while pending:
+            while True:
+                pending = set(self._waits) - handled  # restarted ranks join it
+                if not pending and not self._restarting:
+                    break
                 wake = asyncio.ensure_future(self._wake.wait())
-                done, pending = await asyncio.wait(pending | {wake},
-                                                   return_when=asyncio.FIRST_COMPLETED)
-                pending.discard(wake)
+                waiting: list[asyncio.Future[Any]] = [*pending, wake]
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 wake.cancel()
                 self._wake.clear()
-                for fut in done - {wake}:
-                    self._exited(waits[fut], fut.result())
+                for fut in pending:
+                    if fut.done():
+                        handled.add(fut)
+                        self._exited(self._waits[fut], fut.result())
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -150,6 +162,13 @@ class Supervisor:
         if self._stopping:  # the launcher's own SIGTERM/SIGKILL: not a death
             return
         tail = list(rank.outputs[1].last_lines) or list(rank.outputs[0].last_lines)
+        if self.policy.restarts(rank.rank, rank.host, code, tail):
+            _say(f"rank {rank.rank} on {rank.host} {how_it_ended(code)}; restarting it "
+                 f"({len(self.policy.restarted)} of at most {self.policy.restart})")
+            self._restarting += 1
+            task = asyncio.ensure_future(self._restart(rank))
+            task.add_done_callback(lambda _t: self._wake.set())
+            return
         if not self.policy.exited(rank.rank, rank.host, code, tail):
             if code != 0:
                 _say(f"rank {rank.rank} on {rank.host} {how_it_ended(code)}; tolerated "
@@ -162,6 +181,25 @@ class Supervisor:
                     self.cause_wait, self._stop_for, rank, code)
             return
         self._stop_for(rank, code)
+
+    async def _restart(self, old: RankHandle) -> None:
+        """A new process for ``old``'s rank, watched like the others."""
+        try:
+            old.signal(signal.SIGKILL)  # whatever the dead process left in its group
+            await old.close()
+            assert self._restarter is not None
+            new = await self._restarter(old)
+        except Exception as exc:  # it cannot come back: a death like any other
+            _say(f"cannot restart rank {old.rank} on {old.host}: {exc}")
+            if self.policy.exited(old.rank, old.host, 1, [str(exc)]):
+                self._stop_for(old, 1)
+            return
+        finally:
+            self._restarting -= 1
+        if self._stopping:
+            new.signal(signal.SIGKILL)
+        self.ranks[self.ranks.index(old)] = new
+        self._waits[asyncio.ensure_future(new.wait())] = new
 
     def _stop_for(self, rank: RankHandle, code: int) -> None:
         culprit = self.policy.culprit

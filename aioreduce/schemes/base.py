@@ -256,6 +256,16 @@ class ReadsInOrder(Protocol):
 
 
 @runtime_checkable
+class Rejoins(Protocol):
+    """A session that a process replacing a dead rank opens mid-job (see
+    :mod:`aioreduce.heal`): it asks for the outcomes from ``step`` on at once, instead of
+    waiting out a deadline for results its peers sent the dead process."""
+
+    def rejoined(self, step: int) -> None:
+        """This process starts at ``step``; the job may be further on."""
+
+
+@runtime_checkable
 class SumsInPlace(Protocol):
     """A session that can write a step's sum into an array of the caller's (its own vector
     included), as ``torch.distributed`` collectives do: no result buffer, no copy back.
@@ -336,12 +346,15 @@ class StragglerError(AioreduceError):
 class FellBehind(AioreduceError):
     """This rank fell further behind than its peers keep results for.
 
-    The node now stands at ``current_step``: re-sync the model from a peer (for example with
-    ``Node.broadcast``) and continue from there.
+    The node now stands at ``current_step``. With state hooks (``Node(state=...)``, see
+    :mod:`aioreduce.heal`) it has healed already: ``healed`` is True, the program's state is
+    a live peer's and the node stands at that peer's step; skip this step's update and go on.
+    Without them, re-sync the model from a peer (for example with ``Node.broadcast``).
     """
 
     def __init__(self, rank: int, step: int, current_step: int) -> None:
         self.rank, self.step, self.current_step = rank, step, current_step
+        self.healed = False
         super().__init__(f"rank {rank}: the result of step {step} is no longer kept by its "
                          f"peers; the job is at step {current_step}")
 

@@ -51,7 +51,7 @@ import numpy as np
 
 from ..errors import PeerLost, VectorMismatch
 from ..wire import DEFER, Frame, Header, Kind, ProtocolError, is_p2p
-from ..wire.control import Notice
+from ..wire.control import OUT_OF_BAND, Notice
 from ..wire.decoder import Destination
 
 if TYPE_CHECKING:
@@ -86,8 +86,11 @@ class Inbox:
 
     def __init__(self, rank: int, stage_limit: int,
                  on_lost: Callable[[int], None] | None = None,
-                 budget: PeerBudget | None = None, latency: float = 0.0) -> None:
+                 budget: PeerBudget | None = None, latency: float = 0.0,
+                 on_control: Callable[[int, dict[str, object]], None] | None = None) -> None:
         self.rank = rank
+        # Out-of-band control messages but notices (a rank moved, a heal request) go here.
+        self._on_control = on_control
         self.latency = latency  # emulated one-way latency, seconds (see the module docstring)
         self.budget = budget or PeerBudget()
         self.staged_bytes = 0  # payload bytes in _staged
@@ -271,8 +274,13 @@ class Inbox:
     def delivered(self, conn: FrameProtocol, frame: Frame) -> None:
         header = frame.header
         if header.kind is Kind.CONTROL:
-            if header.meta.get("op") == Notice.op:  # for the log only, never queued
+            op = header.meta.get("op")
+            if op == Notice.op:  # for the log only, never queued
                 log.error("rank %d says: %s", self.rank, str(header.meta.get("text"))[:500])
+                return
+            if op in OUT_OF_BAND:
+                if self._on_control is not None:
+                    self._on_control(self.rank, header.meta)
                 return
             if self.control.qsize() >= self.budget.control:
                 raise ProtocolError(f"rank {self.rank} sent more than {self.budget.control} "
@@ -348,6 +356,17 @@ class Inbox:
     def connection_added(self, conn: FrameProtocol) -> None:
         self.conns.add(conn)
         self.lost = None
+
+    def new_incarnation(self) -> None:
+        """The rank's process was replaced: forget every frame its old process sent that is
+        still here (staged, held, control), so none is mixed into the new one's."""
+        for key in list(self._staged):
+            self._unstage(key)
+        for conn in list(self._held):
+            del self._held[conn]
+            conn.resume_with(None)
+        while not self.control.empty():
+            self.control.get_nowait()
 
     # -- helpers ------------------------------------------------------------------------------
     def _unstage(self, key: Key) -> tuple[Header, memoryview, float] | None:

@@ -45,6 +45,7 @@ from ..wire.handshake import (
     Refused,
     WrongJob,
 )
+from ..wire.incarnation import JOINING, Incarnations, Newer, Unregistered
 from .inbox import NO_FLOOR, Inbox, PeerBudget
 from .lane import ACCEPT_TIMEOUT_S, Lane, LaneListener, dial, local_name, proof
 from .protocol import FrameProtocol
@@ -107,8 +108,16 @@ class Mesh:
         self.host = "127.0.0.1"  # where we listen (set by listen); lanes listen there too
         self._lost_listeners: list[Callable[[int], None]] = []
         self._inbox = {r: Inbox(r, self.options.stage_limit, self._peer_lost,
-                                self.options.peer_budget, self.options.latency)
+                                self.options.peer_budget, self.options.latency,
+                                self._out_of_band)
                        for r in range(world_size)}
+        # Which process of each rank we talk to (see aioreduce.wire.incarnation).
+        self.incarnations = Incarnations(rank, world_size)
+        # Rank 0, while the job runs: a replacement process of this rank connected and will
+        # register (the rendezvous serves it).
+        self.on_joining: Callable[[int], None] | None = None
+        # A rank that rejoined or fell behind asks for the job's state (see aioreduce.heal).
+        self.on_heal: Callable[[int, control.HealAsk], None] | None = None
         self._dial_locks: dict[int, asyncio.Lock] = {}
         self._floor: tuple[int, int] = (NO_FLOOR, 0)  # what discard_before set last
         self._server: asyncio.Server | None = None
@@ -183,7 +192,7 @@ class Mesh:
         # uvloop makes the connection (and learns the peer's address) after this factory
         # returns; a handshake started here would count every burst of peers against an
         # unknown host "?", so the per-host cap evicted correct ranks of jobs over 16 ranks.
-        conn.on_made = lambda c: self._spawn(self._accept(c))
+        conn.on_made = lambda c: self.spawn(self._accept(c))
         return conn
 
     def _admit(self, conn: FrameProtocol) -> None:
@@ -225,8 +234,10 @@ class Mesh:
 
     async def _accept(self, conn: FrameProtocol) -> None:
         """Listener side of the handshake; never raises (a bad peer must not hurt the node)."""
-        hs = ListenerHandshake(self._secret, self.job, self.rank, self.world_size)
+        hs = ListenerHandshake(self._secret, self.job, self.rank, self.world_size,
+                               self.incarnations.mine)
         self._admit(conn)
+        joining = False
         try:
             while True:
                 frame = await self._next_handshake(conn)
@@ -241,12 +252,16 @@ class Mesh:
                     self._wrong_job(event)
                     raise AuthError(f"rank {event.rank} was started for job {event.job!r}")
                 if isinstance(event, Accepted):
+                    self._refuse_stale(event.rank, event.incarnation, conn.peername)
                     self._refuse_duplicate(conn, event.rank)
+                    joining = self._judge(event.rank, event.incarnation, conn.peername)
                     self._attach(conn, event.rank)  # before WELCOME: data may follow it
                     self._note_dialed(event.rank, conn)
                 for header in out:
                     await conn.send(encode_frame(header))
                 if event is not None:
+                    if joining and self.on_joining is not None:
+                        self.on_joining(event.rank)
                     return
         except (AuthError, TimeoutError, PeerLost, ConnectionError) as exc:
             self.refused += 1
@@ -286,8 +301,53 @@ class Mesh:
                     "second was refused: check the launch, every rank must be started once")
             log.error("rank %d: %s", self.rank, text)
             if len(self.addresses) == self.world_size:  # the job runs: tell every rank
-                self._spawn(self._notify_all(text))
+                self.spawn(self._notify_all(text))
             raise AuthError(f"rank {rank} is already connected from {where[0]}")
+
+    def _judge(self, rank: int, claimed: int, where: str, *, dialed: bool = False) -> bool:
+        """Apply :class:`Incarnations`' judgement of a handshake in which ``rank`` claims
+        incarnation ``claimed``; raise :class:`AuthError` to refuse it. True: a replacement
+        process joins the running job (rank 0)."""
+        self._refuse_stale(rank, claimed, where)
+        verdict = self.incarnations.judge(rank, claimed, dialed=dialed)
+        if isinstance(verdict, Unregistered):
+            raise AuthError(f"rank {rank} has no incarnation yet (it has not registered with "
+                            "rank 0)")
+        if isinstance(verdict, Newer):
+            log.info("rank %d: rank %d is incarnation %d now (%s)", self.rank, rank,
+                     verdict.incarnation, where)
+            self._inbox[rank].new_incarnation()
+        return claimed == JOINING and self.incarnations.running
+
+    def _refuse_stale(self, rank: int, claimed: int, where: str) -> None:
+        """A replaced process of ``rank`` came back: refuse it and name it on every rank."""
+        stale = self.incarnations.stale(rank, claimed)
+        if stale is None:
+            return
+        text = stale.text(where)
+        log.error("rank %d: %s", self.rank, text)
+        if len(self.addresses) == self.world_size:  # the job runs: tell every rank
+            self.spawn(self._notify_all(text))
+        raise AuthError(f"rank {rank}: stale incarnation {claimed}")
+
+    def _out_of_band(self, rank: int, meta: dict[str, object]) -> None:
+        """A control message handled as it arrives (see :data:`control.OUT_OF_BAND`)."""
+        try:
+            event = control.decode(dict(meta))
+        except control.MalformedControl as exc:
+            log.warning("rank %d: malformed control message from rank %d: %s", self.rank,
+                        rank, exc)
+            return
+        if isinstance(event, control.Moved) and rank == 0 and event.rank != self.rank:
+            if 0 <= event.rank < self.world_size:
+                self.addresses[event.rank] = (event.host, event.port)
+                self._judge_quietly(event.rank, event.incarnation)
+        elif isinstance(event, control.HealAsk) and self.on_heal is not None:
+            self.on_heal(rank, event)
+
+    def _judge_quietly(self, rank: int, incarnation: int) -> None:
+        with contextlib.suppress(AuthError):  # an older one than we know: nothing to do
+            self._judge(rank, incarnation, "rank 0's table")
 
     def _wrong_job(self, event: WrongJob) -> None:
         """A process of ours (it knows the secret) was started with another job id."""
@@ -302,7 +362,8 @@ class Mesh:
         await asyncio.gather(*(self.send_control(r, control.Notice(text))
                                for r in peers), return_exceptions=True)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` as a task the mesh owns (cancelled when it closes)."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -410,7 +471,7 @@ class Mesh:
         """Connector side of the handshake on a fresh connection to ``rank``. Fails with
         :class:`AuthError`; with its subclass ``_Unproven`` if the peer never proved the
         secret (not a rank of this job: a squatter on a Unix name, or a wrong secret)."""
-        hs = ConnectorHandshake(self._secret, self.job, self.rank, rank)
+        hs = ConnectorHandshake(self._secret, self.job, self.rank, rank, self.incarnations.mine)
         proved = False
         try:
             await conn.send(encode_frame(hs.start()))
@@ -423,6 +484,7 @@ class Mesh:
                     raise AuthError(f"{where}: {event.reason}")
                 if isinstance(event, Proved):
                     proved = True
+                    self._judge(rank, event.incarnation, where, dialed=True)
                     conn.arm(rank, self._inbox[rank])  # WELCOME may carry data behind it
                 for header in out:
                     await conn.send(encode_frame(header))

@@ -5,6 +5,11 @@ up yet), opens its own listener on the address its route to rank 0 uses (or on t
 one), and registers (rank, host, port). When everyone has registered, rank 0 sends the address
 table to all. A rank that never registers makes rank 0 fail with an error naming the missing
 ranks, and the others fail because rank 0 closes their connections.
+
+While the job runs, rank 0 keeps serving registrations: a process that replaces a dead rank
+(restarted: same rank, maybe another host and port) registers like any rank and gets the table
+with its incarnation (see :mod:`aioreduce.wire.incarnation`), and rank 0 tells every other
+rank where it listens now (:class:`~aioreduce.wire.control.Moved`).
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ from ..wire.control import (
     Arrive,
     Control,
     MalformedControl,
+    Moved,
     Register,
     Release,
     Table,
 )
+from ..wire.incarnation import JOINING
 from .mesh import Mesh
 
 log = logging.getLogger("aioreduce.transport")
@@ -99,9 +106,12 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
             raise RendezvousError(f"rank 0: {problem}")
         table = Table(tuple(mesh.addresses[r] for r in range(mesh.world_size)))
         await asyncio.gather(*(mesh.send_control(r, table) for r in others))
+        mesh.incarnations.running = True
+        mesh.on_joining = lambda r: mesh.spawn(_serve_rejoin(mesh, r, timeout))
         return
 
     delay = 0.02
+    mesh.incarnations.mine = JOINING  # rank 0's table gives this process its number
     while True:
         try:
             conn = await mesh.connect(0, master)
@@ -137,10 +147,38 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
                                   f"the job: {MISSING_HINT}", missing=list(msg.missing))
         raise RendezvousError(f"rank {mesh.rank}: rank 0 stopped the job: {msg.reason}")
     assert isinstance(msg, Table)
-    if len(msg.addresses) != mesh.world_size:
+    if len(msg.addresses) != mesh.world_size or len(msg.incarnations) not in (
+            0, mesh.world_size):
         raise RendezvousError("rank 0 sent a malformed address table")
     for r, address in enumerate(msg.addresses):
         mesh.addresses[r] = address
+    mesh.incarnations.learn(msg.incarnations or (0,) * mesh.world_size)
+    if mesh.incarnations.rejoined:
+        log.warning("rank %d rejoined the running job as incarnation %d", mesh.rank,
+                    mesh.incarnations.mine)
+
+
+async def _serve_rejoin(mesh: Mesh, rank: int, timeout: float) -> None:
+    """Rank 0: a process replacing ``rank`` connected to the running job; take its
+    registration, send it the table (with its incarnation), and tell every other rank."""
+    try:
+        msg = await mesh.recv_control(rank, timeout)
+    except Exception as exc:  # it went away again: the next one will register
+        log.warning("rank 0: the replacement of rank %d did not register: %s", rank, exc)
+        return
+    if not isinstance(msg, Register) or msg.world != mesh.world_size:
+        log.error("rank 0: the replacement of rank %d sent %s; expected a registration with "
+                  "world size %d", rank, msg, mesh.world_size)
+        return
+    mesh.addresses[rank] = (msg.host, msg.port)
+    incs = tuple(mesh.incarnations.known)
+    await mesh.send_control(rank, Table(tuple(mesh.addresses[r] for r in
+                                              range(mesh.world_size)), incs))
+    moved = Moved(rank, msg.host, msg.port, incs[rank])
+    log.warning("rank 0: rank %d rejoined as incarnation %d at %s:%d", rank, incs[rank],
+                msg.host, msg.port)
+    await asyncio.gather(*(mesh.send_control(r, moved) for r in range(1, mesh.world_size)
+                           if r != rank), return_exceptions=True)
 
 
 def _check_registrations(mesh: Mesh, regs: dict[int, Control]) -> str:

@@ -8,7 +8,9 @@ must produce a clear error, never a ``KeyError`` deep in the rendezvous.
 
 Carried in CONTROL frames (:meth:`aioreduce.transport.Mesh.send_control`): the rendezvous
 (:class:`Register`, :class:`Table`, :class:`Abort`), the barrier (:class:`Arrive`,
-:class:`Release`) and :class:`Notice` (a line for the peers' logs). Carried as the meta of a
+:class:`Release`), and out of band (handled as they arrive, never queued for a receiver):
+:class:`Notice` (a line for the peers' logs), :class:`Moved` (a rank rejoined with a new
+incarnation) and :class:`HealAsk` (a newcomer asks for the job's state). Carried as the meta of a
 data frame on a tag of its own: :class:`LaneOffer` (:data:`~aioreduce.wire.tags.LANE_OFFER`).
 """
 
@@ -38,10 +40,12 @@ class Register:
 
 @dataclass(frozen=True)
 class Table:
-    """Rank 0 to every rank: every rank's (host, port), by rank."""
+    """Rank 0 to every rank: every rank's (host, port) and incarnation, by rank (a table
+    without incarnations: every rank's is 0)."""
 
     op: ClassVar[str] = "table"
     addresses: tuple[tuple[str, int], ...]
+    incarnations: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,31 @@ class StepFailed:
     rank: int | None = None
 
 
-Control = Register | Table | Abort | Arrive | Release | Notice
+@dataclass(frozen=True)
+class Moved:
+    """Rank 0 to every rank: ``rank`` rejoined the running job as incarnation
+    ``incarnation``, listening at (``host``, ``port``)."""
+
+    op: ClassVar[str] = "moved"
+    rank: int
+    host: str
+    port: int
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class HealAsk:
+    """A rank (incarnation ``incarnation``) that rejoined or fell behind, to a live peer: send
+    me the job's step and state at your next step boundary, on frames whose step is
+    ``ticket`` (see :mod:`aioreduce.heal`)."""
+
+    op: ClassVar[str] = "heal"
+    incarnation: int
+    ticket: int = 0
+
+
+Control = Register | Table | Abort | Arrive | Release | Notice | Moved | HealAsk
+OUT_OF_BAND = frozenset({Notice.op, Moved.op, HealAsk.op})  # handled on arrival, never queued
 
 
 def encode(event: Control) -> dict[str, object]:
@@ -110,7 +138,13 @@ def encode(event: Control) -> dict[str, object]:
     if isinstance(event, Register):
         return {"op": event.op, "host": event.host, "port": event.port, "world": event.world}
     if isinstance(event, Table):
-        return {"op": event.op, "table": [list(a) for a in event.addresses]}
+        return {"op": event.op, "table": [list(a) for a in event.addresses],
+                "inc": list(event.incarnations)}
+    if isinstance(event, Moved):
+        return {"op": event.op, "rank": event.rank, "host": event.host, "port": event.port,
+                "inc": event.incarnation}
+    if isinstance(event, HealAsk):
+        return {"op": event.op, "inc": event.incarnation, "ticket": event.ticket}
     if isinstance(event, Abort):
         return {"op": event.op, "reason": event.reason[:MAX_TEXT],
                 "missing": list(event.missing), "barrier": event.barrier}
@@ -133,7 +167,21 @@ def decode(meta: dict[str, Any]) -> Control:
                 isinstance(e, list) and len(e) == 2 and type(e[0]) is str
                 and type(e[1]) is int for e in table):
             raise MalformedControl("an address table needs a [host, port] per rank")
-        return Table(tuple((e[0], e[1]) for e in table))
+        incs = meta.get("inc", [])
+        if not isinstance(incs, list) or not all(type(i) is int and i >= 0 for i in incs):
+            raise MalformedControl("an address table's incarnations are integers >= 0")
+        return Table(tuple((e[0], e[1]) for e in table), tuple(incs))
+    if op == Moved.op:
+        rank, host, port, inc = (meta.get(k) for k in ("rank", "host", "port", "inc"))
+        if (type(rank) is not int or type(host) is not str or type(port) is not int
+                or type(inc) is not int or inc < 1):
+            raise MalformedControl("a move needs a rank, a host, a port and an incarnation")
+        return Moved(rank, host, port, inc)
+    if op == HealAsk.op:
+        inc, ticket = meta.get("inc"), meta.get("ticket")
+        if type(inc) is not int or inc < 0 or type(ticket) is not int or ticket < 0:
+            raise MalformedControl("a heal request needs the asker's incarnation and a ticket")
+        return HealAsk(inc, ticket)
     if op == Abort.op:
         missing = meta.get("missing", [])
         if not isinstance(missing, list) or not all(type(r) is int for r in missing):

@@ -7,6 +7,12 @@ nonces, the job id, the connector's rank and a role label, so a proof cannot be 
 another connection, for another rank, or reflected back in the other direction. Comparisons are
 constant-time (:func:`hmac.compare_digest`). Until WELCOME, frames may carry no payload.
 
+Each side also says which *incarnation* of its rank it is (HELLO's and CHALLENGE's ``inc``,
+bound into the proofs): 0 for the processes the job started with, one more for each process
+that replaced a dead one. A process that starts without one (-1, "joining") gets it from rank 0
+at the rendezvous; the mesh refuses a connection from an older incarnation than it knows (see
+:mod:`aioreduce.transport.mesh`).
+
 A connector that names another job id is taken through the handshake under *its* job id: if
 it proves the secret, it is one of ours started with the wrong id (a launch mistake, not an
 attacker), so instead of WELCOME it is told which job this is, and the listener reports
@@ -22,6 +28,7 @@ import os
 from dataclasses import dataclass
 
 from .frame import Header, Kind
+from .incarnation import JOINING
 
 NONCE_BYTES = 32
 
@@ -31,10 +38,12 @@ def new_nonce() -> bytes:
     return os.urandom(NONCE_BYTES)
 
 
-def proof(secret: bytes, role: str, job: str, rank: int, nonce_c: bytes, nonce_s: bytes) -> bytes:
-    """HMAC-SHA256 binding the secret to this connection, direction and connector rank."""
-    msg = b"\0".join([b"aioreduce-auth-v1", role.encode(), job.encode(), str(rank).encode(),
-                      nonce_c, nonce_s])
+def proof(secret: bytes, role: str, job: str, rank: int, nonce_c: bytes, nonce_s: bytes,
+          inc: int = 0) -> bytes:
+    """HMAC-SHA256 binding the secret to this connection, direction, connector rank and the
+    incarnation the proving side claims."""
+    msg = b"\0".join([b"aioreduce-auth-v2", role.encode(), job.encode(), str(rank).encode(),
+                      nonce_c, nonce_s, str(inc).encode()])
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
@@ -51,13 +60,15 @@ class Proved:
     WELCOME is parsed (data may follow it in the same read), then send the outputs."""
 
     rank: int
+    incarnation: int = 0  # the listener's
 
 
 @dataclass(frozen=True)
 class Accepted:
-    """The handshake is complete: the peer is ``rank``."""
+    """The handshake is complete: the peer is ``rank``, incarnation ``incarnation``."""
 
     rank: int
+    incarnation: int = 0
 
 
 @dataclass(frozen=True)
@@ -103,10 +114,13 @@ class ListenerHandshake:
     (the decoder refuses payloads until the handshake is done).
     """
 
-    def __init__(self, secret: bytes, job: str, rank: int, world_size: int) -> None:
+    def __init__(self, secret: bytes, job: str, rank: int, world_size: int,
+                 incarnation: int = 0) -> None:
         self._secret, self._job, self._rank, self._world = secret, job, rank, world_size
+        self._inc = incarnation
         self._state = _State.START
         self._peer = -1
+        self._peer_inc = 0
         self._nonces = (b"", b"")
         self._claimed_job = job  # the job id the proofs are computed for
 
@@ -130,15 +144,20 @@ class ListenerHandshake:
             raise _Fail(f"invalid rank {rank!r}")
         if not isinstance(nonce_c, bytes):
             raise _Fail("no nonce")
+        inc = hello.meta.get("inc", 0)
+        if not isinstance(inc, int) or isinstance(inc, bool) or inc < JOINING:
+            raise _Fail(f"invalid incarnation {inc!r}")
         nonce_s = new_nonce()
         self._peer, self._nonces, self._claimed_job = rank, (nonce_c, nonce_s), job
-        mine = proof(self._secret, "listener", job, rank, nonce_c, nonce_s)
+        self._peer_inc = inc
+        mine = proof(self._secret, "listener", job, rank, nonce_c, nonce_s, self._inc)
         self._state = _State.SENT_CHALLENGE
         return [Header(Kind.CHALLENGE, src=self._rank,
-                       meta={"nonce": nonce_s, "proof": mine})], None
+                       meta={"nonce": nonce_s, "proof": mine, "inc": self._inc})], None
 
     def _auth(self, auth: Header) -> Step:
-        theirs = proof(self._secret, "connector", self._claimed_job, self._peer, *self._nonces)
+        theirs = proof(self._secret, "connector", self._claimed_job, self._peer, *self._nonces,
+                       self._peer_inc)
         if not check(theirs, auth.meta.get("proof")):
             raise _Fail("wrong proof of the job secret"
                         + (f" (for job id {self._claimed_job!r})"
@@ -149,15 +168,18 @@ class ListenerHandshake:
                             meta={"op": "wrong-job", "job": self._job[:MAX_JOB_ID]})],
                     WrongJob(self._peer, self._claimed_job))
         self._state = _State.DONE
-        return [Header(Kind.WELCOME, src=self._rank)], Accepted(self._peer)
+        return [Header(Kind.WELCOME, src=self._rank)], Accepted(self._peer, self._peer_inc)
 
 
 class ConnectorHandshake:
     """The dialing side: :meth:`start` gives HELLO; CHALLENGE in, AUTH out and Proved;
     WELCOME in, Accepted."""
 
-    def __init__(self, secret: bytes, job: str, rank: int, peer: int) -> None:
+    def __init__(self, secret: bytes, job: str, rank: int, peer: int,
+                 incarnation: int = 0) -> None:
         self._secret, self._job, self._rank, self._peer = secret, job, rank, peer
+        self._inc = incarnation
+        self._peer_inc = 0
         self._state = _State.START
         self._nonce_c = b""
 
@@ -165,7 +187,8 @@ class ConnectorHandshake:
         self._nonce_c = new_nonce()
         self._state = _State.SENT_HELLO
         return Header(Kind.HELLO, src=self._rank,
-                      meta={"job": self._job, "rank": self._rank, "nonce": self._nonce_c})
+                      meta={"job": self._job, "rank": self._rank, "nonce": self._nonce_c,
+                            "inc": self._inc})
 
     def receive(self, header: Header) -> Step:
         try:
@@ -179,7 +202,7 @@ class ConnectorHandshake:
                                 f"{self._job!r}: check AIOREDUCE_JOB on every host")
                 _expect(header, Kind.WELCOME)
                 self._state = _State.DONE
-                return [], Accepted(self._peer)
+                return [], Accepted(self._peer, self._peer_inc)
             raise _Fail(f"unexpected {header.kind.name} frame")
         except _Fail as exc:
             self._state = _State.FAILED
@@ -189,13 +212,19 @@ class ConnectorHandshake:
         nonce_s = challenge.meta.get("nonce")
         if not isinstance(nonce_s, bytes):
             raise _Fail("no nonce")
+        inc = challenge.meta.get("inc", 0)
+        if not isinstance(inc, int) or isinstance(inc, bool):
+            raise _Fail("no incarnation")
         expected = proof(self._secret, "listener", self._job, self._rank, self._nonce_c,
-                         nonce_s)
+                         nonce_s, inc)
         if not check(expected, challenge.meta.get("proof")):
             raise _Fail("could not prove the job secret")
-        mine = proof(self._secret, "connector", self._job, self._rank, self._nonce_c, nonce_s)
+        self._peer_inc = inc
+        mine = proof(self._secret, "connector", self._job, self._rank, self._nonce_c, nonce_s,
+                     self._inc)
         self._state = _State.SENT_AUTH
-        return [Header(Kind.AUTH, src=self._rank, meta={"proof": mine})], Proved(self._peer)
+        return ([Header(Kind.AUTH, src=self._rank, meta={"proof": mine})],
+                Proved(self._peer, inc))
 
 
 def _expect(header: Header, kind: Kind) -> Header:

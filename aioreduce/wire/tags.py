@@ -38,8 +38,13 @@ LANE_OFFER = ABORT + 8
 """Where to open a lane and the nonce to prove (meta), from its receiver to its sender."""
 
 P2P = 1 << 40
-"""Point-to-point messages (torch's ``send``/``recv``): from here up; their ``step`` is a
-per-pair sequence number, so no step floor makes them stale."""
+"""Point-to-point messages (torch's ``send``/``recv``): from here up (user tags below 2^32);
+their ``step`` is a per-pair sequence number, so no step floor makes them stale."""
+
+HEAL = P2P + (1 << 32)
+"""The job's step and a program's state, from a live peer to a rank that asked (see
+:mod:`aioreduce.heal`): the step and size on ``HEAL`` (meta), piece ``i`` on ``HEAL + 1 + i``,
+the asker's ticket as the frame's step. Above :data:`P2P`, so no step floor drops them."""
 
 # (first tag, end) of every use above, for the overlap check and for readers.
 RANGES: dict[str, tuple[int, int]] = {
@@ -52,5 +57,6 @@ RANGES: dict[str, tuple[int, int]] = {
     "REQUEST": (REQUEST, REQUEST + 1),
     "EXCHANGE": (EXCHANGE, EXCHANGE + 1),
     "LANE_OFFER": (LANE_OFFER, LANE_OFFER + 1),
-    "P2P": (P2P, 1 << 63),
+    "P2P": (P2P, HEAL),
+    "HEAL": (HEAL, HEAL + (1 << 24)),
 }

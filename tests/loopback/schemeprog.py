@@ -10,11 +10,15 @@ each line then also carries the wall-clock start and end (``t0``, ``t1``) and th
 failover state (``link``). ``--flood KIND --flood-rank R --flood-to T``: at ``--die-step`` rank
 R (authenticated: it is a rank of the job) floods rank T over its connection with far-ahead,
 early, tiny or control frames (see :func:`_flood`), prints ``FLOOD {...}`` and leaves the job.
+``--state``: the rank keeps a "model" (the running sum of its results, skipped on a failed
+step), gives it to the node as its state (:class:`aioreduce.StateHooks`, so a replacement of
+a killed rank heals it from a peer) and prints ``FINAL {...}`` with its digest at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -63,7 +67,13 @@ def _debug_dump(node: ar.Node) -> None:
 
 async def main(args: argparse.Namespace) -> None:
     scheme = make_scheme(args)
-    async with ar.Node.from_env(scheme=scheme) as node:
+    model = np.zeros(args.dim)
+
+    def load(blob: memoryview) -> None:
+        model[:] = np.frombuffer(blob, np.float64)
+
+    hooks = ar.StateHooks(lambda: model.tobytes(), load) if args.state else None
+    async with ar.Node.from_env(scheme=scheme, state=hooks) as node:
         import asyncio
 
         asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, _debug_dump, node)
@@ -108,6 +118,7 @@ async def main(args: argparse.Namespace) -> None:
             except (ar.StragglerError, getattr(ar, "FellBehind", ar.StragglerError)) as exc:
                 kind = "straggler" if isinstance(exc, ar.StragglerError) else "behind"
                 print("STEP " + json.dumps({"step": step, "error": kind,
+                                            "healed": getattr(exc, "healed", False),
                                             "missing": getattr(exc, "missing", []),
                                             "message": str(exc), "t0": wall0,
                                             "t1": time.time(), "link": _link(node),
@@ -115,6 +126,7 @@ async def main(args: argparse.Namespace) -> None:
                                             "seconds": time.monotonic() - t0}), flush=True)
                 continue
             err = float(np.linalg.norm(res.value - truth) / np.linalg.norm(truth))
+            model += res.value
             out = {"step": step, "result_step": res.step, "rel_err": err,
                    "seconds": res.seconds, "used": res.used, "late": res.late,
                    "exact": res.exact, "error_bound": res.error_bound, "t0": wall0,
@@ -127,6 +139,11 @@ async def main(args: argparse.Namespace) -> None:
                 out["abs_err"] = float(np.linalg.norm(res.value - truth))
                 out["bound"] = res.error_bound * float(np.linalg.norm(part_norms))
             print("STEP " + json.dumps(out), flush=True)
+        if args.state:
+            digest = hashlib.sha256(model.tobytes()).hexdigest()
+            print("FINAL " + json.dumps({"rank": me, "digest": digest,
+                                         "incarnation": node.mesh.incarnations.mine}),
+                  flush=True)
 
 
 async def _flood(node: ar.Node, kind: str, to: int, step: int) -> dict[str, object]:
@@ -210,6 +227,7 @@ if __name__ == "__main__":
     p.add_argument("--stop", type=lambda s: [int(x) for x in s.split(",") if x], default=[])
     p.add_argument("--die-step", type=int, default=5)
     p.add_argument("--pace", type=float, default=0.0)
+    p.add_argument("--state", action="store_true")
     p.add_argument("--flood", choices=["ahead", "early", "tiny", "control"])
     p.add_argument("--flood-rank", type=int, default=5)
     p.add_argument("--flood-to", type=int, default=1)

@@ -47,7 +47,7 @@ class FakeRank:
 
 
 async def settle() -> None:
-    for _ in range(5):
+    for _ in range(12):
         await asyncio.sleep(0)
 
 
@@ -137,3 +137,61 @@ def test_rank_ranges_and_same_error() -> None:
     assert rank_ranges([8, 0, 1, 2, 5, 7]) == "0-2,5,7-8"
     assert same_error("ValueError: rank 3: bad (rank 31)", 3) == \
         same_error("ValueError: rank 4: bad (rank 31)", 4)
+
+
+def test_a_dead_rank_is_restarted_up_to_the_limit_then_tolerated_then_the_job_stops() -> None:
+    """``--restart 2 --tolerate 1``: the first two deaths get a new process each (which the
+    supervisor then watches like the rank it replaced), the third is tolerated, the fourth
+    stops the job; the summary names every death and restart."""
+    async def body(loop: ClockLoop) -> None:
+        out = io.BytesIO()
+        ranks = [FakeRank(r, out) for r in range(3)]
+        started: list[FakeRank] = []
+
+        async def restarter(old: FakeRank) -> FakeRank:
+            new = FakeRank(old.rank, out)
+            started.append(new)
+            return new
+
+        sup = Supervisor(ranks, kill_timeout=10, tolerate=1, restart=2,  # type: ignore[arg-type]
+                         restarter=restarter)  # type: ignore[arg-type]
+        job = asyncio.ensure_future(sup.run())
+        await settle()
+        ranks[1].die(128 + signal.SIGKILL, [])
+        await settle()
+        assert [r.rank for r in started] == [1] and sup.ranks[1] is started[0]
+        started[0].die(128 + signal.SIGKILL, [])  # the replacement dies too
+        await settle()
+        assert [r.rank for r in started] == [1, 1]
+        started[1].die(1, ["ValueError: bad"])  # no restart left: tolerated
+        await settle()
+        assert len(started) == 2 and not job.done()
+        ranks[0].code.set_result(0)
+        ranks[2].die(1, ["RuntimeError: worse"])  # past the tolerance: the job stops
+        code = await asyncio.wait_for(job, 10)
+        assert code == 1
+        text = "\n".join(sup.policy.summary())
+        assert text.count("restarted (") == 2 and "restarted (2 of at most 2)" in text
+        assert "rank 2 on localhost exited with code 1" in text
+
+    run(body)
+
+
+def test_a_rank_that_cannot_be_restarted_counts_as_a_death() -> None:
+    async def body(loop: ClockLoop) -> None:
+        out = io.BytesIO()
+        ranks = [FakeRank(r, out) for r in range(2)]
+
+        async def restarter(old: FakeRank) -> FakeRank:
+            raise OSError("no such file")
+
+        sup = Supervisor(ranks, kill_timeout=10, restart=3,  # type: ignore[arg-type]
+                         restarter=restarter)  # type: ignore[arg-type]
+        job = asyncio.ensure_future(sup.run())
+        await settle()
+        ranks[1].die(128 + signal.SIGKILL, [])
+        code = await asyncio.wait_for(job, 10)
+        assert code == 1 and [d.rank for d in sup.policy.deaths] == [1]
+        assert ranks[0].code.result() == 128 + signal.SIGTERM  # the job was stopped
+
+    run(body)

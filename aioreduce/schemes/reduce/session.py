@@ -256,6 +256,12 @@ class ReduceSession:
             return  # nobody there to decode it
         self.send_data(parent, chunk, step, tag, meta)
 
+    def rejoined(self, step: int) -> None:
+        """A replacement process starting at ``step`` (see :class:`~aioreduce.schemes.base.
+        Rejoins`): the parent sent the dead one what we need; ask it again."""
+        if self.family.parent is not None:
+            self.request(self.family.parent, step)
+
     def request(self, rank: int, step: int) -> None:
         """Ask ``rank`` for the outcomes from ``step`` on."""
         log.info("rank %d: asking rank %d for the outcomes from step %d on (parent %s)",

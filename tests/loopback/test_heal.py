@@ -1,0 +1,126 @@
+"""Ranks that die come back, over real processes: a killed leaf and a killed intermediate of
+the coded tree are replaced by new processes that rejoin the running job, heal the program's
+state from a live peer and contribute again; every step exact on every rank, every rank's
+final state identical; a replaced process that comes back and a second live process for a
+rank are refused and named. The long chaos soak: ``python -m tests.loopback.heal_soak``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from aioreduce.errors import AuthError
+from aioreduce.transport import Mesh
+
+from .harness import SCHEMEPROG, Ranks
+
+pytestmark = pytest.mark.loopback
+
+ARGS = ("coded-tree", "--state", "--steps", "110", "--pace", "0.05", "--deadline", "2",
+        "--dim", "1000")
+FAMILIES = {0: [1, 2, 3], 1: [4, 5, 6], 2: [7, 8, 9], 3: [10, 11, 12]}
+DIE_AT = 8
+
+
+class Lines:
+    """Every line a process prints, read as it comes (a full pipe never blocks it)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._threads = [threading.Thread(target=self._read, args=(pipe, buf), daemon=True)
+                         for pipe, buf in ((proc.stdout, self.out), (proc.stderr, self.err))]
+        for t in self._threads:
+            t.start()
+
+    @staticmethod
+    def _read(pipe, buf: list[str]) -> None:  # type: ignore[no-untyped-def]
+        for line in pipe:
+            buf.append(line)
+
+    def join(self) -> None:
+        for t in self._threads:
+            t.join(10)
+
+    def tagged(self, tag: str) -> list[dict]:
+        return [json.loads(line.split(" ", 1)[1]) for line in list(self.out)
+                if line.startswith(tag + " ")]
+
+
+def _stale_claim(job: Ranks, rank: int) -> str:
+    """Dial rank 0 as an old process of ``rank`` would (the job's secret, incarnation 0)."""
+    env = job.specs[rank].env
+
+    async def dial() -> str:
+        mesh = Mesh(rank, len(job.specs), env["AIOREDUCE_SECRET"].encode(),
+                    env["AIOREDUCE_JOB"])
+        try:
+            await mesh.connect(0, ("127.0.0.1", int(env["AIOREDUCE_MASTER_PORT"])))
+        except AuthError as exc:
+            return str(exc)
+        finally:
+            await mesh.close()
+        return "accepted"
+
+    return asyncio.run(dial())
+
+
+def test_killed_ranks_rejoin_heal_and_contribute_again_and_impostors_are_named(ranks) -> None:
+    job: Ranks = ranks(13)
+    victims = (5, 2)  # a leaf (parent 1) and an intermediate (heads 7, 8, 9)
+    lines: dict[int, Lines] = {}
+    for r in range(13):
+        die = ["--die", str(r), "--die-step", str(DIE_AT)] if r in victims else []
+        lines[r] = Lines(job.start(r, *ARGS, *die, prog=SCHEMEPROG))
+    old: dict[int, Lines] = {}
+    for v in victims:
+        assert job.procs[v].wait(60) == -9
+        old[v] = lines[v]
+        lines[v] = Lines(job.start(v, *ARGS, prog=SCHEMEPROG))  # the same rank, anew
+    end = time.monotonic() + 60
+    while any(not lines[v].tagged("STEP") for v in victims) and time.monotonic() < end:
+        time.sleep(0.02)  # polling the replacements' progress: both are in the job
+    assert all(lines[v].tagged("STEP") for v in victims), [lines[v].err for v in victims]
+
+    stale = _stale_claim(job, 5)
+    duplicate = subprocess.run([sys.executable, SCHEMEPROG, *ARGS], env=job.env(5),
+                               capture_output=True, text=True, timeout=60)
+    codes = {r: p.wait(120) for r, p in job.procs.items()}
+    for r in lines:
+        lines[r].join()
+
+    assert codes == dict.fromkeys(range(13), 0), {r: lines[r].err[-5:] for r in codes}
+    # The impostors: refused, and every rank's log says why.
+    assert "stale incarnation 0" in stale or "refused" in stale, stale
+    assert duplicate.returncode != 0
+    assert "started twice" in duplicate.stderr, duplicate.stderr[-2000:]
+    for r in range(13):
+        err = "".join(lines[r].err)
+        assert "a replaced process of rank 5 (incarnation 0" in err, (r, err[-2000:])
+        assert "rank 5 was started twice" in err, (r, err[-2000:])
+
+    # Every step every rank returned is exact; the dead processes stopped at DIE_AT.
+    for v in victims:
+        assert [s["step"] for s in old[v].tagged("STEP")] == list(range(DIE_AT))
+    root = {s["step"]: s for s in lines[0].tagged("STEP")}
+    for r in range(13):
+        got = lines[r].tagged("STEP")
+        assert got and all(s.get("exact") and s["rel_err"] < 1e-9 for s in got), (r, got[-1])
+        steps = [s["step"] for s in got]
+        assert steps == list(range(steps[0], 110)), (r, steps[:5])
+    # The path: away (not in the root's sums) while dead, in them again after healing.
+    for v in victims:
+        first = lines[v].tagged("STEP")[0]["step"]
+        assert first > DIE_AT
+        assert all(v not in root[s]["used"] for s in range(DIE_AT + 1, first)), v
+        assert any(v in root[s]["used"] for s in range(first, 110)), v
+        assert lines[v].tagged("FINAL")[0]["incarnation"] == 1
+        assert any("healed from rank" in e for e in lines[v].err)
+    digests = {lines[r].tagged("FINAL")[0]["digest"] for r in range(13)}
+    assert len(digests) == 1  # every rank's model the same, the healed ones included

@@ -1,0 +1,125 @@
+"""Incarnations: which process of each rank a node talks to (sans-IO), the handshake that
+carries them, and the control messages of a rejoin and a heal."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from aioreduce.wire import Header
+from aioreduce.wire import control as c
+from aioreduce.wire.handshake import (
+    Accepted,
+    ConnectorHandshake,
+    ListenerHandshake,
+    Proved,
+    Refused,
+)
+from aioreduce.wire.incarnation import (
+    JOINING,
+    Incarnations,
+    Newer,
+    Same,
+    Stale,
+    Unregistered,
+)
+
+
+def test_rank0_numbers_replacements_only_once_the_job_runs() -> None:
+    inc = Incarnations(0, 4)
+    assert inc.judge(2, JOINING) == Same()  # the job's start: everyone is incarnation 0
+    inc.running = True
+    assert inc.judge(2, JOINING) == Newer(2, 1)  # a replacement registers
+    assert inc.known == [0, 0, 1, 0]
+    assert inc.judge(2, JOINING) == Newer(2, 2)  # and its replacement
+    assert inc.judge(2, 2) == Same()
+
+
+def test_an_older_incarnation_is_stale_and_a_newer_one_replaces() -> None:
+    inc = Incarnations(3, 4)
+    assert inc.judge(1, 0) == Same()
+    assert inc.judge(1, 2) == Newer(1, 2)  # we missed incarnation 1: still the newest wins
+    verdict = inc.judge(1, 1)
+    assert verdict == Stale(1, 1, 2)
+    assert isinstance(verdict, Stale) and "rank 1 (incarnation 1" in verdict.text("h:1")
+    assert inc.known[1] == 2  # a stale claim changes nothing
+
+
+def test_a_joining_process_dials_only_rank0_and_a_joining_listener_is_taken_as_it_is() -> None:
+    inc = Incarnations(3, 4)
+    assert inc.judge(1, JOINING) == Unregistered(1)
+    assert inc.judge(1, JOINING, dialed=True) == Same()
+    assert inc.known[1] == 0
+
+
+def test_the_table_gives_a_process_its_number() -> None:
+    inc = Incarnations(2, 4)
+    inc.mine = JOINING
+    inc.learn((0, 3, 1, 0))
+    assert inc.mine == 1 and inc.rejoined and inc.known == [0, 3, 1, 0]
+    fresh = Incarnations(2, 4)
+    fresh.learn((0, 0, 0, 0))
+    assert fresh.mine == 0 and not fresh.rejoined
+
+
+def _run(conn: ConnectorHandshake, lis: ListenerHandshake,
+         tamper: dict[str, object] | None = None) -> tuple[object, object]:
+    hello = conn.start()
+    if tamper:
+        hello = Header(hello.kind, src=hello.src, meta={**hello.meta, **tamper})
+    challenge, ev = lis.receive(hello)
+    if ev is not None:
+        return ev, None
+    auth, proved = conn.receive(challenge[0])
+    if not auth:
+        return proved, None
+    _welcome, accepted = lis.receive(auth[0])
+    return proved, accepted
+
+
+def test_the_handshake_carries_both_incarnations() -> None:
+    proved, accepted = _run(ConnectorHandshake(b"s", "j", 2, 0, incarnation=JOINING),
+                            ListenerHandshake(b"s", "j", 0, 4, incarnation=0))
+    assert proved == Proved(0, 0) and accepted == Accepted(2, JOINING)
+    proved, accepted = _run(ConnectorHandshake(b"s", "j", 2, 1, incarnation=3),
+                            ListenerHandshake(b"s", "j", 1, 4, incarnation=5))
+    assert proved == Proved(1, 5) and accepted == Accepted(2, 3)
+
+
+def test_an_incarnation_changed_on_the_way_fails_the_proof() -> None:
+    """The connector's claim is bound into its proof: a relay cannot make an old process
+    pass for a new one."""
+    _proved, accepted = _run(ConnectorHandshake(b"s", "j", 2, 0, incarnation=1),
+                             ListenerHandshake(b"s", "j", 0, 4), tamper={"inc": 2})
+    assert isinstance(accepted, Refused) and "proof" in accepted.reason
+
+
+@pytest.mark.parametrize("bad", [-2, "1", True, 1.5])
+def test_a_malformed_incarnation_is_refused(bad: object) -> None:
+    ev, _ = _run(ConnectorHandshake(b"s", "j", 2, 0), ListenerHandshake(b"s", "j", 0, 4),
+                 tamper={"inc": bad})
+    assert isinstance(ev, Refused) and "incarnation" in ev.reason
+
+
+def test_rejoin_and_heal_messages_round_trip_and_malformed_ones_are_named() -> None:
+    events: list[c.Control] = [c.Table((("a", 1), ("b", 2)), (0, 4)), c.Moved(3, "h", 9, 2),
+                               c.HealAsk(0, 0), c.HealAsk(2, 7)]
+    for event in events:
+        meta = msgpack.unpackb(msgpack.packb(c.encode(event)), raw=False)
+        assert c.decode(meta) == event
+    assert {c.Notice.op, c.Moved.op, c.HealAsk.op} == c.OUT_OF_BAND
+    for meta, says in [({"op": "moved", "rank": 1, "host": "h", "port": 1, "inc": 0},
+                        "incarnation"),
+                       ({"op": "heal", "inc": 1}, "ticket"),
+                       ({"op": "table", "table": [["a", 1]], "inc": [-1]}, "incarnations")]:
+        with pytest.raises(c.MalformedControl, match=says):
+            c.decode(meta)
+
+
+
+def test_staleness_is_checked_without_changing_anything() -> None:
+    inc = Incarnations(0, 4)
+    inc.known[3] = 2
+    assert inc.stale(3, 1) == Stale(3, 1, 2) and inc.stale(3, 0) == Stale(3, 0, 2)
+    assert inc.stale(3, 2) is None and inc.stale(3, 5) is None and inc.stale(3, JOINING) is None
+    assert inc.known[3] == 2

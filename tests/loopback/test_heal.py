@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -124,3 +125,35 @@ def test_killed_ranks_rejoin_heal_and_contribute_again_and_impostors_are_named(r
         assert any("healed from rank" in e for e in lines[v].err)
     digests = {lines[r].tagged("FINAL")[0]["digest"] for r in range(13)}
     assert len(digests) == 1  # every rank's model the same, the healed ones included
+
+
+def test_a_rank_that_fell_behind_the_window_heals_by_itself(ranks) -> None:
+    """Rank 5 is stopped while the job runs on past its peers' result window (two results;
+    vectors large enough that the results sent meanwhile do not all fit in its socket buffers):
+    resumed, it gets FellBehind, already healed from its parent (nobody else's code asked for
+    anything), and ends with the same model as every other rank."""
+    job: Ranks = ranks(13)
+    args = ("coded-tree", "--state", "--steps", "60", "--pace", "0.02", "--deadline", "2",
+            "--dim", "100000", "--options", '{"history_bytes": 1600000}')
+    lines = {r: Lines(job.start(r, *args, *(["--stop", "5", "--die-step", "5"] if r == 5
+                                            else []), prog=SCHEMEPROG))
+             for r in range(13)}
+    end = time.monotonic() + 60
+    while len(lines[0].tagged("STEP")) < 40 and time.monotonic() < end:
+        time.sleep(0.02)  # polling the job's progress: well past rank 5's window
+    job.procs[5].send_signal(signal.SIGCONT)
+    codes = {r: p.wait(120) for r, p in job.procs.items()}
+    for r in lines:
+        lines[r].join()
+    assert codes == dict.fromkeys(range(13), 0), {r: lines[r].err[-5:] for r in codes}
+    mine = lines[5].tagged("STEP")
+    behind = [s for s in mine if s.get("error") == "behind"]
+    assert len(behind) == 1 and behind[0]["healed"], [s for s in mine if "error" in s]
+    steps = [s["step"] for s in mine]
+    at = steps.index(behind[0]["step"])
+    assert steps[:at + 1] == list(range(at + 1)) and steps[at + 1] >= 40  # a jump ahead
+    assert steps[at + 1:] == list(range(steps[at + 1], 60))
+    assert all(s["rel_err"] < 1e-9 for s in mine if "error" not in s)
+    assert any("healed from rank 1" in e for e in lines[5].err)
+    digests = {lines[r].tagged("FINAL")[0]["digest"] for r in range(13)}
+    assert len(digests) == 1

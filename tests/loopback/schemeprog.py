@@ -128,6 +128,7 @@ async def main(args: argparse.Namespace) -> None:
             err = float(np.linalg.norm(res.value - truth) / np.linalg.norm(truth))
             model += res.value
             out = {"step": step, "result_step": res.step, "rel_err": err,
+                   "inc": node.mesh.incarnations.mine,
                    "seconds": res.seconds, "used": res.used, "late": res.late,
                    "exact": res.exact, "error_bound": res.error_bound, "t0": wall0,
                    "t1": time.time(), "link": _link(node), "received": res.received,

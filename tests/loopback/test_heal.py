@@ -157,3 +157,14 @@ def test_a_rank_that_fell_behind_the_window_heals_by_itself(ranks) -> None:
     assert any("healed from rank 1" in e for e in lines[5].err)
     digests = {lines[r].tagged("FINAL")[0]["digest"] for r in range(13)}
     assert len(digests) == 1
+
+
+def test_chaos_soak_short() -> None:
+    """The chaos soak's short version (see heal_soak.py): random ranks killed and restarted
+    by the launcher while the job runs; exit 0, every step exact, identical models."""
+    from .heal_soak import HealSoak, check
+
+    soak = HealSoak(steps=250, every=40, pace=0.02, seed=1)
+    rep = soak.report(soak.run())
+    assert rep["kills"] >= 2, rep
+    assert check(rep) == [], (rep, soak.err[-40:])

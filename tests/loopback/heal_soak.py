@@ -1,0 +1,197 @@
+"""Chaos soak of healing: ``aioreduce-launch -n 13 --restart 50`` runs the coded tree (3, 2, 1)
+with a model (``schemeprog.py --state``) while a controller SIGKILLs a random rank other than 0
+about every ``--every`` steps (intermediate ranks included; the next kill waits until the last
+victim's replacement is back in the job, so two ranks of one family are never away at once).
+
+Checked: the launcher exits 0; every step every rank returned is exact; every rank's final
+model is identical; every kill was answered by a replacement that healed. Printed: the kills,
+and the time from each kill to the replacement's first step and to the first root step whose
+sum used it again (medians and maxima). Run the long version as a script (exit 1 on a failed
+check)::
+
+    python -m tests.loopback.heal_soak --steps 1000 --every 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+from .harness import SCHEMEPROG
+
+RANKS = 13
+
+
+@dataclass
+class Kill:
+    rank: int
+    at_step: int  # the root's step count when it was killed
+    wall: float  # time.time() of the kill
+    back_step: float | None = None  # seconds until the replacement's first step ended
+    used_again: float | None = None  # seconds until the root's sum used it again
+
+
+@dataclass
+class HealSoak:
+    steps: int
+    every: int
+    pace: float
+    seed: int = 0
+    steps_of: dict[int, list[dict]] = field(default_factory=dict)
+    finals: dict[int, dict] = field(default_factory=dict)
+    err: list[str] = field(default_factory=list)
+    kills: list[Kill] = field(default_factory=list)
+
+    def _read(self, pipe) -> None:  # type: ignore[no-untyped-def]
+        for line in pipe:
+            rank_tag, _, rest = line.partition(" ")
+            tag, _, body = rest.partition(" ")
+            if not rank_tag.startswith("[") or tag not in ("STEP", "FINAL"):
+                continue
+            rank = int(rank_tag.strip("[]"))
+            record = json.loads(body)
+            record["_t"] = time.time()
+            if tag == "STEP":
+                self.steps_of.setdefault(rank, []).append(record)
+            else:
+                self.finals[rank] = record
+
+    def _read_err(self, pipe) -> None:  # type: ignore[no-untyped-def]
+        for line in pipe:
+            self.err.append(line)
+
+    def _pid_of(self, launcher: psutil.Process, rank: int) -> int | None:
+        for child in launcher.children():
+            try:
+                if child.environ().get("RANK") == str(rank):
+                    return child.pid
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return None
+
+    def _back(self, kill: Kill) -> bool:
+        """Is ``kill``'s rank back (its replacement stepped, the root used it)?"""
+        inc = sum(k.rank == kill.rank for k in self.kills[:self.kills.index(kill) + 1])
+        mine = [s for s in self.steps_of.get(kill.rank, []) if s.get("inc") == inc]
+        if mine and kill.back_step is None:
+            kill.back_step = mine[0]["t1"] - kill.wall
+        root = [s for s in list(self.steps_of.get(0, [])) if s.get("t1", 0) > kill.wall
+                and kill.rank in (s.get("used") or [])]
+        if root and kill.used_again is None:
+            kill.used_again = root[0]["t1"] - kill.wall
+        return kill.back_step is not None and kill.used_again is not None
+
+    def run(self) -> int:
+        rng = random.Random(self.seed)
+        cmd = [sys.executable, "-m", "aioreduce_launch.cli", "-n", str(RANKS), "--restart",
+               "50", "--", sys.executable, SCHEMEPROG, "coded-tree", "--state", "--steps",
+               str(self.steps), "--pace", str(self.pace), "--deadline", "2", "--dim", "1000"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        readers = [threading.Thread(target=f, args=(p,), daemon=True)
+                   for f, p in ((self._read, proc.stdout), (self._read_err, proc.stderr))]
+        for t in readers:
+            t.start()
+        launcher = psutil.Process(proc.pid)
+        next_kill = self.every
+        quiet_from = self.steps - max(3 * self.every, 150)  # let the last victim heal
+        deadline = time.monotonic() + self.steps * self.pace * 6 + 120
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)  # polling the job's progress and the last victim's return
+                done = len(self.steps_of.get(0, []))
+                if self.kills and not self._back(self.kills[-1]):
+                    continue
+                if done >= next_kill and done < quiet_from:
+                    victim = rng.randrange(1, RANKS)
+                    pid = self._pid_of(launcher, victim)
+                    if pid is None:
+                        continue
+                    os.killpg(pid, signal.SIGKILL)
+                    self.kills.append(Kill(victim, done, time.time()))
+                    next_kill = done + self.every + rng.randrange(-self.every // 4,
+                                                                 self.every // 4 + 1)
+            code = proc.wait(max(1.0, deadline - time.monotonic()))
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+            for t in readers:
+                t.join(10)
+        for k in self.kills:
+            self._back(k)
+        return code
+
+    def report(self, code: int) -> dict:
+        wrong = [(r, s["step"]) for r, got in self.steps_of.items() for s in got
+                 if "error" in s or s["rel_err"] >= 1e-9]
+        digests = {f["digest"] for f in self.finals.values()}
+        back = [k.back_step for k in self.kills if k.back_step is not None]
+        used = [k.used_again for k in self.kills if k.used_again is not None]
+        restarts = sum("restarting it" in line for line in self.err)
+        healed = sum("healed from rank" in line for line in self.err)
+        return {
+            "launcher_exit": code, "steps": self.steps, "kills": len(self.kills),
+            "killed": [k.rank for k in self.kills], "restarts": restarts, "healed": healed,
+            "wrong_steps": len(wrong), "ranks_with_final": len(self.finals),
+            "final_models_identical": len(digests) == 1 and len(self.finals) == RANKS,
+            "root_steps": len(self.steps_of.get(0, [])),
+            "kill_to_first_step_s": _stats(back), "kill_to_used_again_s": _stats(used),
+            "incarnations": {r: f.get("incarnation") for r, f in sorted(self.finals.items())},
+        }
+
+
+def _stats(xs: list[float]) -> dict[str, float] | None:
+    if not xs:
+        return None
+    return {"median": round(statistics.median(xs), 2), "max": round(max(xs), 2),
+            "n": len(xs)}
+
+
+def check(rep: dict) -> list[str]:
+    """What failed (empty: every check held)."""
+    bad = []
+    if rep["launcher_exit"] != 0:
+        bad.append(f"launcher exited {rep['launcher_exit']}")
+    if rep["wrong_steps"]:
+        bad.append(f"{rep['wrong_steps']} steps not exact")
+    if not rep["final_models_identical"]:
+        bad.append("final models differ (or a rank printed none)")
+    if rep["restarts"] != rep["kills"] or rep["healed"] != rep["kills"]:
+        bad.append(f"{rep['kills']} kills, {rep['restarts']} restarts, {rep['healed']} heals")
+    if rep["root_steps"] != rep["steps"]:
+        bad.append(f"the root did {rep['root_steps']} of {rep['steps']} steps")
+    return bad
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--every", type=int, default=60)
+    p.add_argument("--pace", type=float, default=0.02)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    soak = HealSoak(args.steps, args.every, args.pace, args.seed)
+    rep = soak.report(soak.run())
+    print(json.dumps(rep, indent=1))
+    bad = check(rep)
+    for line in bad:
+        print("FAILED:", line)
+    if bad:
+        sys.stderr.write("".join(soak.err[-60:]))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,22 +10,32 @@ the background (the peer's steps go on). The newcomer hands the blob to
 from the scheme's result window like a paused rank's (see :mod:`aioreduce.schemes.reduce`).
 
 A program without state hooks heals the step alone (its data is a function of the step).
+
+The same request heals a rank that fell behind its peers' result window (``FellBehind``),
+and a step that failed because a rank was lost (a ring's) can wait for that rank's replacement
+(``rejoin_wait`` seconds) and run again, as the next step, with every rank: the caller sees
+one step that took longer, not an error. A rank inside a step (its program waits for the
+step, so its state is that of every step before) answers heal requests at once, with that
+step's number: a replacement may be what the step waits for.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .errors import PeerLost
+from .schemes import FellBehind, Result
 from .wire import tags
 from .wire.control import HealAsk
 
 if TYPE_CHECKING:
+    from .stepper import Stepper
     from .transport import Mesh
 
 log = logging.getLogger("aioreduce")
@@ -52,9 +62,15 @@ class Healer:
     docstring)."""
 
     def __init__(self, mesh: Mesh, hooks: StateHooks | None, timeout: float,
-                 neighbours: Callable[[], list[int]]) -> None:
+                 neighbours: Callable[[], list[int]], rejoin_wait: float = 0.0) -> None:
+        if rejoin_wait < 0:
+            raise ValueError(f"rank {mesh.rank}: rejoin_wait must be >= 0, not {rejoin_wait}")
         self.mesh, self.hooks, self.timeout = mesh, hooks, timeout
+        self.rejoin_wait = rejoin_wait
         self._neighbours = neighbours  # the scheme's: the first peers to ask
+        # Inside a step (the program waits for it, its state is that of the steps before):
+        # the step's number, and asks are answered at once with it.
+        self._serving_at: int | None = None
         self._asked: dict[int, HealAsk] = {}  # rank -> its request, served at the next boundary
         self._tickets = 0  # our requests so far: each one's replies travel on its own key
         self.served = 0  # heals answered (for tests and logs)
@@ -63,6 +79,56 @@ class Healer:
     def _ask(self, rank: int, ask: HealAsk) -> None:
         if ask.incarnation == self.mesh.incarnations.known[rank]:  # not a replaced process's
             self._asked[rank] = ask
+            if self._serving_at is not None:
+                self.serve(self._serving_at)
+
+    async def step(self, steps: Stepper, run: Callable[[], Awaitable[Result]],
+                   into: np.ndarray | None) -> Result:
+        """Run one step (``run`` takes the next step number) as healing asks: first answer
+        the peers that asked; after ``FellBehind``, heal this rank's state too (with state
+        hooks); after a step that failed because a rank was lost, wait up to
+        ``rejoin_wait`` for its replacement and run it again (``into``, summed in place,
+        is restored first)."""
+        self._serving_at = steps.step
+        self.serve(steps.step)
+        try:
+            if not self.rejoin_wait:
+                return await self._healing(steps, run)
+            known = list(self.mesh.incarnations.known)
+            saved = into.copy() if into is not None else None
+            try:
+                return await self._healing(steps, run)
+            except PeerLost as exc:
+                lost = exc.rank
+                if not 0 <= lost < len(known) or lost == self.mesh.rank:
+                    raise
+                self._serving_at = steps.step  # the number the step runs again as
+                if not await self._replaced(lost, known[lost]):
+                    raise
+            log.warning("rank %d: rank %d was replaced; its failed step runs again as step "
+                        "%d", self.mesh.rank, lost, steps.step)
+            if into is not None and saved is not None:
+                np.copyto(into, saved)
+            return await self._healing(steps, run)
+        finally:
+            self._serving_at = None
+
+    async def _healing(self, steps: Stepper, run: Callable[[], Awaitable[Result]]) -> Result:
+        try:
+            return await run()
+        except FellBehind as exc:
+            if self.hooks is not None:  # heal the program's state from a peer too
+                steps.step, exc.healed = await self.heal(), True
+            raise
+
+    async def _replaced(self, rank: int, incarnation: int) -> bool:
+        """Wait up to ``rejoin_wait`` for a newer incarnation of ``rank`` than
+        ``incarnation``."""
+        try:
+            await asyncio.wait_for(self.mesh.replaced(rank, incarnation), self.rejoin_wait)
+            return True
+        except TimeoutError:
+            return False
 
     def serve(self, step: int) -> None:
         """A step boundary (``step`` is about to run): answer every rank that asked."""

@@ -27,7 +27,7 @@ from .env import NodeEnv, discover
 from .heal import Healer, StateHooks
 from .inputs import Inputs
 from .peers import Peers
-from .schemes import CodedScheme, FellBehind, Result, Scheme, Session
+from .schemes import CodedScheme, Result, Scheme, Session
 from .schemes.base import Arrival, Comm, SumsInPlace
 from .schemes.p2p import PointToPoint
 from .sessions import Sessions, preconnect
@@ -53,7 +53,8 @@ class Node(Peers):
                  options: MeshOptions | None = None, close_timeout: float = 10.0,
                  trace: str | None = None,
                  on_listen: Callable[[str, int], None] | None = None,
-                 gc_every: int = 0, state: StateHooks | None = None) -> None:
+                 gc_every: int = 0, state: StateHooks | None = None,
+                 rejoin_wait: float = 0.0) -> None:
         self.env = env
         # Rank 0: called with the rendezvous (address, port) once it listens, before waiting
         # for the others (the torch backend publishes it in torch's store).
@@ -74,8 +75,9 @@ class Node(Peers):
         mesh = Mesh(env.rank, env.world_size, env.secret, env.job, options)
         # send/recv outside the collective steps (torch's point-to-point calls)
         self.p2p = PointToPoint(mesh)
-        # state: how a replacement of a dead rank gets the program's state (see aioreduce.heal)
-        self.healer = Healer(mesh, state, env.rendezvous_timeout, self._neighbours)
+        # state: how a replacement of a dead rank gets the program's state; rejoin_wait: how
+        # long a step that lost a rank waits for its replacement (see aioreduce.heal)
+        self.healer = Healer(mesh, state, env.rendezvous_timeout, self._neighbours, rejoin_wait)
         self.close_timeout = close_timeout
         self._started = False
         steps = Stepper.configured(env.rank, env.world_size, straggle, trace, gc_every)
@@ -294,14 +296,9 @@ class Node(Peers):
         array, like = self._inputs.numpy(vector)
         session = self._sessions.current
         assert session is not None  # aggregate()/allreduce() checked it
-        self.healer.serve(self._steps.step)  # a step boundary: rejoined ranks that asked
-        try:
-            res = await self._steps.run(session, type(self.scheme).__name__, array, into,
-                                        divisor, arrival)
-        except FellBehind as exc:
-            if self.healer.hooks is not None:  # heal the program's state from a peer too
-                self._steps.step, exc.healed = await self.healer.heal(), True
-            raise
+        res = await self.healer.step(self._steps, lambda: self._steps.run(
+            session, type(self.scheme).__name__, array, into, divisor, arrival),
+            into if arrival is None else None)
         return res if into is not None else self._inputs.result(res, like, callable(array))
 
     def _require(self, *, coded: bool) -> Scheme:

@@ -16,9 +16,10 @@ from .transport import MeshOptions
 def env_extras(env_map: Mapping[str, str], max_frame: int | None = None) -> dict[str, Any]:
     """The :class:`Node` arguments that ``AIOREDUCE_*`` variables set besides the job itself
     (see :meth:`Node.from_env`): ``options`` (``AIOREDUCE_LATENCY``,
-    ``AIOREDUCE_LOCAL_UNIX``), ``trace``, ``gc_every`` and ``straggle``, each only if its
-    variable is set; a malformed value is a :class:`ConfigError` naming the variable. Shared
-    with the torch backend."""
+    ``AIOREDUCE_LOCAL_UNIX``), ``trace``, ``gc_every``, ``rejoin_wait``
+    (``AIOREDUCE_REJOIN_WAIT``) and ``straggle``, each only if its variable is set; a
+    malformed value is a :class:`ConfigError` naming the variable. Shared with the torch
+    backend."""
     extras: dict[str, Any] = {}
     mesh: dict[str, Any] = {}
     if env_map.get("AIOREDUCE_LATENCY"):
@@ -48,6 +49,16 @@ def env_extras(env_map: Mapping[str, str], max_frame: int | None = None) -> dict
             raise ConfigError(f"AIOREDUCE_GC_EVERY={value!r}: give a number of steps "
                               "(0: leave Python's collector alone)")
         extras["gc_every"] = int(value)
+    if env_map.get("AIOREDUCE_REJOIN_WAIT"):
+        value = env_map["AIOREDUCE_REJOIN_WAIT"]
+        try:
+            wait = float(value)
+        except ValueError:
+            wait = -1.0
+        if not 0 <= wait < 1e6:
+            raise ConfigError(f"AIOREDUCE_REJOIN_WAIT={value!r}: give the seconds a step that "
+                              "lost a rank waits for its replacement (0: it fails at once)")
+        extras["rejoin_wait"] = wait
     if env_map.get("AIOREDUCE_STRAGGLE"):
         extras["straggle"] = parse_straggle(env_map["AIOREDUCE_STRAGGLE"],
                                             int(env_map.get("AIOREDUCE_STRAGGLE_SEED", 0)))

@@ -28,6 +28,8 @@ from .local import LocalRank
 from .remote import RemoteHost, SSHError, SSHOptions, connect_all
 from .supervise import RankHandle, Supervisor
 
+REJOIN_WAIT_S = 60.0  # --restart: how long a failed step waits for a replacement
+
 
 class UsageError(Exception):
     """Bad command line; printed without a traceback."""
@@ -56,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart", type=int, default=0, metavar="N",
                    help="restart a rank that dies, up to N times in all, on its host; the new "
                         "process rejoins the running job and heals its state from a live "
-                        "peer (coded-tree, gc, tree, star; see docs/heal.md); local ranks "
-                        "only for now (default 0)")
+                        "peer (see docs/heal.md); a step that lost it (the ring's) waits up "
+                        "to AIOREDUCE_REJOIN_WAIT seconds (default 60) for it and runs again; "
+                        "local ranks only for now (default 0)")
     p.add_argument("--cause-wait", type=float, default=3.0, metavar="S",
                    help="when the deaths that stop the job all report a lost peer, wait up to "
                         "S seconds for the rank that caused them before stopping the others, "
@@ -179,6 +182,9 @@ async def launch(opts: argparse.Namespace, command: list[str]) -> int:
     job = JobConfig(master_addr=entries[0].data_addr, master_port=master_port,
                     rendezvous_port=rendezvous_port,
                     user_env=user_env(opts.export, opts.env_file))
+    if opts.restart and "AIOREDUCE_REJOIN_WAIT" not in os.environ:
+        # a step that lost a rank waits this long for the replacement (see aioreduce.heal)
+        job.user_env.setdefault("AIOREDUCE_REJOIN_WAIT", str(REJOIN_WAIT_S))
     if "OMP_NUM_THREADS" in os.environ:  # the user's own setting reaches the ranks as is
         job.user_env.setdefault("OMP_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
     slots = [HostSlots(e.host, e.slots, addr=None if e.is_local else e.data_addr,

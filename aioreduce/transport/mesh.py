@@ -116,6 +116,7 @@ class Mesh:
         # Rank 0, while the job runs: a replacement process of this rank connected and will
         # register (the rendezvous serves it).
         self.on_joining: Callable[[int], None] | None = None
+        self._replacements: dict[int, list[asyncio.Future[None]]] = {}  # see replaced()
         # A rank that rejoined or fell behind asks for the job's state (see aioreduce.heal).
         self.on_heal: Callable[[int, control.HealAsk], None] | None = None
         self._dial_locks: dict[int, asyncio.Lock] = {}
@@ -317,7 +318,21 @@ class Mesh:
             log.info("rank %d: rank %d is incarnation %d now (%s)", self.rank, rank,
                      verdict.incarnation, where)
             self._inbox[rank].new_incarnation()
+            for fut in self._replacements.pop(rank, []):
+                if not fut.done():
+                    fut.set_result(None)
         return claimed == JOINING and self.incarnations.running
+
+    def replaced(self, rank: int, incarnation: int) -> asyncio.Future[None]:
+        """Resolves once ``rank`` runs a newer process than incarnation ``incarnation``."""
+        fut = asyncio.get_running_loop().create_future()
+        if self.incarnations.known[rank] > incarnation:
+            fut.set_result(None)
+        else:
+            waiting = self._replacements.setdefault(rank, [])
+            waiting[:] = [f for f in waiting if not f.done()]
+            waiting.append(fut)
+        return fut
 
     def _refuse_stale(self, rank: int, claimed: int, where: str) -> None:
         """A replaced process of ``rank`` came back: refuse it and name it on every rank."""

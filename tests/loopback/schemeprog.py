@@ -129,6 +129,9 @@ async def main(args: argparse.Namespace) -> None:
             model += res.value
             out = {"step": step, "result_step": res.step, "rel_err": err,
                    "inc": node.mesh.incarnations.mine,
+                   "retried": res.step != step,  # a lost rank's replacement came: run again
+                   "value": hashlib.sha256(np.ascontiguousarray(res.value)).hexdigest()[:16]
+                   if args.state else None,
                    "seconds": res.seconds, "used": res.used, "late": res.late,
                    "exact": res.exact, "error_bound": res.error_bound, "t0": wall0,
                    "t1": time.time(), "link": _link(node), "received": res.received,

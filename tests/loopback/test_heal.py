@@ -168,3 +168,14 @@ def test_chaos_soak_short() -> None:
     rep = soak.report(soak.run())
     assert rep["kills"] >= 2, rep
     assert check(rep) == [], (rep, soak.err[-40:])
+
+
+def test_chaos_soak_short_ring() -> None:
+    """The ring's short soak: a step that lost a rank waits for the replacement the launcher
+    starts and runs again with it; the same result on every rank, identical models."""
+    from .heal_soak import HealSoak, check
+
+    soak = HealSoak(steps=250, every=40, pace=0.02, seed=2, scheme="ring", ranks=8)
+    rep = soak.report(soak.run())
+    assert rep["kills"] >= 2 and rep["steps_run_again"] == rep["kills"], rep
+    assert check(rep) == [], (rep, soak.err[-40:])

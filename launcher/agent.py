@@ -5,7 +5,8 @@ line that ``ps`` would show:
 
 * launcher to agent: ``{"t": "start", "argv", "cwd", "ranks": [{"rank", "env"}], "heartbeat",
   "kill_timeout"}`` once (the env carries the job secret), then ``{"t": "signal", "sig",
-  "rank"?}`` and ``{"t": "ping"}`` heartbeats;
+  "rank"?}``, ``{"t": "restart", "rank", "env"}`` (a new process for a rank that died, with
+  the same command) and ``{"t": "ping"}`` heartbeats;
 * agent to launcher: ``{"t": "started", "rank", "pid"}``, ``{"t": "out", "rank", "fd", "data"}``,
   ``{"t": "exit", "rank", "code"}``, ``{"t": "error", "message"}``.
 
@@ -45,6 +46,9 @@ class Agent:
         self.stopping = False
         self.stopped = asyncio.Event()
         self.watchers: list[asyncio.Future[None]] = []
+        self.argv: list[str] = []
+        self.cwd: str | None = None
+        self.threads = 1  # OMP_NUM_THREADS for each rank
 
     def send(self, msg: dict[str, Any]) -> None:
         if not self.writer.is_closing():
@@ -53,28 +57,33 @@ class Agent:
     async def start(self, msg: dict[str, Any]) -> None:
         self.kill_timeout = float(msg.get("kill_timeout", 10.0))
         self.heartbeat = float(msg.get("heartbeat", 2.0))
-        argv = [str(a) for a in msg["argv"]]
+        self.argv = [str(a) for a in msg["argv"]]
+        self.cwd = msg.get("cwd") or None
         ranks = msg["ranks"]
-        cores = os.cpu_count() or 1
+        # Like torchrun: do not let every rank start a BLAS thread per core.
+        self.threads = max(1, (os.cpu_count() or 1) // len(ranks))
         for item in ranks:
-            env = dict(os.environ)
-            env.update({str(k): str(v) for k, v in item["env"].items()})
-            # Like torchrun: do not let every rank start a BLAS thread per core.
-            env.setdefault("OMP_NUM_THREADS", str(max(1, cores // len(ranks))))
-            try:
-                proc = await asyncio.create_subprocess_exec(
-                    *argv, env=env, cwd=msg.get("cwd") or None,
-                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE, start_new_session=True,
-                    preexec_fn=_die_with_parent)
-            except OSError as exc:
-                self.send({"t": "error", "message": f"cannot start {argv[0]!r}: {exc}"})
-                self.send({"t": "exit", "rank": item["rank"], "code": 127})
-                continue
-            self.procs[item["rank"]] = proc
-            _STARTED.append(proc.pid)
-            self.send({"t": "started", "rank": item["rank"], "pid": proc.pid})
-            self.watchers.append(asyncio.ensure_future(self._watch(item["rank"], proc)))
+            await self.spawn(item)
+
+    async def spawn(self, item: dict[str, Any]) -> None:
+        """Start (or restart) the rank ``item`` describes (its number and environment)."""
+        env = dict(os.environ)
+        env.update({str(k): str(v) for k, v in item["env"].items()})
+        env.setdefault("OMP_NUM_THREADS", str(self.threads))
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self.argv, env=env, cwd=self.cwd,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, start_new_session=True,
+                preexec_fn=_die_with_parent)
+        except OSError as exc:
+            self.send({"t": "error", "message": f"cannot start {self.argv[0]!r}: {exc}"})
+            self.send({"t": "exit", "rank": item["rank"], "code": 127})
+            return
+        self.procs[item["rank"]] = proc
+        _STARTED.append(proc.pid)
+        self.send({"t": "started", "rank": item["rank"], "pid": proc.pid})
+        self.watchers.append(asyncio.ensure_future(self._watch(item["rank"], proc)))
 
     async def _watch(self, rank: int, proc: asyncio.subprocess.Process) -> None:
         assert proc.stdout is not None and proc.stderr is not None
@@ -169,6 +178,8 @@ async def main() -> int:
             if kind == "start" and not agent.procs:
                 await agent.start(msg)
                 watch = asyncio.ensure_future(_heartbeat_watch(agent))
+            elif kind == "restart" and agent.procs and not agent.stopping:
+                await agent.spawn(msg)
             elif kind == "signal":
                 agent.signal(int(msg["sig"]), msg.get("rank"))
             elif kind == "stop":

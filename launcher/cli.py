@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="restart a rank that dies, up to N times in all, on its host; the new "
                         "process rejoins the running job and heals its state from a live "
                         "peer (see docs/heal.md); a step that lost it (the ring's) waits up "
-                        "to AIOREDUCE_REJOIN_WAIT seconds (default 60) for it and runs again; "
-                        "local ranks only for now (default 0)")
+                        "to AIOREDUCE_REJOIN_WAIT seconds (default 60) for it and runs again "
+                        "(default 0)")
     p.add_argument("--cause-wait", type=float, default=3.0, metavar="S",
                    help="when the deaths that stop the job all report a lost peer, wait up to "
                         "S seconds for the rank that caused them before stopping the others, "
@@ -175,9 +175,6 @@ async def launch(opts: argparse.Namespace, command: list[str]) -> int:
         raise UsageError("--tolerate K: K must be 0 or more")
     if opts.restart < 0:
         raise UsageError("--restart N: N must be 0 or more")
-    if opts.restart and any(not e.is_local for e in entries):
-        raise UsageError("--restart: ranks on remote hosts cannot be restarted yet; run them "
-                         "under an engine that restarts processes (they rejoin the same way)")
     master_port, rendezvous_port = job_ports(opts, entries[0])
     job = JobConfig(master_addr=entries[0].data_addr, master_port=master_port,
                     rendezvous_port=rendezvous_port,
@@ -221,9 +218,14 @@ async def launch(opts: argparse.Namespace, command: list[str]) -> int:
     tag = not opts.no_tag_output
     spec_of = {spec.rank: spec for spec in specs}
 
+    host_of = {h.name: h for h in hosts}
+
     async def restart(old: RankHandle) -> RankHandle:
-        return await LocalRank.start(spec_of[old.rank], command, tag=tag,
-                                     output_dir=opts.output_dir, restarted=True)
+        spec = spec_of[old.rank]
+        if spec.host.name in host_of:  # its host's agent starts it again
+            return host_of[spec.host.name].restart(spec, tag, opts.output_dir)
+        return await LocalRank.start(spec, command, tag=tag, output_dir=opts.output_dir,
+                                     restarted=True)
 
     supervisor = Supervisor(ranks, kill_timeout=opts.kill_timeout, tolerate=opts.tolerate,
                             cause_wait=opts.cause_wait, restart=opts.restart,

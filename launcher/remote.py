@@ -98,12 +98,14 @@ class RemoteRank:
     """A rank on a remote host, as the supervisor sees it."""
 
     def __init__(self, spec: RankSpec, host: RemoteHost, tag: bool,
-                 output_dir: str | None) -> None:
+                 output_dir: str | None, restarted: bool = False) -> None:
         self.rank = spec.rank
         self.host = host.name
         self._host = host
-        self.outputs = (RankOutput(spec.rank, "stdout", tag=tag, copy_to=output_dir),
-                        RankOutput(spec.rank, "stderr", tag=tag, copy_to=output_dir))
+        self.outputs = (RankOutput(spec.rank, "stdout", tag=tag, copy_to=output_dir,
+                                   append=restarted),
+                        RankOutput(spec.rank, "stderr", tag=tag, copy_to=output_dir,
+                                   append=restarted))
         self.exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
 
     async def wait(self) -> int:
@@ -144,6 +146,13 @@ class RemoteHost:
                        asyncio.ensure_future(self._read_stderr()),
                        asyncio.ensure_future(self._heartbeat())]
         return list(self.ranks.values())
+
+    def restart(self, spec: RankSpec, tag: bool, output_dir: str | None) -> RemoteRank:
+        """A new process for ``spec``'s rank, which died (the agent runs the same command)."""
+        rank = RemoteRank(spec, self, tag, output_dir, restarted=True)
+        self.ranks[spec.rank] = rank
+        self.send({"t": "restart", "rank": spec.rank, "env": spec.env})
+        return rank
 
     def send(self, msg: dict[str, Any]) -> None:
         if self.process is not None and not self.process.stdin.is_closing():

@@ -100,6 +100,25 @@ def test_logreg_runs_across_hosts(cluster) -> None:
     assert "[0] SUMMARY" in res.stdout and "[6] total" in res.stderr
 
 
+def test_a_killed_rank_is_restarted_on_its_host_and_heals(cluster) -> None:
+    """``--restart``: rank 4 (on the second host) SIGKILLs itself; that host's agent starts it
+    again, it rejoins the running coded tree and heals from a live peer; the job ends with
+    every rank's model identical."""
+    cl, access, hostfile = cluster
+    res = subprocess.run(_launch(cl, access, hostfile, sys.executable,
+                                 str(ROOT / "tests" / "loopback" / "schemeprog.py"),
+                                 "coded-tree", "--fanout", "2", "--levels", "2", "--state",
+                                 "--steps", "60", "--pace", "0.05", "--deadline", "2",
+                                 "--die", "4", "--die-step", "5", extra=("--restart", "2")),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "rank 4 on" in res.stderr and "restarting it (1 of at most 2)" in res.stderr
+    assert "[4]" in res.stderr and "healed from rank" in res.stderr, res.stderr[-3000:]
+    finals = [line for line in res.stdout.splitlines() if " FINAL " in line]
+    assert len(finals) == 7 and len({line.split('"digest": ')[1][:20] for line in finals}) == 1
+    assert not _no_job_processes(cl, 5)
+
+
 def test_ranks_env_placement_and_tags(cluster, tmp_path) -> None:
     cl, access, hostfile = cluster
     res = subprocess.run(_launch(cl, access, hostfile, sys.executable, "-c", PROG, "ok",

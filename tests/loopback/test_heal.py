@@ -72,25 +72,30 @@ def _stale_claim(job: Ranks, rank: int) -> str:
     return asyncio.run(dial())
 
 
-def test_killed_ranks_rejoin_heal_and_contribute_again_and_impostors_are_named(ranks) -> None:
+@pytest.mark.parametrize("extra", [[], ["--options", '{"lanes": true}']],
+                         ids=["event-loop", "lanes"])
+def test_killed_ranks_rejoin_heal_and_contribute_again_and_impostors_are_named(
+        ranks, extra) -> None:
+    """With lanes, the peers of the dead processes go on with their replacements over the
+    event loop's connections (a replacement opens no lanes)."""
     job: Ranks = ranks(13)
     victims = (5, 2)  # a leaf (parent 1) and an intermediate (heads 7, 8, 9)
     lines: dict[int, Lines] = {}
     for r in range(13):
         die = ["--die", str(r), "--die-step", str(DIE_AT)] if r in victims else []
-        lines[r] = Lines(job.start(r, *ARGS, *die, prog=SCHEMEPROG))
+        lines[r] = Lines(job.start(r, *ARGS, *extra, *die, prog=SCHEMEPROG))
     old: dict[int, Lines] = {}
     for v in victims:
         assert job.procs[v].wait(60) == -9
         old[v] = lines[v]
-        lines[v] = Lines(job.start(v, *ARGS, prog=SCHEMEPROG))  # the same rank, anew
+        lines[v] = Lines(job.start(v, *ARGS, *extra, prog=SCHEMEPROG))  # the same rank, anew
     end = time.monotonic() + 60
     while any(not lines[v].tagged("STEP") for v in victims) and time.monotonic() < end:
         time.sleep(0.02)  # polling the replacements' progress: both are in the job
     assert all(lines[v].tagged("STEP") for v in victims), [lines[v].err for v in victims]
 
     stale = _stale_claim(job, 5)
-    duplicate = subprocess.run([sys.executable, SCHEMEPROG, *ARGS], env=job.env(5),
+    duplicate = subprocess.run([sys.executable, SCHEMEPROG, *ARGS, *extra], env=job.env(5),
                                capture_output=True, text=True, timeout=60)
     codes = {r: p.wait(120) for r, p in job.procs.items()}
     for r in lines:
@@ -113,6 +118,7 @@ def test_killed_ranks_rejoin_heal_and_contribute_again_and_impostors_are_named(r
     for r in range(13):
         got = lines[r].tagged("STEP")
         assert got and all(s.get("exact") and s["rel_err"] < 1e-9 for s in got), (r, got[-1])
+        assert all(s["lanes"] is (bool(extra) and r not in victims) for s in got), r
         steps = [s["step"] for s in got]
         assert steps == list(range(steps[0], 110)), (r, steps[:5])
     # The path: away (not in the root's sums) while dead, in them again after healing.

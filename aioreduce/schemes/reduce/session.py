@@ -67,11 +67,13 @@ class ReduceSession:
         self._decode = (-1, 0.0)  # (step, seconds this rank spent decoding it), for telemetry
         # Lanes (opts.lanes, opened at the first step if the comm has bulk links): the chunks
         # to and from the parent and the children travel on them; verdicts, requests and
-        # whatever involves the grandparent or grandchildren stay on the comm.
-        self._lane_peers = frozenset(
-            p for p in (family.parent, *family.children) if p is not None)
+        # whatever involves the grandparent or grandchildren stay on the comm. A peer whose
+        # connection breaks leaves them for good: its replacement process (see aioreduce.heal)
+        # talks to us over the comm, as a replacement's session does with everyone.
+        self._lane_peers = {p for p in (family.parent, *family.children) if p is not None}
         self._want_lanes = opts.lanes is not False and bool(self._lane_peers)
         self.lanes: LaneLinks | None = None
+        self._removers.append(comm.on_peer_lost(self._lane_peers.discard))
         for src in (family.parent, family.grandparent):
             if src is not None:
                 self._removers.append(comm.on_early(
@@ -258,9 +260,11 @@ class ReduceSession:
 
     def rejoined(self, step: int) -> None:
         """A replacement process starting at ``step`` (see :class:`~aioreduce.schemes.base.
-        Rejoins`): the parent sent the dead one what we need; ask it again."""
+        Rejoins`): the parent sent the dead one what we need; ask it again. Everything goes
+        over the comm (the peers' lanes to the dead process are gone)."""
         if self.family.parent is not None:
             self.request(self.family.parent, step)
+        self._want_lanes = False  # our peers' lanes went with the dead process: the comm
 
     def request(self, rank: int, step: int) -> None:
         """Ask ``rank`` for the outcomes from ``step`` on."""

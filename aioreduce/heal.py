@@ -74,6 +74,7 @@ class Healer:
         self._asked: dict[int, HealAsk] = {}  # rank -> its request, served at the next boundary
         self._tickets = 0  # our requests so far: each one's replies travel on its own key
         self.served = 0  # heals answered (for tests and logs)
+        self._sending = 0  # transfers of the current state still on their way
         mesh.on_heal = self._ask
 
     def _ask(self, rank: int, ask: HealAsk) -> None:
@@ -131,11 +132,14 @@ class Healer:
             return False
 
     def serve(self, step: int) -> None:
-        """A step boundary (``step`` is about to run): answer every rank that asked."""
-        if not self._asked:
+        """A step boundary (``step`` is about to run): answer every rank that asked. One
+        state at a time: while one is on its way, later askers wait for it to be sent (so a
+        healing peer holds one copy of its state however many ask)."""
+        if not self._asked or self._sending:
             return
         asked, self._asked = self._asked, {}
         blob = self._blob()
+        self._sending = len(asked)
         meta = {"step": step, "nbytes": blob.nbytes, "barriers": self.mesh.barriers}
         for rank, ask in asked.items():
             log.info("rank %d: healing rank %d (incarnation %d) at step %d, %d bytes",
@@ -161,6 +165,10 @@ class Healer:
         except PeerLost as exc:
             log.warning("rank %d: rank %d went away while healing: %s", self.mesh.rank, rank,
                         exc)
+        finally:
+            self._sending -= 1
+            if not self._sending and self._serving_at is not None:
+                self.serve(self._serving_at)  # inside a step: the next askers now
 
     async def heal(self) -> int:
         """Ask the first peer that answers (see :func:`sources`) for the job's step and state,

@@ -1,0 +1,102 @@
+"""The healer's serving side over a fake mesh: answers at a step boundary or at once inside a
+step, one state at a time, never to a replaced process; and the order of peers to ask."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from aioreduce.heal import Healer, StateHooks, sources
+from aioreduce.wire import tags
+from aioreduce.wire.control import HealAsk
+from aioreduce.wire.incarnation import Incarnations
+
+
+class FakeMesh:
+    """What the healer uses of a mesh; sends block until the test lets them through."""
+
+    def __init__(self) -> None:
+        self.rank, self.world_size, self.barriers = 1, 4, 3
+        self.incarnations = Incarnations(1, 4)
+        self.on_heal: Any = None
+        self.sent: list[tuple[int, int, int, bytes, dict[str, Any] | None]] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def send(self, rank: int, array: np.ndarray, *, step: int, tag: int = 0,
+                   meta: dict[str, Any] | None = None) -> None:
+        await self.gate.wait()
+        self.sent.append((rank, step, tag, bytes(array), meta))
+
+    def spawn(self, coro: Any) -> None:
+        self.tasks.append(asyncio.get_running_loop().create_task(coro))
+
+
+def _healer(mesh: FakeMesh) -> tuple[Healer, list[int]]:
+    calls: list[int] = []
+
+    def state() -> bytes:
+        calls.append(1)
+        return b"model-%d" % len(calls)
+
+    hooks = StateHooks(state, lambda blob: None)
+    return Healer(mesh, hooks, 5.0, lambda: [0, 2]), calls  # type: ignore[arg-type]
+
+
+async def _settle(mesh: FakeMesh) -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+def test_asks_wait_for_a_step_boundary_and_a_replaced_process_is_not_served() -> None:
+    async def body() -> None:
+        mesh = FakeMesh()
+        healer, calls = _healer(mesh)
+        mesh.incarnations.known[2] = 1
+        mesh.on_heal(2, HealAsk(0, 0))  # the replaced process of rank 2: ignored
+        mesh.on_heal(3, HealAsk(0, 7))
+        await _settle(mesh)
+        assert not mesh.sent and not calls  # between steps: nothing until the boundary
+        healer.serve(12)
+        await _settle(mesh)
+        assert calls == [1]
+        assert mesh.sent == [(3, 7, tags.HEAL, b"", {"step": 12, "nbytes": 7, "barriers": 3}),
+                             (3, 7, tags.HEAL + 1, b"model-1", None)]
+
+    asyncio.run(body())
+
+
+def test_inside_a_step_asks_are_answered_at_once_one_state_at_a_time() -> None:
+    async def body() -> None:
+        mesh = FakeMesh()
+        healer, calls = _healer(mesh)
+        mesh.gate.clear()  # the first transfer does not get through yet
+
+        async def run() -> Any:
+            mesh.on_heal(2, HealAsk(0, 0))  # asked while this rank waits inside step 20
+            await _settle(mesh)
+            mesh.on_heal(3, HealAsk(0, 1))  # another ask while the first is on its way
+            await _settle(mesh)
+            assert calls == [1]  # one copy of the state at a time
+            mesh.gate.set()
+            await _settle(mesh)
+            return "done"
+
+        class Steps:
+            step = 20
+
+        await healer.step(Steps(), run, None)  # type: ignore[arg-type]
+        await _settle(mesh)
+        assert calls == [1, 1]
+        heads = [(r, t, m["step"]) for r, t, tag, _b, m in mesh.sent if tag == tags.HEAL]
+        assert heads == [(2, 0, 20), (3, 1, 20)]
+
+    asyncio.run(body())
+
+
+def test_sources_ask_the_neighbours_first() -> None:
+    assert sources(5, 8, [6, 4]) == [4, 6, 0, 1, 2, 3, 7]
+    assert sources(0, 3, []) == [1, 2]

@@ -89,7 +89,7 @@ class Healer:
         the peers that asked; after ``FellBehind``, heal this rank's state too (with state
         hooks); after a step that failed because a rank was lost, wait up to
         ``rejoin_wait`` for its replacement and run it again (``into``, summed in place,
-        is restored first)."""
+        is restored first), as often as ranks were lost."""
         self._serving_at = steps.step
         self.serve(steps.step)
         try:
@@ -97,19 +97,22 @@ class Healer:
                 return await self._healing(steps, run)
             known = list(self.mesh.incarnations.known)
             saved = into.copy() if into is not None else None
-            try:
-                return await self._healing(steps, run)
-            except PeerLost as exc:
-                lost = exc.rank
-                if not 0 <= lost < len(known) or lost == self.mesh.rank:
-                    raise
-                self._serving_at = steps.step  # the number the step runs again as
-                if not await self._replaced(lost, known[lost]):
-                    raise
-            log.warning("rank %d: rank %d was replaced; its failed step runs again as step "
-                        "%d", self.mesh.rank, lost, steps.step)
-            if into is not None and saved is not None:
-                np.copyto(into, saved)
+            for _attempt in range(len(known)):  # a host lost takes several ranks at once
+                try:
+                    return await self._healing(steps, run)
+                except PeerLost as exc:
+                    lost = exc.rank
+                    if not 0 <= lost < len(known):
+                        raise
+                    self._serving_at = steps.step  # the number the step runs again as
+                    # (A peer that took this process for its dead predecessor runs again
+                    # at once: so do we.)
+                    if lost != self.mesh.rank and not await self._replaced(lost, known[lost]):
+                        raise
+                log.warning("rank %d: rank %d was replaced; its failed step runs again as "
+                            "step %d", self.mesh.rank, lost, steps.step)
+                if into is not None and saved is not None:
+                    np.copyto(into, saved)
             return await self._healing(steps, run)
         finally:
             self._serving_at = None

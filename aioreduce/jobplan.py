@@ -58,6 +58,19 @@ class JobConfig:
     user_env: dict[str, str] = field(default_factory=dict)
 
 
+def moved(spec: RankSpec, host: HostSlots, node_rank: int, local_rank: int) -> RankSpec:
+    """``spec``'s rank placed on another host (a spare that replaces a lost one): the same
+    job environment with that host's placement."""
+    env = dict(spec.env)
+    env.update({"LOCAL_RANK": str(local_rank), "AIOREDUCE_LOCAL_RANK": str(local_rank),
+                "LOCAL_WORLD_SIZE": str(host.slots), "NODE_RANK": str(node_rank),
+                "GROUP_RANK": str(node_rank)})
+    env.pop("AIOREDUCE_ADDR", None)
+    if host.addr:
+        env["AIOREDUCE_ADDR"] = host.addr
+    return RankSpec(spec.rank, host, node_rank, local_rank, env)
+
+
 def plan_ranks(hosts: list[HostSlots], job: JobConfig, np: int | None = None) -> list[RankSpec]:
     """Assign ranks host by host (filling slots); ``np`` caps the total."""
     total = sum(h.slots for h in hosts)

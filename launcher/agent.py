@@ -49,6 +49,7 @@ class Agent:
         self.argv: list[str] = []
         self.cwd: str | None = None
         self.threads = 1  # OMP_NUM_THREADS for each rank
+        self.started = False
 
     def send(self, msg: dict[str, Any]) -> None:
         if not self.writer.is_closing():
@@ -61,7 +62,8 @@ class Agent:
         self.cwd = msg.get("cwd") or None
         ranks = msg["ranks"]
         # Like torchrun: do not let every rank start a BLAS thread per core.
-        self.threads = max(1, (os.cpu_count() or 1) // len(ranks))
+        self.threads = max(1, (os.cpu_count() or 1) // max(1, len(ranks)))
+        self.started = True  # (a spare host's agent starts with no rank)
         for item in ranks:
             await self.spawn(item)
 
@@ -175,10 +177,10 @@ async def main() -> int:
         unpacker.feed(data)
         for msg in unpacker:
             kind = msg.get("t")
-            if kind == "start" and not agent.procs:
+            if kind == "start" and not agent.started:
                 await agent.start(msg)
                 watch = asyncio.ensure_future(_heartbeat_watch(agent))
-            elif kind == "restart" and agent.procs and not agent.stopping:
+            elif kind == "restart" and agent.started and not agent.stopping:
                 await agent.spawn(msg)
             elif kind == "signal":
                 agent.signal(int(msg["sig"]), msg.get("rank"))

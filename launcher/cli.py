@@ -26,6 +26,7 @@ from .hostfile import (
 )
 from .local import LocalRank
 from .remote import RemoteHost, SSHError, SSHOptions, connect_all
+from .spares import Spares
 from .supervise import RankHandle, Supervisor
 
 REJOIN_WAIT_S = 60.0  # --restart: how long a failed step waits for a replacement
@@ -59,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="restart a rank that dies, up to N times in all, on its host; the new "
                         "process rejoins the running job and heals its state from a live "
                         "peer (see docs/heal.md); a step that lost it (the ring's) waits up "
-                        "to AIOREDUCE_REJOIN_WAIT seconds (default 60) for it and runs again "
-                        "(default 0)")
+                        "to AIOREDUCE_REJOIN_WAIT seconds (default 60) for it and runs again; "
+                        "a rank whose host was lost goes to a spare host (spare=yes in the "
+                        "hostfile) (default 0)")
     p.add_argument("--cause-wait", type=float, default=3.0, metavar="S",
                    help="when the deaths that stop the job all report a lost peer, wait up to "
                         "S seconds for the rank that caused them before stopping the others, "
@@ -184,8 +186,16 @@ async def launch(opts: argparse.Namespace, command: list[str]) -> int:
         job.user_env.setdefault("AIOREDUCE_REJOIN_WAIT", str(REJOIN_WAIT_S))
     if "OMP_NUM_THREADS" in os.environ:  # the user's own setting reaches the ranks as is
         job.user_env.setdefault("OMP_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
+    spare_entries = [e for e in entries if e.spare]
+    if any(e.is_local for e in spare_entries):
+        raise UsageError("a spare host must be a remote one (this machine is never lost alone)")
+    entries = [e for e in entries if not e.spare]
+    if not entries:
+        raise UsageError("every host is a spare: name at least one without spare=yes")
     slots = [HostSlots(e.host, e.slots, addr=None if e.is_local else e.data_addr,
                        cores=os.cpu_count() if e.is_local else None) for e in entries]
+    spares = Spares([HostSlots(e.host, e.slots, addr=e.data_addr) for e in spare_entries],
+                    len(entries))
     try:
         specs = plan_ranks(slots, job, opts.np)
     except ValueError as exc:
@@ -203,6 +213,7 @@ async def launch(opts: argparse.Namespace, command: list[str]) -> int:
         return 0
 
     remote_entries = [e for e in entries if not e.is_local and e.host in by_host]
+    remote_entries += spare_entries if opts.restart else []
     ssh_opts = SSHOptions(opts.ssh_port, opts.ssh_user, opts.ssh_identity_file,
                           opts.ssh_config, opts.ssh_known_hosts, opts.connect_timeout,
                           opts.python)
@@ -221,8 +232,10 @@ async def launch(opts: argparse.Namespace, command: list[str]) -> int:
     host_of = {h.name: h for h in hosts}
 
     async def restart(old: RankHandle) -> RankHandle:
-        spec = spec_of[old.rank]
-        if spec.host.name in host_of:  # its host's agent starts it again
+        now = spec_of[old.rank]
+        lost = now.host.name in host_of and host_of[now.host.name].lost
+        spec = spec_of[old.rank] = spares.place(now, lost)
+        if spec.host.name in host_of:  # that host's agent starts it
             return host_of[spec.host.name].restart(spec, tag, opts.output_dir)
         return await LocalRank.start(spec, command, tag=tag, output_dir=opts.output_dir,
                                      restarted=True)
@@ -236,8 +249,8 @@ async def launch(opts: argparse.Namespace, command: list[str]) -> int:
                 for spec in by_host[e.host]:
                     ranks.append(await LocalRank.start(spec, command, tag=tag,
                                                        output_dir=opts.output_dir))
-        for host in hosts:
-            ranks.extend(await host.start(by_host[host.name], command, os.getcwd(),
+        for host in hosts:  # a spare host's agent starts with no rank
+            ranks.extend(await host.start(by_host.get(host.name, []), command, os.getcwd(),
                                           opts.kill_timeout, tag, opts.output_dir))
         ranks.sort(key=lambda r: r.rank)
         return await supervisor.run()

@@ -3,10 +3,12 @@
 One host per line::
 
     # comment
-    [user@]host [slots=N] [max_slots=M] [ssh_port=P] [addr=A]
+    [user@]host [slots=N] [max_slots=M] [ssh_port=P] [addr=A] [spare=yes]
 
 ``slots`` defaults to 1; ``addr`` is the data-plane address peers use when it differs from the
-name SSH uses; ``max_slots`` is accepted (and must be at least ``slots``). Blank lines and
+name SSH uses; ``max_slots`` is accepted (and must be at least ``slots``); a ``spare`` host runs
+no rank at the start and takes, up to its slots, the ranks ``--restart`` starts again after
+their host was lost. Blank lines and
 ``#`` comments are skipped. Unknown keys, bad numbers, duplicate hosts and empty files are
 errors naming the file and line. ``localhost``/``127.0.0.1`` run without SSH.
 
@@ -20,7 +22,7 @@ import re
 from dataclasses import dataclass, replace
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
-_KEYS = ("slots", "max_slots", "ssh_port", "addr")
+_KEYS = ("slots", "max_slots", "ssh_port", "addr", "spare")
 _HOST_RE = re.compile(r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>[A-Za-z0-9._:\[\]-]+)$")
 
 
@@ -39,6 +41,7 @@ class HostEntry:
     addr: str | None = None
     max_slots: int | None = None
     where: str = ""  # "file:line" it came from, for messages
+    spare: bool = False  # no rank at the start; ranks restarted after their host was lost
 
     @property
     def is_local(self) -> bool:
@@ -59,6 +62,8 @@ class HostEntry:
             parts.append(f"ssh_port={self.ssh_port}")
         if self.addr is not None:
             parts.append(f"addr={self.addr}")
+        if self.spare:
+            parts.append("spare=yes")
         return " ".join(parts)
 
 
@@ -98,7 +103,11 @@ def parse_line(line: str, where: str) -> HostEntry | None:
         raise HostfileError(f"{where}: max_slots={max_slots} is below slots={slots}")
     port = _number(fields["ssh_port"], "ssh_port", where, 1, 65535) if "ssh_port" in fields \
         else None
-    return HostEntry(m["host"], slots, m["user"], port, fields.get("addr"), max_slots, where)
+    spare = fields.get("spare", "no")
+    if spare not in ("yes", "no"):
+        raise HostfileError(f"{where}: spare={spare!r}: give yes or no")
+    return HostEntry(m["host"], slots, m["user"], port, fields.get("addr"), max_slots, where,
+                     spare == "yes")
 
 
 def parse_hostfile(text: str, filename: str = "hostfile") -> list[HostEntry]:

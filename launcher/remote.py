@@ -133,6 +133,7 @@ class RemoteHost:
         self.ranks: dict[int, RemoteRank] = {}
         self.process: Any = None
         self._tasks: list[asyncio.Task[None]] = []
+        self.lost = False  # the connection to the host broke: its ranks are gone with it
 
     async def start(self, specs: list[RankSpec], argv: list[str], cwd: str | None,
                     kill_timeout: float, tag: bool, output_dir: str | None) -> list[RemoteRank]:
@@ -174,6 +175,7 @@ class RemoteHost:
                     self._dispatch(msg)
         except Exception as exc:  # the connection broke
             reason = f"lost the SSH connection ({exc})"
+        self.lost = True
         for rank in self.ranks.values():
             if not rank.exited.done():
                 rank.outputs[1].feed(f"aioreduce-launch: {self.name}: {reason}\n".encode())

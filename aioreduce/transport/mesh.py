@@ -629,7 +629,8 @@ class Mesh:
             sent = await asyncio.gather(*(
                 self.send(src, _NOTHING, step=step, tag=LANE_TAG,
                           meta=control.offer_meta(control.LaneOffer(
-                              listeners[src].port, nonces[src].hex(), listeners[src].unix)))
+                              listeners[src].port, nonces[src].hex(), listeners[src].unix,
+                              None if self.host in ("0.0.0.0", "::") else self.host)))
                 for src in recv_from), return_exceptions=partial)
             lost.update((src, r) for src, r in zip(recv_from, sent, strict=True)
                         if isinstance(r, BaseException))
@@ -639,7 +640,7 @@ class Mesh:
             got = await asyncio.gather(*(asyncio.wait_for(fut, timeout)
                                          for dst, fut in told.items() if dst not in lost),
                                        return_exceptions=partial)
-            offers: dict[int, tuple[int, str, str | None]] = {}
+            offers: dict[int, tuple[str, int, str, str | None]] = {}
             for dst, header in zip([d for d in told if d not in lost], got, strict=True):
                 try:
                     if isinstance(header, BaseException):
@@ -657,9 +658,9 @@ class Mesh:
             with ThreadPoolExecutor(max_workers=max(1, len(dialing) + len(accepting)),
                                     thread_name_prefix="aioreduce-lane-open") as pool:
                 dials = [loop.run_in_executor(
-                    pool, dial, self.addresses.get(dst, (self.host, 0))[0], offers[dst][0],
-                    proof(self._secret, bytes.fromhex(offers[dst][1]), self.rank, dst), dst,
-                    timeout, offers[dst][2]) for dst in dialing]
+                    pool, dial, offers[dst][0], offers[dst][1],
+                    proof(self._secret, bytes.fromhex(offers[dst][2]), self.rank, dst), dst,
+                    timeout, offers[dst][3]) for dst in dialing]
                 accepts = [loop.run_in_executor(
                     pool, listeners[src].accept, proof(self._secret, nonces[src], src, self.rank),
                     timeout) for src in accepting]
@@ -689,8 +690,9 @@ class Mesh:
         self._lanes.update(out_lanes.values())
         return out_lanes, in_lanes
 
-    def _offer(self, dst: int, header: Header) -> tuple[int, str, str | None]:
-        """Where and how to dial ``dst``'s lane, from its offer."""
+    def _offer(self, dst: int, header: Header) -> tuple[str, int, str, str | None]:
+        """Where and how to dial ``dst``'s lane, from its offer: (host, port, nonce, Unix
+        name)."""
         try:
             offer = control.decode_offer(header.meta)
         except control.MalformedControl as exc:
@@ -699,7 +701,8 @@ class Mesh:
         if offer.unix is not None and unix is None:
             raise PeerLost(dst, f"rank {dst} sent a malformed lane offer")
         # Our own option decides too: local_unix=False never dials a Unix socket.
-        return offer.port, offer.nonce, unix if self.options.local_unix else None
+        host = offer.host or self.addresses.get(dst, (self.host, 0))[0]
+        return host, offer.port, offer.nonce, unix if self.options.local_unix else None
 
     # -- control messages (rendezvous, barriers) ----------------------------------------------
     async def send_control(self, rank: int, event: control.Control) -> None:

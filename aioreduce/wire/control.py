@@ -86,12 +86,14 @@ class Notice:
 
 @dataclass(frozen=True)
 class LaneOffer:
-    """A lane's receiver to its sender: the TCP port to dial, the nonce to prove, and an
-    abstract Unix name to try first (ranks on one host)."""
+    """A lane's receiver to its sender: the TCP port to dial, the nonce to prove, an abstract
+    Unix name to try first (ranks on one host), and the host to dial when it is not the one
+    the address table says (a rank that rejoined elsewhere, before the table's update came)."""
 
     port: int
     nonce: str  # 16 random bytes in hex
     unix: str | None = None
+    host: str | None = None
 
 
 @dataclass(frozen=True)
@@ -209,18 +211,21 @@ def offer_meta(offer: LaneOffer) -> dict[str, object]:
     meta: dict[str, object] = {"port": offer.port, "nonce": offer.nonce}
     if offer.unix is not None:
         meta["unix"] = offer.unix
+    if offer.host is not None:
+        meta["host"] = offer.host
     return meta
 
 
 def decode_offer(meta: dict[str, Any]) -> LaneOffer:
     """A lane offer from its frame's meta; :class:`MalformedControl` if it is not one (the
     Unix name's own shape is checked where it is dialed)."""
-    port, nonce, unix = meta.get("port"), meta.get("nonce"), meta.get("unix")
+    port, nonce, unix, host = (meta.get(k) for k in ("port", "nonce", "unix", "host"))
     if (type(port) is not int or type(nonce) is not str or not _NONCE.fullmatch(nonce)
-            or (unix is not None and type(unix) is not str)):
+            or (unix is not None and type(unix) is not str)
+            or (host is not None and (type(host) is not str or len(host) > 255))):
         raise MalformedControl("a lane offer needs a port, a 32-digit hex nonce and "
-                               "optionally a Unix name")
-    return LaneOffer(port, nonce, unix)
+                               "optionally a Unix name and a host")
+    return LaneOffer(port, nonce, unix, host)
 
 
 def failed_meta(event: StepFailed) -> dict[str, object]:

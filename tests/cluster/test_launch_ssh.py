@@ -119,6 +119,48 @@ def test_a_killed_rank_is_restarted_on_its_host_and_heals(cluster) -> None:
     assert not _no_job_processes(cl, 5)
 
 
+def test_the_ranks_of_a_lost_host_restart_on_a_spare_host(cluster, tmp_path) -> None:
+    """Host 2's SSH connection is cut while a 7-rank ring runs (its agent then stops its two
+    ranks): ``--restart`` starts both again on the spare host 3, the ring's failed step waits
+    for them and runs again, and the job ends with every rank's model identical."""
+    cl, access, _hostfile = cluster
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"{cl.addr(1)} slots=5\n{cl.addr(2)} slots=2\n"
+                        f"{cl.addr(3)} slots=2 spare=yes\n")
+    proc = subprocess.Popen(_launch(cl, access, str(hostfile), sys.executable,
+                                    str(ROOT / "tests" / "loopback" / "schemeprog.py"), "ring",
+                                    "--state", "--steps", "150", "--pace", "0.05",
+                                    extra=("--restart", "4")),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        out: list[str] = []
+        while sum(line.startswith("[0] STEP") for line in out) < 10:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read() if proc.stderr else ""
+            out.append(line)
+        listener = cl.sshd[2].pid  # cut host 2 off: its sshd sessions, not the daemon
+        pids = subprocess.run(["ip", "netns", "pids", cl.ns(2)], capture_output=True,
+                              text=True).stdout.split()
+        for pid in pids:
+            if int(pid) != listener and Path(f"/proc/{pid}/cmdline").read_bytes().startswith(
+                    b"sshd"):
+                os.kill(int(pid), signal.SIGKILL)
+        rest, err = proc.communicate(timeout=240)
+    finally:
+        _kill_job(proc)
+    out += rest.splitlines(keepends=True)
+    assert proc.returncode == 0, err[-3000:]
+    for rank in (5, 6):
+        assert f"rank {rank} on {cl.addr(2)} exited with code 255; restarting it" in err, err
+    finals = [line for line in out if " FINAL " in line]
+    assert len(finals) == 7 and len({line.split('"digest": ')[1][:20] for line in finals}) == 1
+    # The two replacements ran on the spare host: their incarnation is 1.
+    assert sum('"incarnation": 1' in line for line in finals) == 2, finals
+    assert not _no_job_processes(cl, 5)
+
+
 def test_ranks_env_placement_and_tags(cluster, tmp_path) -> None:
     cl, access, hostfile = cluster
     res = subprocess.run(_launch(cl, access, hostfile, sys.executable, "-c", PROG, "ok",

@@ -460,9 +460,12 @@ def test_control_events_round_trip_and_malformed_ones_are_named() -> None:
     offer = c.LaneOffer(4000, "ab" * 16, "aioreduce-lane-" + "cd" * 16)
     assert c.decode_offer(c.offer_meta(offer)) == offer
     assert c.decode_offer({"port": 1, "nonce": "ab" * 16}) == c.LaneOffer(1, "ab" * 16)
+    moved = c.LaneOffer(5, "ab" * 16, None, "10.0.0.9")  # a rank that rejoined elsewhere
+    assert c.decode_offer(c.offer_meta(moved)) == moved
     for bad_offer in ({"port": 1, "nonce": "xy" * 16}, {"port": 1, "nonce": "ab"},
                       {"port": "1", "nonce": "ab" * 16}, {"port": 1, "nonce": "ab" * 16,
-                                                          "unix": 5}):
+                                                          "unix": 5},
+                      {"port": 1, "nonce": "ab" * 16, "host": 7}):
         with pytest.raises(c.MalformedControl):
             c.decode_offer(bad_offer)
 

@@ -21,6 +21,7 @@ alice@worker-1 slots=2 max_slots=2 ssh_port=2222   # trailing comment
 
 10.0.0.7 addr=192.168.5.7
 localhost slots=3
+worker-9 slots=2 spare=yes  # takes the ranks of a lost host under --restart
 """
 
 
@@ -31,9 +32,11 @@ def test_parse_the_common_format() -> None:
         ("worker-1", 2, "alice", 2222, None, 2),
         ("10.0.0.7", 1, None, None, "192.168.5.7", None),
         ("localhost", 3, None, None, None, None),
+        ("worker-9", 2, None, None, None, None),
     ]
     assert hosts[1].where == "hosts.txt:3"
-    assert [h.is_local for h in hosts] == [False, False, False, True]
+    assert [h.is_local for h in hosts] == [False, False, False, True, False]
+    assert [h.spare for h in hosts] == [False] * 4 + [True]
     assert hosts[2].data_addr == "192.168.5.7" and hosts[3].data_addr == "127.0.0.1"
 
 
@@ -41,8 +44,9 @@ def test_round_trip() -> None:
     hosts = parse_hostfile(GOOD)
     again = parse_hostfile(format_hostfile(hosts))
     assert [h.to_line() for h in again] == [h.to_line() for h in hosts]
-    assert [(h.host, h.slots, h.user, h.ssh_port, h.addr, h.max_slots) for h in again] == \
-        [(h.host, h.slots, h.user, h.ssh_port, h.addr, h.max_slots) for h in hosts]
+    assert [(h.host, h.slots, h.user, h.ssh_port, h.addr, h.max_slots, h.spare)
+            for h in again] == [(h.host, h.slots, h.user, h.ssh_port, h.addr, h.max_slots,
+                                 h.spare) for h in hosts]
 
 
 @pytest.mark.parametrize("text, message", [
@@ -55,6 +59,7 @@ def test_round_trip() -> None:
     ("a slots=4 max_slots=2\n", "hf:1: max_slots=2 is below slots=4"),
     ("a ssh_port=70000\n", "hf:1: ssh_port=70000 is out of range"),
     ("bad/host slots=1\n", "hf:1: 'bad/host' is not a host name"),
+    ("a spare=maybe\n", "hf:1: spare='maybe': give yes or no"),
     ("# only a comment\n\n", "hf: no hosts"),
 ])
 def test_errors_name_file_and_line(text: str, message: str) -> None:

@@ -12,9 +12,10 @@ from the scheme's result window like a paused rank's (see :mod:`aioreduce.scheme
 A program without state hooks heals the step alone (its data is a function of the step).
 
 The same request heals a rank that fell behind its peers' result window (``FellBehind``),
-and a step that failed because a rank was lost (a ring's) can wait for that rank's replacement
-(``rejoin_wait`` seconds) and run again, as the next step, with every rank: the caller sees
-one step that took longer, not an error. A rank inside a step (its program waits for the
+and a step that failed because ranks were lost (a ring's that lost one, a transpose's or a
+tree's that missed too many) can wait for their replacements (``rejoin_wait`` seconds) and
+run again, as the next step, with every rank: the caller sees one step that took longer, not
+an error. A rank inside a step (its program waits for the
 step, so its state is that of every step before) answers heal requests at once, with that
 step's number: a replacement may be what the step waits for.
 """
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import PeerLost
-from .schemes import FellBehind, Result
+from .schemes import FellBehind, Result, StragglerError
 from .wire import tags
 from .wire.control import HealAsk
 
@@ -100,22 +101,37 @@ class Healer:
             for _attempt in range(len(known)):  # a host lost takes several ranks at once
                 try:
                     return await self._healing(steps, run)
-                except PeerLost as exc:
-                    lost = exc.rank
-                    if not 0 <= lost < len(known):
+                except (PeerLost, StragglerError) as exc:
+                    lost = self._dead(exc, known)
+                    if not lost:
                         raise
                     self._serving_at = steps.step  # the number the step runs again as
-                    # (A peer that took this process for its dead predecessor runs again
-                    # at once: so do we.)
-                    if lost != self.mesh.rank and not await self._replaced(lost, known[lost]):
-                        raise
-                log.warning("rank %d: rank %d was replaced; its failed step runs again as "
+                    for rank in lost:
+                        # (A peer that took this process for its dead predecessor runs again
+                        # at once: so do we.)
+                        if rank != self.mesh.rank and not await self._replaced(rank,
+                                                                               known[rank]):
+                            raise
+                log.warning("rank %d: ranks %s were replaced; the failed step runs again as "
                             "step %d", self.mesh.rank, lost, steps.step)
                 if into is not None and saved is not None:
                     np.copyto(into, saved)
             return await self._healing(steps, run)
         finally:
             self._serving_at = None
+
+    def _dead(self, exc: PeerLost | StragglerError, known: list[int]) -> list[int]:
+        """The ranks whose death failed the step (to wait for), or none: the rank a
+        ``PeerLost`` names, or the missing ranks of a ``StragglerError`` if every one of them
+        is dead (its connection broke, or it was replaced since the step began), or is
+        this process (a replacement its peers did not know yet)."""
+        if isinstance(exc, PeerLost):
+            return [exc.rank] if 0 <= exc.rank < len(known) else []
+        mesh = self.mesh
+        dead = [r for r in exc.missing if 0 <= r < len(known) and (
+            r == mesh.rank  # our peers took us for our dead predecessor
+            or mesh.is_lost(r) or mesh.incarnations.known[r] > known[r])]
+        return dead if dead and len(dead) == len(exc.missing) else []
 
     async def _healing(self, steps: Stepper, run: Callable[[], Awaitable[Result]]) -> Result:
         try:

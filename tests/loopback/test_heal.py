@@ -176,12 +176,14 @@ def test_chaos_soak_short() -> None:
     assert check(rep) == [], (rep, soak.err[-40:])
 
 
-def test_chaos_soak_short_ring() -> None:
-    """The ring's short soak: a step that lost a rank waits for the replacement the launcher
-    starts and runs again with it; the same result on every rank, identical models."""
+@pytest.mark.parametrize("scheme, n", [("ring", 8), ("transpose", 4)])
+def test_chaos_soak_short_ring_and_transpose(scheme: str, n: int) -> None:
+    """The short soaks of the schemes whose step fails when a rank dies: it waits for the
+    replacement the launcher starts and runs again with it; the same result on every rank,
+    identical models."""
     from .heal_soak import HealSoak, check
 
-    soak = HealSoak(steps=250, every=40, pace=0.02, seed=2, scheme="ring", ranks=8)
+    soak = HealSoak(steps=250, every=40, pace=0.02, seed=2, scheme=scheme, ranks=n)
     rep = soak.report(soak.run())
     assert rep["kills"] >= 2 and rep["steps_run_again"] == rep["kills"], rep
     assert check(rep) == [], (rep, soak.err[-40:])

@@ -32,7 +32,7 @@ import numpy as np
 
 from ...codes.hadamard import Rotation
 from ..base import Comm, FellBehind, Result, StragglerError
-from ..links import CommLinks, LaneLinks, Links, unopened
+from ..links import CommLinks, LaneLinks, Links, SplitLinks, unopened
 from ..pool import BufferPool
 from .clock import StageClock
 from .layout import NOTICE_TAG, PHASE2_TAG, Layout
@@ -84,10 +84,15 @@ class TransposeSession:
     @property
     def lanes_open(self) -> bool:
         """Whether the slices travel over lanes (opened by the first step)."""
-        return isinstance(self.links, LaneLinks)
+        return isinstance(self.links, SplitLinks)
 
     def known(self, step: int) -> bool:
         return False  # every step needs this rank's own vector
+
+    def rejoined(self, step: int) -> None:
+        """A replacement process (see :class:`~..base.Rejoins`): our peers' lanes went with
+        the dead process, so everything goes over the comm."""
+        self._want_lanes = False
 
     async def close(self, timeout: float) -> None:
         await self.links.close(timeout)
@@ -104,10 +109,13 @@ class TransposeSession:
         # are missing, as a peer's that dies later are).
         outs, ins = await links.open_links(peers, peers, step, partial=True)
         old = self.links
-        self.links = LaneLinks(self.comm, outs, ins, self.opts.backlog_steps, old.newest,
-                               opened_by=links, notice_tag=NOTICE_TAG,
-                               lost=unopened(peers, outs, ins, step))
-        await old.close(0)
+        assert isinstance(old, CommLinks)
+        # A peer whose connection breaks goes on through the comm (its replacement, see
+        # aioreduce.heal, opens no lanes).
+        self.links = SplitLinks(
+            LaneLinks(self.comm, outs, ins, self.opts.backlog_steps, old.newest,
+                      opened_by=links, notice_tag=NOTICE_TAG,
+                      lost=unopened(peers, outs, ins, step)), old, self.comm)
 
     def _rotation_for(self, length: int, dtype: np.dtype | None = None) -> Rotation:
         n = self.comm.world_size

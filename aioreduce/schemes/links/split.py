@@ -1,0 +1,62 @@
+"""Lanes for the peers that have them, the comm for those whose connection broke.
+
+A peer whose process dies takes its lanes with it; its replacement (see :mod:`aioreduce.heal`)
+opens none, and the live ranks' lanes are opened once, at a session's first step. So from the
+moment a peer's connection breaks, :class:`SplitLinks` routes everything to and from it
+through the comm (:class:`~.comm.CommLinks`), and the rest over the lanes as before: the
+replacement is taken back at the first step it sends in, over the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from ...wire import Header
+from ..base import Comm
+from .comm import CommLinks, Links
+from .lanes import LaneLinks
+
+
+class SplitLinks:
+    """:class:`~.comm.Links` over ``lanes``, but through ``via_comm`` for every peer whose
+    connection on ``comm`` broke (see the module docstring)."""
+
+    def __init__(self, lanes: LaneLinks, via_comm: CommLinks, comm: Comm) -> None:
+        self.lanes, self.via_comm = lanes, via_comm
+        self.on_comm: set[int] = set()  # peers that lost their lanes for good
+        self._remove = comm.on_peer_lost(self.on_comm.add)
+
+    def _for(self, rank: int) -> Links:
+        return self.via_comm if rank in self.on_comm else self.lanes
+
+    @property
+    def newest(self) -> int:
+        return max(self.lanes.newest, self.via_comm.newest)
+
+    def post(self, src: int, out: np.ndarray, step: int, tag: int) -> asyncio.Future[Header]:
+        return self._for(src).post(src, out, step, tag)
+
+    def send(self, peer: int, array: np.ndarray, step: int, tag: int,
+             meta: dict[str, Any]) -> bool:
+        return self._for(peer).send(peer, array, step, tag, meta)
+
+    def discard_before(self, step: int, tag: int = 0) -> None:
+        self.lanes.discard_before(step, tag)  # the comm's floor too
+        self.via_comm.discard_before(step, tag)
+
+    def is_lost(self, rank: int) -> bool:
+        return self._for(rank).is_lost(rank)
+
+    def heard_at(self, src: int) -> float:
+        return self._for(src).heard_at(src)
+
+    def end_step(self, step: int) -> None:
+        self.lanes.end_step(step)
+        self.via_comm.end_step(step)
+
+    async def close(self, timeout: float) -> None:
+        self._remove()
+        await asyncio.gather(self.lanes.close(timeout), self.via_comm.close(timeout))

@@ -134,7 +134,7 @@ class Node(Peers):
                          timeout=env.rendezvous_timeout)
         self._started = True
         if self.mesh.incarnations.rejoined:  # this process replaces a dead one: heal it
-            self._steps.step = await self.healer.heal()
+            self._steps.step, self._steps.replacement = await self.healer.heal(), True
         await preconnect(self.mesh, self.scheme)
         if self.scheme is not None:
             self._sessions.open(self.scheme, self._steps.step)

@@ -35,6 +35,9 @@ class Stepper:
         self.straggle, self.tracer, self.stepgc = straggle, tracer, stepgc
         self.step = 0  # the number of the next step
         self.like: np.ndarray | None = None  # shape and dtype of this scheme's steps
+        # This process replaced a dead one (see aioreduce.heal): an injected death (kill=STEP)
+        # was its predecessor's.
+        self.replacement = False
         self._last_return = time.perf_counter()
 
     @classmethod
@@ -165,7 +168,7 @@ class Stepper:
     async def _straggle(self, step: int, vec: np.ndarray, compute_seconds: float
                         ) -> np.ndarray:
         """Apply injected straggling (a delay model per rank) to this rank's vector."""
-        if self.straggle.kills(self.rank, step):
+        if self.straggle.kills(self.rank, step) and not self.replacement:
             # A real death, as a crashed or preempted machine: no cleanup, no goodbye.
             os.kill(os.getpid(), signal.SIGKILL)
         delay = self.straggle.extra_delay(self.rank, step, compute_seconds, self.world_size)

@@ -14,7 +14,8 @@ A spec is a ``;``-separated list of ``TARGET:MODEL`` items:
   GC pause or a noisy neighbour), ``pause=LO,HI`` (each step ONE of the target ranks, drawn
   anew per step and the same draw on every rank, pauses a uniform LO..HI seconds: a GC pause
   or a preempted VM somewhere in the cluster), or ``kill=STEP`` (the rank SIGKILLs itself
-  when it reaches step STEP: a dead node, for testing tolerance).
+  when it reaches step STEP: a dead node, for testing tolerance; a process that replaced it
+  under ``aioreduce-launch --restart`` does not).
 
 Examples: ``rank=4:delay=0.5``, ``rank=4:slow=3``, ``rank=5:kill=10``,
 ``all:shifted-exp=0.01,20;rank=2:slow=3``, ``all:load-exp=2``, ``all:spike=0.005,0.2``,

@@ -76,6 +76,11 @@ class SyncNode:
     def world_size(self) -> int:
         return self.node.world_size
 
+    @property
+    def step(self) -> int:
+        """The number of the next step (a replacement of a dead rank starts where it healed)."""
+        return self.node.step
+
     def allreduce(self, array: Reducible, *, op: ReduceOp = "sum",
                   any_shape: bool = False, in_place: bool = False) -> Result:
         """The sum (or mean) of every rank's array (uncoded schemes) as a :class:`Result`,

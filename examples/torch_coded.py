@@ -9,12 +9,15 @@ computes one backward of its weighted share (``weighted_loss``) and the tree dec
 gradient of the whole mini-batch from whichever ranks are fast enough. The last partial batch
 of an epoch is used too. Rank 0 prints every step's time and the ranks that were skipped, and
 every epoch's loss and test accuracy. Works under ``aioreduce-launch`` and ``torchrun`` alike
-(the ranks meet through torch's store: ``aioreduce.torch.connect``).
+(the ranks meet through torch's store: ``aioreduce.torch.connect``). Under
+``aioreduce-launch --restart N`` a rank that dies is started again and heals the model and the
+optimizer from a live peer (``aioreduce.torch.state_hooks``), then goes on from the job's step.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -49,12 +52,15 @@ def main() -> None:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
     scheme = ar.CodedTree(a.fanout, a.levels, a.stragglers)
-    with art.connect(scheme) as node:
+    with art.connect(scheme, state=art.state_hooks(model, opt)) as node:
         sampler = art.CodedSampler(len(ytr), a.batch, node=node, seed=1)
         step, times = 0, []
         for epoch in range(a.epochs):
             sampler.set_epoch(epoch)
             for idx, w in sampler:
+                if step < node.step:  # this process replaced a dead one: healed to node.step
+                    step += 1
+                    continue
                 t0 = time.perf_counter()
                 opt.zero_grad()
                 art.weighted_loss(F.cross_entropy, model(xtr[idx]), ytr[idx], w).backward()
@@ -66,7 +72,7 @@ def main() -> None:
                     print(f"step {step:4d}  {times[-1] * 1e3:7.2f} ms  batch "
                           f"{len(sampler.batch):3d}  skipped {res.late}", flush=True)
                 step += 1
-            if node.rank == 0:
+            if node.rank == 0 and times:
                 with torch.no_grad():
                     loss = F.cross_entropy(model(xtr), ytr).item()
                 print(f"epoch {epoch:2d}  median step {statistics.median(times) * 1e3:7.2f} ms"
@@ -77,6 +83,9 @@ def main() -> None:
             print("SUMMARY " + json.dumps({"scheme": "coded-tree", "ranks": node.world_size,
                                            "steps": step,
                                            "test_accuracy": accuracy(model, xte, yte)}))
+        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
+                                         for p in model.parameters())).hexdigest()
+        print("FINAL " + json.dumps({"rank": node.rank, "params": digest[:16]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@
   gradients become ready; ``should_commit`` skips an update that is not exact enough.
 * :class:`CodedSampler` and :func:`weighted_loss` (:mod:`.coded`): coded mini-batches for
   ``CodedTree`` and ``GradientCoding``.
+* :func:`state_hooks` (:mod:`.heal`): model and optimizer state for a replacement of a dead
+  rank to heal from (``connect(..., state=...)``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ..tensors import TensorResult, to_numpy
 from .coded import CodedSampler, apply_flat, flat_grad, weighted_loss
 from .ddp import DistributedDataParallel, aioreduce_hook, check_same_model
 from .ddp import register as register_hook
+from .heal import state_hooks
 from .optimizer import DistributedOptimizer, min_received, require_exact
 from .process_group import ProcessGroupAioreduce, configure, connect, register
 
@@ -41,6 +44,7 @@ __all__ = [
     "register",
     "register_hook",
     "require_exact",
+    "state_hooks",
     "to_numpy",
     "weighted_loss",
 ]

@@ -39,12 +39,14 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from ..env import NodeEnv
 from ..errors import ConfigError
+from ..heal import StateHooks
 from ..node import Node
 from ..schemes import Result, Scheme
 from ..schemes.base import ReadsInOrder, SumsInPlace
 from ..schemes.registry import by_name
 from ..settings import env_extras
 from ..sync import SyncNode
+from ..sync import connect as connect_env
 from ..tensors import check_tensor
 from . import direct
 from .completer import Completer, Context
@@ -638,7 +640,8 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
 
 
 def _node_from_store(store: Store, rank: int, world_size: int, timeout: timedelta,
-                     scheme: Scheme | None = None) -> SyncNode:
+                     scheme: Scheme | None = None, state: StateHooks | None = None
+                     ) -> SyncNode:
     """Rendezvous through torch's store: rank 0 listens on a free port and publishes its
     address, the job's secret (unless ``AIOREDUCE_SECRET`` is set everywhere) and a job id.
     ``AIOREDUCE_STRAGGLE`` injects stragglers as for any node."""
@@ -667,15 +670,24 @@ def _node_from_store(store: Store, rank: int, world_size: int, timeout: timedelt
                        advertise_addr=env.get("AIOREDUCE_ADDR") or None,
                        bind_addr=env.get("AIOREDUCE_BIND") or None,
                        rendezvous_timeout=timeout.total_seconds(), source="torch")
-    return SyncNode(Node(node_env, scheme=scheme or default_scheme(), **extra), timeout=None)
+    return SyncNode(Node(node_env, scheme=scheme or default_scheme(), state=state, **extra),
+                    timeout=None)
 
 
-def connect(scheme: Scheme | None = None, *, timeout: float = 300.0) -> SyncNode:
+def connect(scheme: Scheme | None = None, *, timeout: float = 300.0,
+            state: StateHooks | None = None) -> SyncNode:
     """A blocking node (as :func:`aioreduce.connect`) that meets its peers through a torch
     ``TCPStore`` on ``MASTER_ADDR:MASTER_PORT``, as torchrun and aioreduce-launch set them: no
     job secret to distribute (rank 0 makes one and hands it over the store). Not together with
-    ``init_process_group`` on the same port; with a process group of ours, use its ``.node``."""
+    ``init_process_group`` on the same port; with a process group of ours, use its ``.node``.
+    ``state``: how a replacement of a dead rank heals (:func:`aioreduce.torch.state_hooks`).
+
+    Under aioreduce-launch (``AIOREDUCE_SECRET`` and ``AIOREDUCE_MASTER_PORT`` are set) the
+    ranks need no store: they meet as :func:`aioreduce.connect` does, and a rank that the
+    launcher restarts rejoins the same way (a late client of rank 0's store was not served)."""
     env = os.environ
+    if env.get("AIOREDUCE_SECRET") and env.get("AIOREDUCE_MASTER_PORT"):
+        return connect_env(scheme or default_scheme(), timeout=timeout, state=state)
     try:
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
@@ -684,7 +696,8 @@ def connect(scheme: Scheme | None = None, *, timeout: float = 300.0) -> SyncNode
                           "aioreduce-launch)") from None
     wait = timedelta(seconds=timeout)
     store = TCPStore(host, port, world, rank == 0, wait)
-    node = _node_from_store(PrefixStore("aioreduce-connect", store), rank, world, wait, scheme)
+    node = _node_from_store(PrefixStore("aioreduce-connect", store), rank, world, wait, scheme,
+                            state)
     node.keepalive = store  # rank 0 serves the store; it lives as long as the node
     return node
 

@@ -57,3 +57,23 @@ def test_torch_coded_example_with_a_straggler() -> None:
     s = _summary(_torchrun(13, "torch_coded.py", "--epochs", "6", "--quiet",
                            "--straggle", "rank=7:delay=0.1"))
     assert s["test_accuracy"] >= 0.9, s
+
+
+def test_torch_coded_example_heals_a_killed_rank_under_restart() -> None:
+    """Rank 2 of 4 dies at step 100; ``--restart`` starts it again, it heals the model and
+    the optimizer (``aioreduce.torch.state_hooks``) from a live peer and trains on: every
+    rank's parameters are the same at the end, and the accuracy is the example's."""
+    cmd = [sys.executable, "-m", "aioreduce_launch.cli", "-n", "4", "--restart", "2", "--",
+           sys.executable, str(EXAMPLES / "torch_coded.py"), "--epochs", "300", "--quiet",
+           "--fanout", "3", "--levels", "1", "--straggle", "rank=2:kill=100"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=400,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    assert "rank 2 on localhost killed by SIGKILL; restarting it" in out.stderr
+    assert "[2] rank 2 (incarnation 1) healed from rank 0" in out.stderr, out.stderr[-3000:]
+    finals = [json.loads(x.split("FINAL ", 1)[1]) for x in out.stdout.splitlines()
+              if "FINAL " in x]
+    assert sorted(f["rank"] for f in finals) == [0, 1, 2, 3]
+    assert len({f["params"] for f in finals}) == 1  # the healed replica is the others'
+    line = next(x for x in out.stdout.splitlines() if "SUMMARY " in x)
+    assert json.loads(line.split("SUMMARY ", 1)[1])["test_accuracy"] >= 0.95

@@ -15,9 +15,9 @@ The same request heals a rank that fell behind its peers' result window (``FellB
 and a step that failed because ranks were lost (a ring's that lost one, a transpose's or a
 tree's that missed too many) can wait for their replacements (``rejoin_wait`` seconds) and
 run again, as the next step, with every rank: the caller sees one step that took longer, not
-an error. A rank inside a step (its program waits for the
-step, so its state is that of every step before) answers heal requests at once, with that
-step's number: a replacement may be what the step waits for.
+an error. A rank inside a step (its program waits for the step, so its state is that of every
+step before) answers heal requests at once, with that step's number: a replacement may be
+what the step waits for.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ EMPTY = np.empty(0, np.uint8)
 class StateHooks:
     """What a program gives a node so a replacement of one of its ranks can heal.
 
-    ``state()`` is called on a live rank at a step boundary (on the node's event loop) and
-    returns the program's state as bytes or a numpy array it will not change afterwards;
+    ``state()`` is called on a live rank at a step boundary or while the program waits for a
+    step (on the node's event loop), and returns the program's state as bytes or a numpy
+    array it will not change afterwards;
     ``load_state(blob)`` is called on the replacement with those bytes before its first step.
     """
 

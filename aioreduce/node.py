@@ -61,14 +61,8 @@ class Node(Peers):
         self.on_listen = on_listen
         # "auto": the first allreduce picks the scheme (aioreduce.sim.auto)
         self._auto = scheme == "auto"
-        if isinstance(scheme, str) and not self._auto:
-            raise ValueError(f"rank {env.rank}: scheme must be a Scheme or 'auto', not "
-                             f"{scheme!r} (by name: aioreduce.schemes.by_name)")
-        chosen = None if isinstance(scheme, str) else scheme
-        if chosen is not None:
-            chosen.validate(env.world_size)
         self._sessions = Sessions(self._comm)
-        self._sessions.scheme = chosen
+        self._sessions.pick(scheme, env.rank, env.world_size)
         self._inputs = Inputs(env.rank)
         if options is None and env.max_frame is not None:
             options = MeshOptions(max_payload=env.max_frame)
@@ -77,7 +71,9 @@ class Node(Peers):
         self.p2p = PointToPoint(mesh)
         # state: how a replacement of a dead rank gets the program's state; rejoin_wait: how
         # long a step that lost a rank waits for its replacement (see aioreduce.heal)
-        self.healer = Healer(mesh, state, env.rendezvous_timeout, self._neighbours, rejoin_wait)
+        self.healer = Healer(mesh, state, env.rendezvous_timeout, lambda: (
+            self.scheme.neighbours(self.rank, self.world_size) if self.scheme else []),
+            rejoin_wait)
         self.close_timeout = close_timeout
         self._started = False
         steps = Stepper.configured(env.rank, env.world_size, straggle, trace, gc_every)
@@ -144,9 +140,6 @@ class Node(Peers):
             self.stepgc.start()
         log.debug("rank %d joined job %s (%d ranks)", env.rank, env.job, env.world_size)
 
-    def _neighbours(self) -> list[int]:
-        return self.scheme.neighbours(self.rank, self.world_size) if self.scheme else []
-
     async def close(self, *, wait_for_peers: bool = True) -> None:
         """Leave the job: results still on their way to slower ranks get ``close_timeout``
         seconds, a bounded barrier lets peers get their last frames, then disconnect."""
@@ -212,7 +205,7 @@ class Node(Peers):
     def placement(self, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, weights) this rank computes its coded gradient on, for a data set of
         ``num_samples`` samples, under the node's coded scheme."""
-        scheme = self._require(coded=True)
+        scheme = self._sessions.require(self.rank, coded=True)
         assert isinstance(scheme, CodedScheme)
         return scheme.placement(self.rank, num_samples)
 
@@ -231,7 +224,7 @@ class Node(Peers):
         :class:`~aioreduce.FellBehind` when this rank is further behind than its peers keep
         results for (the node then stands at the job's current step).
         """
-        self._require(coded=True)
+        self._sessions.require(self.rank, coded=True)
         res = await self._reduce(vector, op, any_shape=False)
         if op == "mean":
             holders = self._sessions.data_holders(self.world_size)
@@ -261,7 +254,7 @@ class Node(Peers):
         if self._auto and self.scheme is None:
             from .sim.auto import pick  # the simulator ranks the uncoded schemes
             array = await pick(self, array)
-        self._require(coded=False)
+        self._sessions.require(self.rank, coded=False)
         if in_place:
             return await self._reduce_in_place(array, op, any_shape=any_shape, arrival=arrival)
         if arrival is not None:
@@ -300,13 +293,3 @@ class Node(Peers):
             session, type(self.scheme).__name__, array, into, divisor, arrival),
             into if arrival is None else None)
         return res if into is not None else self._inputs.result(res, like, callable(array))
-
-    def _require(self, *, coded: bool) -> Scheme:
-        if self.scheme is None or self._sessions.current is None:
-            raise RuntimeError(f"rank {self.rank}: this node has no scheme (pass scheme=... "
-                               "and enter the node first)")
-        if self.scheme.coded != coded:
-            what = "aggregate() with a coded vector" if self.scheme.coded else "allreduce()"
-            raise TypeError(f"rank {self.rank}: {type(self.scheme).__name__} is used through "
-                            f"{what}")
-        return self.scheme

@@ -53,6 +53,28 @@ class Sessions:
             self._gate = GatedComm(self._comm(), first_step=step)
             self.current = scheme.open(self._gate)
 
+    def pick(self, scheme: Scheme | str | None, rank: int, world_size: int) -> None:
+        """The node's scheme argument: a scheme (checked against the world size), "auto"
+        (chosen at the first step) or None."""
+        if isinstance(scheme, str) and scheme != "auto":
+            raise ValueError(f"rank {rank}: scheme must be a Scheme or 'auto', not {scheme!r} "
+                             "(by name: aioreduce.schemes.by_name)")
+        if scheme is not None and not isinstance(scheme, str):
+            scheme.validate(world_size)
+            self.scheme = scheme
+
+    def require(self, rank: int, *, coded: bool) -> Scheme:
+        """The running scheme, if it is a coded one (``coded``) or not; else a clear error
+        for the caller of ``aggregate()`` / ``allreduce()`` on ``rank``."""
+        if self.scheme is None or self.current is None:
+            raise RuntimeError(f"rank {rank}: this node has no scheme (pass scheme=... and "
+                               "enter the node first)")
+        if self.scheme.coded != coded:
+            what = "aggregate() with a coded vector" if self.scheme.coded else "allreduce()"
+            raise TypeError(f"rank {rank}: {type(self.scheme).__name__} is used through "
+                            f"{what}")
+        return self.scheme
+
     def rejoined(self, step: int) -> None:
         """This process replaced a dead rank and starts at ``step``: tell the session."""
         if isinstance(self.current, Rejoins):

@@ -354,15 +354,12 @@ class Mesh:
                         rank, exc)
             return
         if isinstance(event, control.Moved) and rank == 0 and event.rank != self.rank:
-            if 0 <= event.rank < self.world_size:
+            if (0 <= event.rank < self.world_size
+                    and not self.incarnations.stale(event.rank, event.incarnation)):
                 self.addresses[event.rank] = (event.host, event.port)
-                self._judge_quietly(event.rank, event.incarnation)
+                self._judge(event.rank, event.incarnation, "rank 0's table")
         elif isinstance(event, control.HealAsk) and self.on_heal is not None:
             self.on_heal(rank, event)
-
-    def _judge_quietly(self, rank: int, incarnation: int) -> None:
-        with contextlib.suppress(AuthError):  # an older one than we know: nothing to do
-            self._judge(rank, incarnation, "rank 0's table")
 
     def _wrong_job(self, event: WrongJob) -> None:
         """A process of ours (it knows the secret) was started with another job id."""

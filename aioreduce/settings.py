@@ -23,14 +23,8 @@ def env_extras(env_map: Mapping[str, str], max_frame: int | None = None) -> dict
     extras: dict[str, Any] = {}
     mesh: dict[str, Any] = {}
     if env_map.get("AIOREDUCE_LATENCY"):
-        try:
-            latency = float(env_map["AIOREDUCE_LATENCY"])
-        except ValueError:
-            latency = -1.0
-        if not 0 <= latency < 60:
-            raise ConfigError(f"AIOREDUCE_LATENCY={env_map['AIOREDUCE_LATENCY']!r}: give "
-                              "the emulated one-way latency in seconds (e.g. 0.0001)")
-        mesh["latency"] = latency
+        mesh["latency"] = _seconds(env_map, "AIOREDUCE_LATENCY", 60, "the emulated one-way "
+                                   "latency in seconds (e.g. 0.0001)")
     if env_map.get("AIOREDUCE_LOCAL_UNIX"):
         value = env_map["AIOREDUCE_LOCAL_UNIX"]
         if value not in ("0", "1"):
@@ -50,19 +44,25 @@ def env_extras(env_map: Mapping[str, str], max_frame: int | None = None) -> dict
                               "(0: leave Python's collector alone)")
         extras["gc_every"] = int(value)
     if env_map.get("AIOREDUCE_REJOIN_WAIT"):
-        value = env_map["AIOREDUCE_REJOIN_WAIT"]
-        try:
-            wait = float(value)
-        except ValueError:
-            wait = -1.0
-        if not 0 <= wait < 1e6:
-            raise ConfigError(f"AIOREDUCE_REJOIN_WAIT={value!r}: give the seconds a step that "
-                              "lost a rank waits for its replacement (0: it fails at once)")
-        extras["rejoin_wait"] = wait
+        extras["rejoin_wait"] = _seconds(env_map, "AIOREDUCE_REJOIN_WAIT", 1e6, "the seconds a "
+                                         "step that lost a rank waits for its replacement "
+                                         "(0: it fails at once)")
     if env_map.get("AIOREDUCE_STRAGGLE"):
         extras["straggle"] = parse_straggle(env_map["AIOREDUCE_STRAGGLE"],
                                             int(env_map.get("AIOREDUCE_STRAGGLE_SEED", 0)))
     return extras
+
+
+def _seconds(env_map: Mapping[str, str], name: str, below: float, what: str) -> float:
+    """Variable ``name`` as seconds in [0, ``below``); else a :class:`ConfigError` saying
+    ``what`` to give."""
+    try:
+        value = float(env_map[name])
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < below:
+        raise ConfigError(f"{name}={env_map[name]!r}: give {what}")
+    return value
 
 
 def bind_for(master_addr: str) -> str:

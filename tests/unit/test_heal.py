@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 import numpy as np
+import pytest
 
 from aioreduce.heal import Healer, StateHooks, sources
 from aioreduce.wire import tags
@@ -100,3 +101,26 @@ def test_inside_a_step_asks_are_answered_at_once_one_state_at_a_time() -> None:
 def test_sources_ask_the_neighbours_first() -> None:
     assert sources(5, 8, [6, 4]) == [4, 6, 0, 1, 2, 3, 7]
     assert sources(0, 3, []) == [1, 2]
+
+
+ENV = {"AIOREDUCE_SECRET": "s3cret-for-tests", "AIOREDUCE_RANK": "0",
+       "AIOREDUCE_WORLD_SIZE": "2", "AIOREDUCE_MASTER_ADDR": "127.0.0.1",
+       "AIOREDUCE_MASTER_PORT": "4000"}
+
+
+def test_the_environment_sets_how_long_a_step_waits_for_a_replacement() -> None:
+    from aioreduce import Node
+
+    async def body() -> None:
+        assert Node.from_env({**ENV, "AIOREDUCE_REJOIN_WAIT": "2.5"}).healer.rejoin_wait == 2.5
+        assert Node.from_env(ENV).healer.rejoin_wait == 0.0  # by default a step fails at once
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("value", ["soon", "-1"])
+def test_a_rejoin_wait_that_makes_no_sense_is_refused_by_name(value: str) -> None:
+    from aioreduce import ConfigError, Node
+
+    with pytest.raises(ConfigError, match=f"AIOREDUCE_REJOIN_WAIT='{value}'"):
+        Node.from_env({**ENV, "AIOREDUCE_REJOIN_WAIT": value})

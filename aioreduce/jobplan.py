@@ -62,13 +62,19 @@ def moved(spec: RankSpec, host: HostSlots, node_rank: int, local_rank: int) -> R
     """``spec``'s rank placed on another host (a spare that replaces a lost one): the same
     job environment with that host's placement."""
     env = dict(spec.env)
+    env.pop("AIOREDUCE_ADDR", None)  # the lost host's
+    _place(env, host, node_rank, local_rank, host.slots)
+    return RankSpec(spec.rank, host, node_rank, local_rank, env)
+
+
+def _place(env: dict[str, str], host: HostSlots, node_rank: int, local_rank: int,
+           local_world: int) -> None:
+    """Set a rank's placement variables in ``env``: its host and its slot there."""
     env.update({"LOCAL_RANK": str(local_rank), "AIOREDUCE_LOCAL_RANK": str(local_rank),
-                "LOCAL_WORLD_SIZE": str(host.slots), "NODE_RANK": str(node_rank),
+                "LOCAL_WORLD_SIZE": str(local_world), "NODE_RANK": str(node_rank),
                 "GROUP_RANK": str(node_rank)})
-    env.pop("AIOREDUCE_ADDR", None)
     if host.addr:
         env["AIOREDUCE_ADDR"] = host.addr
-    return RankSpec(spec.rank, host, node_rank, local_rank, env)
 
 
 def plan_ranks(hosts: list[HostSlots], job: JobConfig, np: int | None = None) -> list[RankSpec]:
@@ -87,18 +93,14 @@ def plan_ranks(hosts: list[HostSlots], job: JobConfig, np: int | None = None) ->
             env = dict(job.user_env)
             env.update({
                 "RANK": str(rank), "WORLD_SIZE": str(world),
-                "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world),
-                "NODE_RANK": str(node_rank), "GROUP_RANK": str(node_rank),
                 "MASTER_ADDR": job.master_addr, "MASTER_PORT": str(job.master_port),
                 "AIOREDUCE_RANK": str(rank), "AIOREDUCE_WORLD_SIZE": str(world),
-                "AIOREDUCE_LOCAL_RANK": str(local_rank),
                 "AIOREDUCE_MASTER_ADDR": job.master_addr,
                 "AIOREDUCE_MASTER_PORT": str(job.rendezvous_port),
                 "AIOREDUCE_JOB": job.job, "AIOREDUCE_SECRET": job.secret,
                 "PYTHONUNBUFFERED": "1",
             })
-            if host.addr:
-                env["AIOREDUCE_ADDR"] = host.addr
+            _place(env, host, node_rank, local_rank, local_world)
             if host.cores and "OMP_NUM_THREADS" not in job.user_env:
                 # Like torchrun: several ranks on one host must not each start a BLAS thread
                 # per core (on 2 cores, 13 ranks ran 10x slower). The user's value wins.

@@ -104,7 +104,7 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
         if problem:
             await _abort(mesh, others, problem, [])
             raise RendezvousError(f"rank 0: {problem}")
-        table = Table(tuple(mesh.addresses[r] for r in range(mesh.world_size)))
+        table = _table(mesh)
         await asyncio.gather(*(mesh.send_control(r, table) for r in others))
         mesh.incarnations.running = True
         mesh.on_joining = lambda r: mesh.spawn(_serve_rejoin(mesh, r, timeout))
@@ -171,14 +171,18 @@ async def _serve_rejoin(mesh: Mesh, rank: int, timeout: float) -> None:
                   "world size %d", rank, msg, mesh.world_size)
         return
     mesh.addresses[rank] = (msg.host, msg.port)
-    incs = tuple(mesh.incarnations.known)
-    await mesh.send_control(rank, Table(tuple(mesh.addresses[r] for r in
-                                              range(mesh.world_size)), incs))
-    moved = Moved(rank, msg.host, msg.port, incs[rank])
-    log.warning("rank 0: rank %d rejoined as incarnation %d at %s:%d", rank, incs[rank],
-                msg.host, msg.port)
+    await mesh.send_control(rank, _table(mesh, tuple(mesh.incarnations.known)))
+    inc = mesh.incarnations.known[rank]
+    moved = Moved(rank, msg.host, msg.port, inc)
+    log.warning("rank 0: rank %d rejoined as incarnation %d at %s:%d", rank, inc, msg.host,
+                msg.port)
     await asyncio.gather(*(mesh.send_control(r, moved) for r in range(1, mesh.world_size)
                            if r != rank), return_exceptions=True)
+
+
+def _table(mesh: Mesh, incarnations: tuple[int, ...] = ()) -> Table:
+    """Rank 0's address table as it stands (with every rank's incarnation, for a rejoin)."""
+    return Table(tuple(mesh.addresses[r] for r in range(mesh.world_size)), incarnations)
 
 
 def _check_registrations(mesh: Mesh, regs: dict[int, Control]) -> str:

@@ -84,6 +84,9 @@ class Incarnations:
         """What to do with a handshake in which ``rank`` claims incarnation ``claimed``
         (``dialed``: we dialed it, it listens); the decision is applied: a newer incarnation
         is known from now on."""
+        stale = self.stale(rank, claimed)
+        if stale is not None:
+            return stale
         known = self.known[rank]
         if claimed == JOINING:
             if dialed:  # rank 0 told us where it listens before it told it its number
@@ -93,8 +96,6 @@ class Incarnations:
             if not self.running:
                 return Same()  # the job's start: everyone is incarnation 0
             claimed = known + 1
-        if claimed < known:
-            return Stale(rank, claimed, known)
         if claimed > known:
             self.known[rank] = claimed
             return Newer(rank, claimed)

@@ -79,13 +79,19 @@ def main() -> None:
                       f"  train loss {loss:.4f}  test accuracy "
                       f"{accuracy(model, xte, yte):.3f}", flush=True)
                 times = []
+        # The last lines, each in one write: under torchrun every rank shares one stdout, and
+        # print() writes a line and its newline apart (another rank's line came between).
         if node.rank == 0:
-            print("SUMMARY " + json.dumps({"scheme": "coded-tree", "ranks": node.world_size,
-                                           "steps": step,
-                                           "test_accuracy": accuracy(model, xte, yte)}))
+            _line("SUMMARY", {"scheme": "coded-tree", "ranks": node.world_size, "steps": step,
+                              "test_accuracy": accuracy(model, xte, yte)})
         digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
                                          for p in model.parameters())).hexdigest()
-        print("FINAL " + json.dumps({"rank": node.rank, "params": digest[:16]}), flush=True)
+        _line("FINAL", {"rank": node.rank, "params": digest[:16]})
+
+
+def _line(tag: str, record: dict[str, object]) -> None:
+    sys.stdout.write(f"{tag} {json.dumps(record)}\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

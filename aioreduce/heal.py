@@ -77,6 +77,14 @@ class Healer:
         self._tickets = 0  # our requests so far: each one's replies travel on its own key
         self.served = 0  # heals answered (for tests and logs)
         self._sending = 0  # transfers of the current state still on their way
+        # Steps run with rerun=False (a group the caller runs again as a whole): the ranks
+        # whose death failed one (rank -> its incarnation then), and that failure, which
+        # every later such step raises at once until replace_lost().
+        self._group_lost: dict[int, int] = {}
+        self._group_error: PeerLost | StragglerError | None = None
+        # Where the group runs again after replace_lost(): a replacement heals to this step,
+        # answered inside the group's steps until one of them succeeds (it took part).
+        self._group_at: int | None = None
         mesh.on_heal = self._ask
 
     def _ask(self, rank: int, ask: HealAsk) -> None:
@@ -86,12 +94,19 @@ class Healer:
                 self.serve(self._serving_at)
 
     async def step(self, steps: Stepper, run: Callable[[], Awaitable[Result]],
-                   into: np.ndarray | None) -> Result:
+                   into: np.ndarray | None, *, rerun: bool = True) -> Result:
         """Run one step (``run`` takes the next step number) as healing asks: first answer
         the peers that asked; after ``FellBehind``, heal this rank's state too (with state
         hooks); after a step that failed because a rank was lost, wait up to
         ``rejoin_wait`` for its replacement and run it again (``into``, summed in place,
-        is restored first), as often as ranks were lost."""
+        is restored first), as often as ranks were lost.
+
+        ``rerun=False``: the step is one of a group that the caller runs again as a whole
+        (see :meth:`replace_lost`); it answers no heal at its boundary (a replacement must
+        start at a group's first step), and a failure because ranks died is recorded and
+        raised, by this step and at once by every later one of the group."""
+        if not rerun:
+            return await self._group_step(steps, run)
         self._serving_at = steps.step
         self.serve(steps.step)
         try:
@@ -121,6 +136,51 @@ class Healer:
         finally:
             self._serving_at = None
 
+    async def _group_step(self, steps: Stepper, run: Callable[[], Awaitable[Result]]
+                          ) -> Result:
+        if self._group_error is not None:
+            steps.take()  # every rank numbers the group's steps alike, run or not
+            raise self._group_error
+        known = list(self.mesh.incarnations.known)
+        self._serving_at = self._group_at
+        if self._group_at is not None:
+            self.serve(self._group_at)
+        try:
+            result = await self._healing(steps, run)
+        except (PeerLost, StragglerError) as exc:
+            lost = self._dead(exc, known) if self.rejoin_wait else []
+            if lost:
+                self._group_error = exc
+                for rank in lost:
+                    self._group_lost.setdefault(rank, known[rank])
+            raise
+        finally:
+            self._serving_at = None
+        self._group_at = None
+        return result
+
+    async def replace_lost(self, steps: Stepper) -> bool:
+        """After steps run with ``rerun=False`` failed because ranks died: wait up to
+        ``rejoin_wait`` for each one's replacement, answering heal requests meanwhile with
+        the next step number (where the caller runs its group again, and a replacement
+        starts). True if every one came; False if no such step failed (or ``rejoin_wait`` is
+        0, or one did not come): then the caller raises its error."""
+        lost, self._group_lost, self._group_error = self._group_lost, {}, None
+        if not lost:
+            return False
+        self._serving_at = self._group_at = steps.step
+        self.serve(steps.step)
+        try:
+            for rank, incarnation in lost.items():
+                if rank != self.mesh.rank and not await self._replaced(rank, incarnation):
+                    self._group_at = None
+                    return False
+        finally:
+            self._serving_at = None
+        log.warning("rank %d: ranks %s were replaced; the group of steps runs again from "
+                    "step %d", self.mesh.rank, sorted(lost), steps.step)
+        return True
+
     def _dead(self, exc: PeerLost | StragglerError, known: list[int]) -> list[int]:
         """The ranks whose death failed the step (to wait for), or none: the rank a
         ``PeerLost`` names, or the missing ranks of a ``StragglerError`` if every one of them
@@ -147,8 +207,11 @@ class Healer:
         ``incarnation``."""
         try:
             await asyncio.wait_for(self.mesh.replaced(rank, incarnation), self.rejoin_wait)
+            # Connected, its old process's loss is over: a step run again now waits for the
+            # replacement's frames instead of failing at once on that loss.
+            await asyncio.wait_for(self.mesh.connect(rank), self.rejoin_wait)
             return True
-        except TimeoutError:
+        except (TimeoutError, PeerLost):
             return False
 
     def serve(self, step: int) -> None:

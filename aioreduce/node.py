@@ -51,8 +51,7 @@ class Node(Peers):
     def __init__(self, env: NodeEnv, *, scheme: Scheme | Literal["auto"] | None = None,
                  straggle: StraggleModel | str | None = None,
                  options: MeshOptions | None = None, close_timeout: float = 10.0,
-                 trace: str | None = None,
-                 on_listen: Callable[[str, int], None] | None = None,
+                 trace: str | None = None, on_listen: Callable[[str, int], None] | None = None,
                  gc_every: int = 0, state: StateHooks | None = None,
                  rejoin_wait: float = 0.0) -> None:
         self.env = env
@@ -233,7 +232,7 @@ class Node(Peers):
 
     async def allreduce(self, array: Reducible, *, op: ReduceOp = "sum",
                         any_shape: bool = False, in_place: bool = False,
-                        arrival: Arrival | None = None) -> Result:
+                        arrival: Arrival | None = None, rerun: bool = True) -> Result:
         """One step of an uncoded scheme (Ring, Tree, Star, Transpose): the sum of every
         rank's array, or with ``op="mean"`` the sum divided by the number of contributions
         it holds. A CPU torch tensor works too (the result's ``value`` is then a tensor).
@@ -248,38 +247,43 @@ class Node(Peers):
         buffer, no copy; a mean costs a pass over 1/N of it); other schemes copy their result
         in. If the step fails, ``array`` holds partial sums.
 
-        ``arrival`` (with ``in_place=True``) says that ``array`` is still being filled, piece
-        by piece (a device tensor copied to host memory, as the torch backend stages one):
-        see :class:`~aioreduce.schemes.base.Arrival`."""
+        ``arrival`` (with ``in_place=True``): ``array`` is still being filled, piece by piece
+        (see :class:`~aioreduce.schemes.base.Arrival`). ``rerun=False``: one of a group of
+        steps the caller runs again after :meth:`replace_lost` (see ``Healer.step``)."""
         if self._auto and self.scheme is None:
             from .sim.auto import pick  # the simulator ranks the uncoded schemes
             array = await pick(self, array)
         self._sessions.require(self.rank, coded=False)
         if in_place:
-            return await self._reduce_in_place(array, op, any_shape=any_shape, arrival=arrival)
+            return await self._reduce_in_place(array, op, any_shape=any_shape, arrival=arrival,
+                                               rerun=rerun)
         if arrival is not None:
             raise ValueError(f"rank {self.rank}: arrival= needs in_place=True")
-        res = await self._reduce(array, op, any_shape=any_shape)
+        res = await self._reduce(array, op, any_shape=any_shape, rerun=rerun)
         if op == "mean":
             res = dataclasses.replace(res, value=res.value / mean_divisor(res, self.world_size))
         return res
 
+    async def replace_lost(self) -> bool:
+        """See :meth:`aioreduce.heal.Healer.replace_lost` (after ``rerun=False`` steps)."""
+        return await self.healer.replace_lost(self._steps)
+
     async def _reduce_in_place(self, target: Reducible, op: str, *, any_shape: bool,
-                               arrival: Arrival | None) -> Result:
+                               arrival: Arrival | None, rerun: bool) -> Result:
         """:meth:`allreduce` with ``in_place=True``."""
         array = self._inputs.in_place(target)
         # A session that sums in place sums every rank: it divides by the world size as it
         # goes. Any other copies its sum in, divided here by the contributions it holds.
         folded = op == "mean" and self.sums_in_place
-        res = await self._reduce(array, op, any_shape=any_shape, into=array,
-                                 divisor=self.world_size if folded else 1, arrival=arrival)
+        res = await self._reduce(array, op, any_shape=any_shape, into=array, arrival=arrival,
+                                 divisor=self.world_size if folded else 1, rerun=rerun)
         if op == "mean" and not folded:
             np.divide(array, mean_divisor(res, self.world_size), out=array)
         return self._inputs.in_place_result(target, array, res)
 
     async def _reduce(self, vector: Reducible, op: str, *, any_shape: bool,
                       into: np.ndarray | None = None, divisor: float = 1,
-                      arrival: Arrival | None = None) -> Result:
+                      arrival: Arrival | None = None, rerun: bool = True) -> Result:
         """One step of the session, tensors to arrays and back."""
         if op not in ("sum", "mean"):
             raise ValueError(f"rank {self.rank}: op must be 'sum' or 'mean', not {op!r} (min, "
@@ -291,5 +295,5 @@ class Node(Peers):
         assert session is not None  # aggregate()/allreduce() checked it
         res = await self.healer.step(self._steps, lambda: self._steps.run(
             session, type(self.scheme).__name__, array, into, divisor, arrival),
-            into if arrival is None else None)
+            into if arrival is None else None, rerun=rerun)
         return res if into is not None else self._inputs.result(res, like, callable(array))

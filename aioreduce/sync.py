@@ -109,6 +109,11 @@ class SyncNode:
         """(sample ids, weights) this rank computes on under a coded scheme."""
         return self.node.placement(num_samples)
 
+    def replace_lost(self) -> bool:
+        """Wait for the replacements of ranks whose death failed steps run with
+        ``rerun=False`` (see :meth:`Node.replace_lost`)."""
+        return self._call(self.node.replace_lost())
+
     def barrier(self, timeout: float = 60.0) -> None:
         self._call(self.node.barrier(timeout))
 

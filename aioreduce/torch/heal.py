@@ -5,7 +5,8 @@ optimizer and whatever else the program keeps (its position in the data, random 
 ``torch.save`` of their ``state_dict``\\ s into bytes on a live rank, ``torch.load`` (tensors
 and plain values only) and ``load_state_dict`` on the replacement. Use it where the steps are
 the program's iterations, one sum each (coded mini-batches, ``node.allreduce`` of a flat
-gradient); a DDP step is many bucket sums, which does not heal yet.
+gradient), or with :class:`~aioreduce.torch.DistributedOptimizer`, whose iteration of bucket
+sums runs again as a whole with the replacement.
 """
 
 from __future__ import annotations

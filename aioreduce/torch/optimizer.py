@@ -18,6 +18,11 @@ every rank issues the same collectives in the same order whatever order its hook
   :attr:`committed` says what the last ``step`` did.
 * Coded schemes (``CodedTree``, ``GradientCoding``): one ``aggregate`` of all gradients at
   ``synchronize`` (a coded step covers the whole gradient).
+* Heal (a node with ``state=state_hooks(model, optimizer, ...)`` and ``rejoin_wait``, as
+  under ``aioreduce-launch --restart``): an iteration's buckets are one group of steps. If a
+  rank dies during it, ``synchronize`` waits for its replacement, which heals the parameters
+  and optimizer of the iteration's start from a live rank, and every bucket runs again with
+  it from the gradients still in ``.grad`` (see :mod:`aioreduce.heal`).
 """
 
 from __future__ import annotations
@@ -135,8 +140,10 @@ class DistributedOptimizer:
     def _launch(self, i: int) -> None:
         params = self._buckets[i]
         flat = flatten_grads(params)
+        # An iteration's buckets are one group: if a rank dies, they all run again with its
+        # replacement (see synchronize).
         fut = self._pg.future_sum(flat, average=self.op == "mean",
-                                  on_result=self._step_results.append)
+                                  on_result=self._step_results.append, rerun=False)
         self._pending.append((params, flat, fut))
 
     def synchronize(self) -> None:
@@ -148,15 +155,37 @@ class DistributedOptimizer:
             write_grads(params, res.value)
             self.results = [res]
             return
-        for i in range(len(self._buckets)):  # parameters without a gradient count as ready
-            self._ready[i] = len(self._buckets[i])
-        self._launch_ready()
-        pending, self._pending = self._pending, []
-        for params, flat, fut in pending:
-            fut.wait()
+        for _attempt in range(self.node.world_size):
+            for i in range(len(self._buckets)):  # parameters without a gradient: ready
+                self._ready[i] = len(self._buckets[i])
+            self._launch_ready()
+            pending, self._pending = self._pending, []
+            failure: BaseException | None = None
+            for _params, _flat, fut in pending:
+                try:
+                    fut.wait()
+                except Exception as exc:  # the others still complete before a rerun
+                    failure = failure or exc
+            if failure is None:
+                break
+            self._step_results = []
+            # A rank died: with rejoin_wait, its replacement heals from us (the parameters
+            # and optimizer of this iteration's start: nothing written yet) and every bucket
+            # runs again with it, from the gradients still in .grad.
+            if not self.node.replace_lost():
+                self._reset()
+                raise failure
+        else:  # a replacement died too, as often as there are ranks
+            self._reset()
+            assert failure is not None
+            raise failure
+        for params, flat, _fut in pending:
             write_grads(params, flat)
         # Every bucket's result, in bucket order (the futures completed in issue order).
         self.results, self._step_results = self._step_results, []
+        self._reset()
+
+    def _reset(self) -> None:
         self._counts.clear()
         self._ready = [0] * len(self._buckets)
 

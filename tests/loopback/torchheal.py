@@ -1,0 +1,68 @@
+"""A torch training run whose ranks may die and come back, for the heal tests.
+
+    torchheal.py [--mode optimizer|ddp] [--steps N] [--bucket-bytes B]
+
+Each iteration's gradient goes through :class:`aioreduce.torch.DistributedOptimizer`
+(``optimizer``) or DDP (``aioreduce.torch.DistributedDataParallel``, ``ddp``) over the ring, in
+several buckets (one sum each). The state hooks carry the model, the optimizer and
+the iteration, and every rank's batch is a function of (rank, iteration), so a replacement
+that healed computes what the dead process would have: the run ends as an undisturbed one.
+Prints ``FINAL {"rank": R, "params": DIGEST, "iterations": N}`` per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import aioreduce as ar
+import aioreduce.torch as art
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=("optimizer", "ddp"), default="optimizer")
+    ap.add_argument("--steps", type=int, default=60, help="training iterations")
+    ap.add_argument("--bucket-bytes", type=int, default=8_000)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 10))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    it = 0
+
+    def get_it() -> int:
+        return it
+
+    def set_it(value: int) -> None:
+        nonlocal it
+        it = value
+
+    hooks = art.state_hooks(model, sgd, extra=(get_it, set_it))
+    with art.connect(ar.Ring(), state=hooks) as node:
+        opt = art.DistributedOptimizer(sgd, node, bucket_bytes=a.bucket_bytes)
+        while it < a.steps:
+            gen = torch.Generator().manual_seed(1000 * node.rank + it)
+            x = torch.randn(64, 32, generator=gen)
+            y = torch.randint(0, 10, (64,), generator=gen)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            it += 1
+        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
+                                         for p in model.parameters())).hexdigest()
+        sys.stdout.write("FINAL " + json.dumps({"rank": node.rank, "params": digest[:16],
+                                                "iterations": it, "buckets":
+                                                len(opt._buckets)}) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

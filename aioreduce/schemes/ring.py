@@ -64,6 +64,9 @@ ABORT_TAG = tags.ABORT  # above every data tag of a step
 MAX_AHEAD = 4
 POSTED_AHEAD = 4 << 20  # bytes of reduce-scatter scratch posted ahead (see _depth)
 EMPTY = np.empty(0, np.uint8)
+# How long a rank whose lane to a live peer did not open waits for that peer's abort (the
+# peer gave the step up, for a reason every rank must name alike).
+ABORT_WAIT_S = 5.0
 _NO_META: dict[str, Any] = {}
 
 
@@ -402,7 +405,14 @@ class RingSession:
                 if bulk is None:
                     self._want_lanes = False  # no mesh under this comm: the event loop's way
                 else:
-                    outs, ins = await bulk.open_links([nxt], [prev], step)
+                    try:
+                        outs, ins = await bulk.open_links([nxt], [prev], step)
+                    except PeerLost as exc:
+                        if not comm.is_lost(exc.rank):  # it gave up the step: hear why
+                            with contextlib.suppress(TimeoutError):
+                                await asyncio.wait_for(self._abort_or_loss(exc.rank),
+                                                       ABORT_WAIT_S)
+                        raise
                     # The step's thread reads its lane itself (readers=False): a reader
                     # thread handing each segment over cost a 13-rank 40 KB ring three
                     # times its CPU on 2 cores.

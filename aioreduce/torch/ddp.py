@@ -8,9 +8,10 @@ The model is wrapped by torch's own DDP over a process group of ours that spans 
 each bucket to the node. DDP keeps doing what it does with a process group, through our
 transport: it broadcasts the parameters and buffers exactly from rank 0 at construction, checks
 parameter shapes across ranks, agrees on the bucket order it rebuilds after the first step, and
-broadcasts buffers before every forward when the module has any. (torchft runs DDP over a
-world-size-1 stand-in group instead; it needs that because its membership changes, and it then
-has to do all of the above itself. Ours does not change.)
+broadcasts buffers before every forward when the module has any. With ``rejoin_wait`` (ranks
+that die come back, see :mod:`aioreduce.heal`) the membership changes, and DDP runs over a
+world-size-1 stand-in group instead, as torchft's does, with all of the above done by us
+(:mod:`.ddp_heal`).
 
 The hook does not block the backward pass: it queues the bucket on the node's event loop and
 returns a future that a thread of ours completes (never the event loop's thread, where a user
@@ -34,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.nn.utils import parameters_to_vector
 
 from ..sync import SyncNode
+from . import ddp_heal
 from .process_group import ProcessGroupAioreduce
 
 
@@ -100,7 +102,26 @@ def DistributedDataParallel(module: torch.nn.Module,
     from :func:`aioreduce.connect` with an allreduce scheme, or a process group of ours),
     every gradient bucket through aioreduce. ``ddp_kwargs`` go to torch's DDP."""
     pg = node if isinstance(node, ProcessGroupAioreduce) else ProcessGroupAioreduce(node)
+    if pg.node.node.healer.rejoin_wait > 0:  # ranks may come back: see ddp_heal
+        return _healing(module, pg, ddp_kwargs)
     check_same_model(module, pg)
     ddp = TorchDDP(module, process_group=pg, **ddp_kwargs)
     register(ddp, pg)
+    return ddp
+
+
+def _healing(module: torch.nn.Module, pg: ProcessGroupAioreduce, ddp_kwargs: dict[str, Any]
+             ) -> TorchDDP:
+    """DDP whose iterations run again with a replacement (see :mod:`.ddp_heal`)."""
+    if ddp_kwargs.get("find_unused_parameters"):
+        raise ValueError(f"rank {pg.node.rank}: find_unused_parameters=True does not heal "
+                         "(the ranks would have to agree on the parameters used); leave it "
+                         "off, or run without rejoin_wait")
+    iterations = ddp_heal.Iterations(module, pg)
+    if not iterations.joining:  # a replacement healed its parameters instead
+        check_same_model(module, pg)
+        ddp_heal.broadcast_state(module, pg)
+    ddp = TorchDDP(module, process_group=ddp_heal.Alone(), init_sync=False, **ddp_kwargs)
+    ddp.register_comm_hook(iterations, ddp_heal.healing_hook)
+    ddp.register_forward_pre_hook(lambda m, _inputs: ddp_heal.sync_buffers(m, iterations))
     return ddp

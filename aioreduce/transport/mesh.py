@@ -21,6 +21,7 @@ per byte than loopback TCP (see ``MeshOptions.local_unix``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import logging
@@ -617,7 +618,6 @@ class Mesh:
             self._check_rank(rank)
         listeners: dict[int, LaneListener] = {}
         lost: dict[int, BaseException] = {}
-        loop = asyncio.get_running_loop()
         try:
             for src in recv_from:
                 listeners[src] = LaneListener(self.host, src, local=self.options.local_unix)
@@ -652,16 +652,26 @@ class Mesh:
             # Every dial and accept blocks a thread until its peer does its part: one thread
             # each, not the shared default executor (a few workers, which all ranks' accepts
             # could fill while the dials they wait for queue behind them).
-            with ThreadPoolExecutor(max_workers=max(1, len(dialing) + len(accepting)),
-                                    thread_name_prefix="aioreduce-lane-open") as pool:
-                dials = [loop.run_in_executor(
-                    pool, dial, offers[dst][0], offers[dst][1],
-                    proof(self._secret, bytes.fromhex(offers[dst][2]), self.rank, dst), dst,
-                    timeout, offers[dst][3]) for dst in dialing]
-                accepts = [loop.run_in_executor(
-                    pool, listeners[src].accept, proof(self._secret, nonces[src], src, self.rank),
-                    timeout) for src in accepting]
-                opened = await asyncio.gather(*dials, *accepts, return_exceptions=True)
+            pool = ThreadPoolExecutor(max_workers=max(1, len(dialing) + len(accepting)),
+                                      thread_name_prefix="aioreduce-lane-open")
+            jobs = [pool.submit(dial, offers[dst][0], offers[dst][1],
+                                proof(self._secret, bytes.fromhex(offers[dst][2]), self.rank,
+                                      dst), dst, timeout, offers[dst][3]) for dst in dialing]
+            jobs += [pool.submit(listeners[src].accept,
+                                 proof(self._secret, nonces[src], src, self.rank), timeout)
+                     for src in accepting]
+            # Not `with pool`: cancelled (the step failed elsewhere), waiting for the threads
+            # would block the event loop until an accept from a dead peer timed out (seen: 20
+            # s in which this rank answered no handshake). They end on their own; a lane one
+            # opens after that is closed.
+            pool.shutdown(wait=False)
+            try:
+                opened = await asyncio.gather(*(asyncio.wrap_future(j) for j in jobs),
+                                              return_exceptions=True)
+            except BaseException:
+                for job in jobs:
+                    job.add_done_callback(_close_opened)
+                raise
         finally:
             for listener in listeners.values():
                 listener.close()
@@ -777,3 +787,9 @@ def local_mesh_name(job: str, rank: int, port: int) -> bytes:
     listens: its rank in it, so a rank of the same job never answers for another one."""
     digest = hashlib.sha256(job.encode()).hexdigest()[:16]
     return f"\0aioreduce-mesh-{digest}-{rank}-{port}".encode("ascii")
+
+
+def _close_opened(job: concurrent.futures.Future[Lane]) -> None:
+    """A lane opened for a step that was given up: nobody will use it."""
+    if not job.cancelled() and job.exception() is None:
+        job.result().close()

@@ -1,12 +1,14 @@
 """A torch training run whose ranks may die and come back, for the heal tests.
 
-    torchheal.py [--mode optimizer|ddp] [--steps N] [--bucket-bytes B]
+    torchheal.py [--mode optimizer|ddp] [--steps N] [--bucket-bytes B] [--kill RANK:ITER]
 
 Each iteration's gradient goes through :class:`aioreduce.torch.DistributedOptimizer`
 (``optimizer``) or DDP (``aioreduce.torch.DistributedDataParallel``, ``ddp``) over the ring, in
 several buckets (one sum each). The state hooks carry the model, the optimizer and
 the iteration, and every rank's batch is a function of (rank, iteration), so a replacement
 that healed computes what the dead process would have: the run ends as an undisturbed one.
+``--kill R:I``: rank R's first process SIGKILLs itself in iteration I, in the middle of its
+backward pass (once the middle layer's gradient is in: the last layer's bucket is summing).
 Prints ``FINAL {"rank": R, "params": DIGEST, "iterations": N}`` per rank.
 """
 
@@ -15,6 +17,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import signal
 import sys
 
 import torch
@@ -29,6 +33,7 @@ def main() -> None:
     ap.add_argument("--mode", choices=("optimizer", "ddp"), default="optimizer")
     ap.add_argument("--steps", type=int, default=60, help="training iterations")
     ap.add_argument("--bucket-bytes", type=int, default=8_000)
+    ap.add_argument("--kill", default="", help="RANK:ITERATION")
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -47,20 +52,37 @@ def main() -> None:
 
     hooks = art.state_hooks(model, sgd, extra=(get_it, set_it))
     with art.connect(ar.Ring(), state=hooks) as node:
-        opt = art.DistributedOptimizer(sgd, node, bucket_bytes=a.bucket_bytes)
+        if a.kill and not node.node.mesh.incarnations.rejoined:
+            victim, at = (int(x) for x in a.kill.split(":"))
+
+            def die(_p: torch.Tensor) -> None:
+                if node.rank == victim and it == at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            model[2].weight.register_post_accumulate_grad_hook(die)
+        if a.mode == "ddp":
+            net = art.DistributedDataParallel(model, node, bucket_cap_mb=a.bucket_bytes / 2**20)
+            opt: art.DistributedOptimizer | torch.optim.Optimizer = sgd
+        else:
+            net = model
+            opt = art.DistributedOptimizer(sgd, node, bucket_bytes=a.bucket_bytes)
         while it < a.steps:
             gen = torch.Generator().manual_seed(1000 * node.rank + it)
             x = torch.randn(64, 32, generator=gen)
             y = torch.randint(0, 10, (64,), generator=gen)
             opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
+            F.cross_entropy(net(x), y).backward()
             opt.step()
             it += 1
+        buckets = (len(net.reducer._get_zeros_like_grad_buckets()) if a.mode == "ddp"
+                   else len(opt._buckets))  # type: ignore[union-attr]
         digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
                                          for p in model.parameters())).hexdigest()
+        vector = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
         sys.stdout.write("FINAL " + json.dumps({"rank": node.rank, "params": digest[:16],
-                                                "iterations": it, "buckets":
-                                                len(opt._buckets)}) + "\n")
+                                                "values": vector.tolist(),
+                                                "iterations": it, "buckets": buckets})
+                         + "\n")
         sys.stdout.flush()
 
 

@@ -1,0 +1,216 @@
+"""DDP whose ranks may die and come back (see :mod:`aioreduce.heal`): an iteration's sums are
+one group, run again as a whole with a replacement that healed.
+
+Why DDP runs over a stand-in group here. A replacement starts in the middle of the job: its
+DDP must not take part in collectives the live ranks ran long ago (the shape check and the
+broadcast from rank 0 at construction, the bucket order agreed after the first iteration).
+So, as torchft does, DDP's own process group is :class:`Alone` (world size 1: those stay on
+each rank), and every collective the ranks share is ours, through the node:
+
+* at construction, on a rank that is not a replacement: the model check and one broadcast of
+  parameters and buffers from rank 0 (a replacement healed them from a live rank instead);
+* before every forward, if DDP syncs buffers: rank 0's buffers, as a sum to which the others
+  add zeros (one step of the iteration's group; if a death fails it, the buffers are synced
+  again at the next forward);
+* every gradient bucket: a mean, as :func:`~aioreduce.torch.ddp.aioreduce_hook` takes it, but
+  DDP gets the results only once the iteration's last bucket is summed. If a rank died, the
+  live ranks wait for its replacement (``Node.replace_lost``), which heals the iteration's
+  starting state, and all ranks sum the iteration's gradient again as one vector in the
+  parameters' order (the replacement's first iteration does only that): a layout that does
+  not depend on DDP's buckets, which a replacement has not rebuilt yet.
+
+Each rank orders its buckets on its own (the stand-in agrees with nobody), from its first
+backward pass: the same model gives the same order; a graph that changes between ranks makes
+a sum's sizes differ, and that step fails on every rank, named. ``find_unused_parameters`` is
+refused: which parameters were used would have to be agreed on too. Cost: a copy of each
+bucket's gradient per iteration (for a rerun), and DDP's gradients wait for the last bucket.
+"""
+
+# No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.nn.utils import parameters_to_vector
+
+from .process_group import ProcessGroupAioreduce
+
+
+class Alone(dist.ProcessGroup):
+    """A world-size-1 stand-in: DDP's own collectives complete at once, on this rank."""
+
+    def __init__(self) -> None:
+        super().__init__(0, 1)  # type: ignore[call-arg]
+
+    def getBackendName(self) -> str:
+        return "aioreduce-alone"
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:  # type: ignore[override]
+        return _done(tensors)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:  # type: ignore[override]
+        return _done(tensors)
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]
+                  input_tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
+        for outs, t in zip(output_tensors, input_tensors, strict=True):
+            outs[0].copy_(t)
+        return _done(output_tensors)
+
+    def barrier(self, opts: object = None) -> dist.Work:
+        return _done([])
+
+
+def _done(value: Any) -> dist.Work:
+    from .process_group import _work
+    fut: torch.futures.Future[Any] = torch.futures.Future()
+    fut.set_result(value)
+    return _work(fut)
+
+
+def _error(fut: torch.futures.Future[Any]) -> BaseException | None:
+    """The exception of a completed future, or None."""
+    try:
+        fut.wait()
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _value(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+    return fut.value()
+
+
+class Iterations:
+    """The hook's state: one iteration's buckets at a time (see the module docstring)."""
+
+    def __init__(self, module: torch.nn.Module, pg: ProcessGroupAioreduce) -> None:
+        self.pg = pg
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self._order = {id(p): i for i, p in enumerate(self.params)}
+        # A replacement's first iteration sums only the whole gradient (the live ranks' rerun).
+        self.joining = pg.node.node.mesh.incarnations.rejoined
+        self._buckets: list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor],
+                                  torch.futures.Future[Any], torch.futures.Future[Any]]] = []
+
+    def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # type: ignore[name-defined]
+        buf = bucket.buffer()
+        out: torch.futures.Future[Any] = torch.futures.Future()
+        inner: torch.futures.Future[Any] = torch.futures.Future()
+        if self.joining:
+            inner.set_result(None)
+        else:
+            inner = self.pg.future_sum(buf, average=True, rerun=False)
+        self._buckets.append((buf, buf.clone(), list(bucket.parameters()), inner, out))
+        if bucket.is_last():
+            buckets, self._buckets = self._buckets, []
+            if self.joining:
+                self.joining = False
+                threading.Thread(target=self._rerun, args=(buckets, False),
+                                 daemon=True).start()
+            else:
+                torch.futures.collect_all([b[3] for b in buckets]).then(
+                    lambda _all: self._settle(buckets))
+        return out.then(_value)
+
+    def _settle(self, buckets: list[Any]) -> None:
+        """Every bucket's sum is over: hand DDP the results, or run the iteration again."""
+        if all(_error(b[3]) is None for b in buckets):
+            for buf, _keep, _params, _inner, out in buckets:
+                out.set_result(buf)
+            return
+        # (not on the thread that completes our futures: the rerun waits for some)
+        threading.Thread(target=self._rerun, args=(buckets, True), daemon=True).start()
+
+    def _rerun(self, buckets: list[Any], failed: bool) -> None:
+        """Wait for the dead ranks' replacements (``failed``), then sum the iteration's
+        gradient as one vector in the parameters' order and land it in the buckets."""
+        node = self.pg.node
+        try:
+            for _attempt in range(node.world_size):
+                if failed and not node.replace_lost():
+                    error = next(e for b in buckets if (e := _error(b[3])) is not None)
+                    raise RuntimeError(f"rank {node.rank}: {error}")
+                slices = self._slices(buckets)
+                flat = torch.cat([keep[a:b] for keep, a, b, _buf in slices])
+                try:
+                    self.pg.future_sum(flat, average=True, rerun=False).wait()
+                except Exception:
+                    failed = True
+                    continue
+                offset = 0
+                for _keep, a, b, buf in slices:
+                    buf[a:b].copy_(flat[offset:offset + b - a])
+                    offset += b - a
+                for buf, _keep, _params, _inner, out in buckets:
+                    out.set_result(buf)
+                return
+            raise RuntimeError(f"rank {node.rank}: ranks kept dying while an iteration ran "
+                               "again")
+        except Exception as exc:
+            for *_rest, out in buckets:
+                if not out.done():
+                    out.set_exception(exc)
+
+    def _slices(self, buckets: list[Any]) -> list[tuple[torch.Tensor, int, int, torch.Tensor]]:
+        """(a bucket's gradient copy, start, end, its buffer) of every parameter, in the
+        parameters' order."""
+        where: dict[int, tuple[torch.Tensor, int, int, torch.Tensor]] = {}
+        for buf, keep, params, _inner, _out in buckets:
+            offset = 0
+            for p in params:
+                where[id(p)] = (keep, offset, offset + p.numel(), buf)
+                offset += p.numel()
+        return [where[id(p)] for p in self.params if id(p) in where]
+
+
+def healing_hook(state: Iterations,
+                 bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # type: ignore[name-defined]
+    """DDP communication hook of :class:`Iterations`."""
+    return state.hook(bucket)
+
+
+def sync_buffers(ddp: TorchDDP, iterations: Iterations) -> None:
+    """Before every forward: rank 0's buffers on every rank (a sum; see the module
+    docstring), if DDP syncs buffers; not in a replacement's first iteration."""
+    buffers = list(ddp.module.buffers())
+    if not buffers or iterations.joining or not ddp.will_sync_module_buffers():  # type: ignore[no-untyped-call]
+        return
+    pg = iterations.pg
+    with torch.no_grad():
+        flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in buffers])
+        if pg.node.rank != 0:
+            flat.zero_()
+        try:
+            pg.future_sum(flat, average=False, rerun=False).wait()
+        except Exception:  # a rank died: the iteration runs again, buffers next forward
+            return
+        offset = 0
+        for b in buffers:
+            b.copy_(flat[offset:offset + b.numel()].view_as(b).to(b.dtype))
+            offset += b.numel()
+
+
+def broadcast_state(module: torch.nn.Module, pg: ProcessGroupAioreduce) -> None:
+    """Rank 0's parameters and buffers on every rank (what DDP does at construction)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    if not tensors:
+        return
+    with torch.no_grad():
+        flat = parameters_to_vector([t.detach().to(torch.float64) for t in tensors])
+        got = pg.node.broadcast(flat.numpy(), root=0).value
+        values = torch.from_numpy(np.array(got))
+        offset = 0
+        for t in tensors:
+            t.copy_(values[offset:offset + t.numel()].view_as(t).to(t.dtype))
+            offset += t.numel()

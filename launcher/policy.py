@@ -80,10 +80,15 @@ class FailurePolicy:
     stopped: bool = False  # the launcher is stopping the job: later exits are not deaths
     restart: int = 0  # deaths answered with a new process, in all
     restarted: list[Death] = field(default_factory=list)
+    # Rank 0 exited 0: the job is over. A replacement that is still on its way (it has no
+    # live rank left to heal from) is late, not dead; nothing is restarted any more.
+    finished: bool = False
+    late: list[int] = field(default_factory=list)
 
     def restarts(self, rank: int, host: str, code: int, last_lines: Sequence[str]) -> bool:
         """Record an exit as a death to restart, if it is one and restarts are left."""
-        if code == 0 or self.stopped or len(self.restarted) >= self.restart or rank == 0:
+        if (code == 0 or self.stopped or self.finished or len(self.restarted) >= self.restart
+                or rank == 0):
             return False  # rank 0 is the job's rendezvous: it cannot come back (yet)
         self.restarted.append(Death(rank, host, code, tuple(last_lines)))
         return True
@@ -93,8 +98,15 @@ class FailurePolicy:
         stop: the caller calls :meth:`stop`, at once or after waiting for a cause)."""
         if code == 0 or self.stopped:
             return False
+        if self.finished and self.replaced(rank):
+            self.late.append(rank)
+            return False
         self.deaths.append(Death(rank, host, code, tuple(last_lines)))
         return self.failed
+
+    def replaced(self, rank: int) -> bool:
+        """Whether ``rank`` runs a replacement process."""
+        return any(d.rank == rank for d in self.restarted)
 
     def stop(self) -> None:
         """The launcher terminates the job from now on: exits are no longer deaths."""
@@ -136,6 +148,8 @@ class FailurePolicy:
         lines = [f"{d.describe()}; restarted ({i} of at most {self.restart})"
                  + (f": {d.error}" if d.error and d.code != 137 else "")
                  for i, d in enumerate(self.restarted, 1)]
+        lines += [f"rank {rank}'s replacement came after the job had finished (rank 0 exited "
+                  "0): stopped, not counted as a death" for rank in self.late]
         if not self.deaths:
             return lines
         verdict = ("the job was stopped" if self.failed

@@ -161,6 +161,11 @@ class Supervisor:
     def _exited(self, rank: RankHandle, code: int) -> None:
         if self._stopping:  # the launcher's own SIGTERM/SIGKILL: not a death
             return
+        if rank.rank == 0 and code == 0 and self.policy.restarted:
+            # The job is over. A replacement still running once the others have had their
+            # time to finish has nobody left to heal from: it would wait out its timeout.
+            self.policy.finished = True
+            asyncio.get_running_loop().call_later(self.kill_timeout, self._stop_late)
         tail = list(rank.outputs[1].last_lines) or list(rank.outputs[0].last_lines)
         if self.policy.restarts(rank.rank, rank.host, code, tail):
             _say(f"rank {rank.rank} on {rank.host} {how_it_ended(code)}; restarting it "
@@ -170,7 +175,10 @@ class Supervisor:
             task.add_done_callback(lambda _t: self._wake.set())
             return
         if not self.policy.exited(rank.rank, rank.host, code, tail):
-            if code != 0:
+            if code != 0 and self.policy.late[-1:] == [rank.rank]:
+                _say(f"rank {rank.rank}'s replacement on {rank.host} {how_it_ended(code)}: "
+                     "the job had finished")
+            elif code != 0:
                 _say(f"rank {rank.rank} on {rank.host} {how_it_ended(code)}; tolerated "
                      f"({len(self.policy.deaths)} of at most {self.policy.tolerate}), "
                      "the job goes on")
@@ -181,6 +189,13 @@ class Supervisor:
                     self.cause_wait, self._stop_for, rank, code)
             return
         self._stop_for(rank, code)
+
+    def _stop_late(self) -> None:
+        """Terminate the replacements still running after the job finished."""
+        running = {r for fut, r in self._waits.items() if not fut.done()}
+        for r in running:
+            if self.policy.replaced(r.rank):
+                r.signal(signal.SIGTERM)
 
     async def _restart(self, old: RankHandle) -> None:
         """A new process for ``old``'s rank, watched like the others."""

@@ -191,3 +191,18 @@ def test_a_wrong_rank_count_for_the_quickstart_is_said_once() -> None:
     assert res.returncode == 1 and len(lines) <= 15, "\n".join(lines)
     assert any("ValueError: TreeTopology(fanout=3, levels=2, size=13) needs exactly 13 "
                "ranks, the job has 12" in line for line in lines)
+
+
+def test_a_replacement_that_comes_after_the_job_finished_is_stopped_not_a_death() -> None:
+    """Rank 2 dies after the job's last step (``lateprog.py``); ``--restart`` starts it
+    again, but nobody is left to heal it: once rank 0 has exited 0 and the others had the
+    kill timeout to finish, the launcher stops the replacement and exits 0."""
+    prog = Path(__file__).resolve().parent / "lateprog.py"
+    res = subprocess.run([*LAUNCH, "-n", "4", "--restart", "2", "--kill-timeout", "2", "--",
+                          sys.executable, str(prog)], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "rank 2 on localhost killed by SIGKILL; restarting it" in res.stderr
+    assert "rank 2's replacement came after the job had finished" in res.stderr
+    assert "rank(s) died" not in res.stderr
+    assert all(f"[{r}] DONE {r}" in res.stdout for r in (0, 1, 3)), res.stdout

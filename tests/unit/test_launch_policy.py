@@ -69,3 +69,14 @@ def test_restarts_are_counted_apart_and_rank0_is_never_restarted() -> None:
     text = "\n".join(p.summary())
     assert "rank 3 on h killed by SIGKILL; restarted (2 of at most 2)" in text
     assert p.exit_code(None) == 137  # the culprit: the first death that was not restarted
+
+
+def test_a_replacement_that_fails_after_the_job_finished_is_late_not_dead() -> None:
+    p = FailurePolicy(restart=3)
+    assert p.restarts(2, "h", 137, [])
+    p.finished = True  # rank 0 exited 0
+    assert not p.restarts(3, "h", 137, [])  # nothing is restarted once the job is over
+    assert not p.exited(2, "h", 143, ["PeerLost: rank 1: no live peer healed this rank"])
+    assert p.late == [2] and not p.deaths and p.exit_code(None) == 0
+    assert any("rank 2's replacement came after the job had finished" in x for x in p.summary())
+    assert p.exited(3, "h", 137, [])  # an original process's death still counts

@@ -85,6 +85,11 @@ class Healer:
         # Where the group runs again after replace_lost(): a replacement heals to this step,
         # answered inside the group's steps until one of them succeeds (it took part).
         self._group_at: int | None = None
+        # ... and which replacements (rank -> incarnation) that is for: a newer one (its
+        # predecessor died while the group ran again) waits for the next replace_lost(),
+        # where the group runs again from a later step.
+        self._group_for: dict[int, int] = {}
+        self._serve_only: dict[int, int] | None = None  # while answering inside a group
         mesh.on_heal = self._ask
 
     def _ask(self, rank: int, ask: HealAsk) -> None:
@@ -142,7 +147,7 @@ class Healer:
             steps.take()  # every rank numbers the group's steps alike, run or not
             raise self._group_error
         known = list(self.mesh.incarnations.known)
-        self._serving_at = self._group_at
+        self._serving_at, self._serve_only = self._group_at, self._group_for
         if self._group_at is not None:
             self.serve(self._group_at)
         try:
@@ -150,13 +155,16 @@ class Healer:
         except (PeerLost, StragglerError) as exc:
             lost = self._dead(exc, known) if self.rejoin_wait else []
             if lost:
+                log.warning("rank %d: step %d failed (%s); its group runs again once ranks "
+                            "%s are replaced", self.mesh.rank, steps.step - 1, exc, lost)
                 self._group_error = exc
                 for rank in lost:
                     self._group_lost.setdefault(rank, known[rank])
+            self._group_at, self._group_for = None, {}  # runs again from another step
             raise
         finally:
-            self._serving_at = None
-        self._group_at = None
+            self._serving_at, self._serve_only = None, None
+        self._group_at, self._group_for = None, {}
         return result
 
     async def replace_lost(self, steps: Stepper) -> bool:
@@ -177,6 +185,8 @@ class Healer:
                     return False
         finally:
             self._serving_at = None
+        known = self.mesh.incarnations.known
+        self._group_for = {rank: known[rank] for rank in lost}
         log.warning("rank %d: ranks %s were replaced; the group of steps runs again from "
                     "step %d", self.mesh.rank, sorted(lost), steps.step)
         return True
@@ -218,9 +228,13 @@ class Healer:
         """A step boundary (``step`` is about to run): answer every rank that asked. One
         state at a time: while one is on its way, later askers wait for it to be sent (so a
         healing peer holds one copy of its state however many ask)."""
-        if not self._asked or self._sending:
+        only = self._serve_only
+        asked = {rank: ask for rank, ask in self._asked.items()
+                 if only is None or only.get(rank) == ask.incarnation}
+        if not asked or self._sending:
             return
-        asked, self._asked = self._asked, {}
+        for rank in asked:
+            del self._asked[rank]
         blob = self._blob()
         self._sending = len(asked)
         meta = {"step": step, "nbytes": blob.nbytes, "barriers": self.mesh.barriers}

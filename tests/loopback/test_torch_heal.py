@@ -28,10 +28,11 @@ pytestmark = pytest.mark.loopback
 PROG = Path(__file__).resolve().parent / "torchheal.py"
 
 
-def _run(mode: str, *launch: str, kill: str = "") -> tuple[list[dict], str]:
+def _run(mode: str, save: Path, *launch: str, kill: str = "") -> tuple[list[dict], str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "aioreduce_launch.cli", "-n", "4", *launch, "--",
-           sys.executable, str(PROG), "--mode", mode, *(["--kill", kill] if kill else [])]
+           sys.executable, str(PROG), "--mode", mode, "--save", str(save),
+           *(["--kill", kill] if kill else [])]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
     finals = [json.loads(x.split("FINAL ", 1)[1]) for x in out.stdout.splitlines()
@@ -41,10 +42,11 @@ def _run(mode: str, *launch: str, kill: str = "") -> tuple[list[dict], str]:
 
 
 @pytest.mark.parametrize("mode", ["optimizer", "ddp"])
-def test_a_rank_killed_inside_an_iteration_heals_to_the_undisturbed_run(mode: str) -> None:
-    calm, _ = _run(mode)
+def test_a_rank_killed_inside_an_iteration_heals_to_the_undisturbed_run(mode: str,
+                                                                       tmp_path: Path) -> None:
+    calm, _ = _run(mode, tmp_path / "calm")
     assert calm[0]["buckets"] >= 2  # an iteration is several sums: the kill lands between
-    finals, err = _run(mode, "--restart", "2", kill="2:10")
+    finals, err = _run(mode, tmp_path / "healed", "--restart", "2", kill="2:10")
     assert "rank 2 on localhost killed by SIGKILL; restarting it" in err
     assert "[2] rank 2 (incarnation 1) healed from rank" in err, err[-3000:]
     # Every live rank ran the iteration again with the replacement.
@@ -56,5 +58,5 @@ def test_a_rank_killed_inside_an_iteration_heals_to_the_undisturbed_run(mode: st
     if mode == "optimizer":  # the iteration's buckets ran again as they were: bit for bit
         assert finals[0]["params"] == calm[0]["params"]
     else:  # ran again as one vector: the ring adds in another order, and rounds otherwise
-        got, want = np.array(finals[0]["values"]), np.array(calm[0]["values"])
+        got, want = (np.load(tmp_path / f"{run}.0.npy") for run in ("healed", "calm"))
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()

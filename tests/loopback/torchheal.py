@@ -1,6 +1,7 @@
 """A torch training run whose ranks may die and come back, for the heal tests.
 
     torchheal.py [--mode optimizer|ddp] [--steps N] [--bucket-bytes B] [--kill RANK:ITER]
+                 [--pace SECONDS]
 
 Each iteration's gradient goes through :class:`aioreduce.torch.DistributedOptimizer`
 (``optimizer``) or DDP (``aioreduce.torch.DistributedDataParallel``, ``ddp``) over the ring, in
@@ -20,7 +21,9 @@ import json
 import os
 import signal
 import sys
+import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -34,6 +37,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60, help="training iterations")
     ap.add_argument("--bucket-bytes", type=int, default=8_000)
     ap.add_argument("--kill", default="", help="RANK:ITERATION")
+    ap.add_argument("--save", default="", help="PREFIX: write PREFIX.RANK.npy")
+    ap.add_argument("--pace", type=float, default=0.0, help="seconds of sleep an iteration "
+                    "(the soak's: a longer run)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -71,16 +77,22 @@ def main() -> None:
             x = torch.randn(64, 32, generator=gen)
             y = torch.randint(0, 10, (64,), generator=gen)
             opt.zero_grad()
-            F.cross_entropy(net(x), y).backward()
+            loss = F.cross_entropy(net(x), y)
+            if a.pace:
+                time.sleep(a.pace)
+            loss.backward()
             opt.step()
             it += 1
+            if it == 1 and node.rank == 0:  # the soak's cue: the job runs
+                print("TRAINING", file=sys.stderr, flush=True)
         buckets = (len(net.reducer._get_zeros_like_grad_buckets()) if a.mode == "ddp"
                    else len(opt._buckets))  # type: ignore[union-attr]
         digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
                                          for p in model.parameters())).hexdigest()
-        vector = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+        if a.save:  # the parameters, for comparisons within rounding
+            np.save(f"{a.save}.{node.rank}.npy", torch.cat(
+                [p.detach().reshape(-1).double() for p in model.parameters()]).numpy())
         sys.stdout.write("FINAL " + json.dumps({"rank": node.rank, "params": digest[:16],
-                                                "values": vector.tolist(),
                                                 "iterations": it, "buckets": buckets})
                          + "\n")
         sys.stdout.flush()

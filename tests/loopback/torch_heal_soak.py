@@ -1,0 +1,147 @@
+"""Chaos soak of torch healing: ``aioreduce-launch -n 4 --restart 50`` runs ``torchheal.py``
+(``--mode optimizer``: ``DistributedOptimizer``; ``--mode ddp``: DDP through
+``aioreduce.torch.DistributedDataParallel``) while a controller SIGKILLs a random rank other than
+0 every ``--every`` seconds or so, at whatever point of its iteration it is (forward, backward,
+a bucket summing, the optimizer), the next kill once the last victim's replacement healed.
+
+Checked: the launcher exits 0; every kill was answered by a replacement that healed; every
+rank's final parameters are identical, and equal to an undisturbed run's (bit for bit under
+the optimizer, within rounding under DDP). Printed: the kills and the time from each kill to
+its replacement's heal. A script (exit 1 on a failed check)::
+
+    python -m tests.loopback.torch_heal_soak --mode optimizer --steps 1000 --kills 10
+    python -m tests.loopback.torch_heal_soak --mode ddp --steps 1000 --kills 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+PROG = Path(__file__).resolve().parent / "torchheal.py"
+HEALED = re.compile(r"^\[(\d+)\] rank \d+ \(incarnation (\d+)\) healed from rank")
+
+
+def _launch(mode: str, steps: int, pace: float, restart: int, save: str
+            ) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "aioreduce_launch.cli", "-n", "4",
+           *(["--restart", str(restart)] if restart else []), "--", sys.executable, str(PROG),
+           "--mode", mode, "--steps", str(steps), "--pace", str(pace), "--save", save]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _finals(stdout: str) -> list[dict]:
+    return [json.loads(x.split("FINAL ", 1)[1]) for x in stdout.splitlines() if "FINAL " in x]
+
+
+def _rank_process(launcher: psutil.Process, rank: int) -> psutil.Process | None:
+    for child in launcher.children(recursive=True):
+        try:
+            if "torchheal.py" in " ".join(child.cmdline()) and \
+                    child.environ().get("RANK") == str(rank):
+                return child
+        except psutil.Error:
+            continue
+    return None
+
+
+def soak(mode: str, steps: int, pace: float, kills: int, every: float, seed: int) -> bool:
+    tmp = tempfile.mkdtemp(prefix="torch-heal-soak-")
+    calm = _launch(mode, steps, 0.0, 0, f"{tmp}/calm")
+    out, err = calm.communicate(timeout=600)
+    want = _finals(out)
+    if calm.returncode != 0 or len(want) != 4:
+        print("the undisturbed run failed:", err[-2000:])
+        return False
+    job = _launch(mode, steps, pace, kills + 5, f"{tmp}/soak")
+    launcher = psutil.Process(job.pid)
+    err_lines: list[str] = []
+    healed, training = threading.Event(), threading.Event()
+    heal_times: list[float] = []
+    killed_at = [0.0]
+
+    def read_err() -> None:
+        assert job.stderr is not None
+        for line in job.stderr:
+            err_lines.append(line)
+            if line.startswith("[0] TRAINING"):
+                training.set()
+            if HEALED.match(line):
+                heal_times.append(time.monotonic() - killed_at[0])
+                healed.set()
+
+    reader = threading.Thread(target=read_err, daemon=True)
+    reader.start()
+    rng = random.Random(seed)
+    done = 0
+    training.wait(120)  # a kill before the job runs would be a plain start, not a heal
+    time.sleep(every)
+    while done < kills and job.poll() is None:
+        victim = rng.randrange(1, 4)
+        proc = _rank_process(launcher, victim)
+        if proc is None:
+            time.sleep(0.05)
+            continue
+        healed.clear()
+        killed_at[0] = time.monotonic()
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            continue
+        done += 1
+        print(f"kill {done}: rank {victim}", flush=True)
+        if not healed.wait(120):
+            print("no replacement healed within 120 s")
+            break
+        time.sleep(every * rng.uniform(0.5, 1.5))
+    out, _ = job.communicate(timeout=600)
+    reader.join(10)
+    got = _finals(out)
+    ok = job.returncode == 0 and len(got) == 4 and len(heal_times) == done == kills
+    ok = ok and len({f["params"] for f in got}) == 1
+    if ok and mode == "optimizer":
+        ok = got[0]["params"] == want[0]["params"]
+    elif ok:
+        a, b = np.load(f"{tmp}/soak.0.npy"), np.load(f"{tmp}/calm.0.npy")
+        ok = bool(np.abs(a - b).max() <= 1e-5 * np.abs(b).max())
+        print(f"largest difference from the undisturbed run: "
+              f"{np.abs(a - b).max() / np.abs(b).max():.2e} of the largest parameter")
+    print(f"{mode}: {done} kills, exit {job.returncode}, {len(heal_times)} heals, "
+          f"identical replicas: {len({f['params'] for f in got}) == 1}, as undisturbed: {ok}")
+    if heal_times:
+        print(f"kill to the replacement's heal: median {statistics.median(heal_times):.2f} s, "
+              f"max {max(heal_times):.2f} s")
+    if not ok:
+        print("".join(err_lines[-60:]))
+    return ok
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", choices=("optimizer", "ddp"), default="optimizer")
+    ap.add_argument("--steps", type=int, default=1000, help="training iterations")
+    ap.add_argument("--pace", type=float, default=0.01, help="seconds of sleep an iteration")
+    ap.add_argument("--kills", type=int, default=10)
+    ap.add_argument("--every", type=float, default=1.0, help="seconds between kills, about")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    sys.exit(0 if soak(a.mode, a.steps, a.pace, a.kills, a.every, a.seed) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -68,6 +68,7 @@ class Supervisor:
         self.interrupted: int | None = None  # signal number
         self._stopping = False
         self._kill_handle: asyncio.TimerHandle | None = None
+        self._late_handle: asyncio.TimerHandle | None = None  # see _stop_late
         self._wake = asyncio.Event()
 
     def interrupt(self, signum: int) -> None:
@@ -124,10 +125,9 @@ class Supervisor:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 with contextlib.suppress(NotImplementedError, RuntimeError):
                     loop.remove_signal_handler(sig)
-            if self._kill_handle is not None:
-                self._kill_handle.cancel()
-            if self._cause_handle is not None:
-                self._cause_handle.cancel()
+            for handle in (self._kill_handle, self._cause_handle, self._late_handle):
+                if handle is not None:
+                    handle.cancel()
             self._signal_all(signal.SIGKILL)  # reap whatever a rank left in its group
             await asyncio.gather(*(r.close() for r in self.ranks))
         for line in [*self.policy.summary(), *self._held_errors()]:
@@ -165,7 +165,8 @@ class Supervisor:
             # The job is over. A replacement still running once the others have had their
             # time to finish has nobody left to heal from: it would wait out its timeout.
             self.policy.finished = True
-            asyncio.get_running_loop().call_later(self.kill_timeout, self._stop_late)
+            self._late_handle = asyncio.get_running_loop().call_later(self.kill_timeout,
+                                                                      self._stop_late)
         tail = list(rank.outputs[1].last_lines) or list(rank.outputs[0].last_lines)
         if self.policy.restarts(rank.rank, rank.host, code, tail):
             _say(f"rank {rank.rank} on {rank.host} {how_it_ended(code)}; restarting it "

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.nn.utils import parameters_to_vector
 
-from .process_group import ProcessGroupAioreduce
+from .process_group import ProcessGroupAioreduce, _work
 
 
 class Alone(dist.ProcessGroup):
@@ -72,7 +72,6 @@ class Alone(dist.ProcessGroup):
 
 
 def _done(value: Any) -> dist.Work:
-    from .process_group import _work
     fut: torch.futures.Future[Any] = torch.futures.Future()
     fut.set_result(value)
     return _work(fut)
@@ -97,7 +96,6 @@ class Iterations:
     def __init__(self, module: torch.nn.Module, pg: ProcessGroupAioreduce) -> None:
         self.pg = pg
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self._order = {id(p): i for i, p in enumerate(self.params)}
         # A replacement's first iteration sums only the whole gradient (the live ranks' rerun).
         self.joining = pg.node.node.mesh.incarnations.rejoined
         self._buckets: list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor],
@@ -106,8 +104,8 @@ class Iterations:
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # type: ignore[name-defined]
         buf = bucket.buffer()
         out: torch.futures.Future[Any] = torch.futures.Future()
-        inner: torch.futures.Future[Any] = torch.futures.Future()
-        if self.joining:
+        if self.joining:  # (no sum: the whole gradient is summed at the last bucket)
+            inner: torch.futures.Future[Any] = torch.futures.Future()
             inner.set_result(None)
         else:
             inner = self.pg.future_sum(buf, average=True, rerun=False)
@@ -195,10 +193,7 @@ def sync_buffers(ddp: TorchDDP, iterations: Iterations) -> None:
             pg.future_sum(flat, average=False, rerun=False).wait()
         except Exception:  # a rank died: the iteration runs again, buffers next forward
             return
-        offset = 0
-        for b in buffers:
-            b.copy_(flat[offset:offset + b.numel()].view_as(b).to(b.dtype))
-            offset += b.numel()
+        _copy_back(flat, buffers)
 
 
 def broadcast_state(module: torch.nn.Module, pg: ProcessGroupAioreduce) -> None:
@@ -209,8 +204,13 @@ def broadcast_state(module: torch.nn.Module, pg: ProcessGroupAioreduce) -> None:
     with torch.no_grad():
         flat = parameters_to_vector([t.detach().to(torch.float64) for t in tensors])
         got = pg.node.broadcast(flat.numpy(), root=0).value
-        values = torch.from_numpy(np.array(got))
-        offset = 0
-        for t in tensors:
-            t.copy_(values[offset:offset + t.numel()].view_as(t).to(t.dtype))
-            offset += t.numel()
+        _copy_back(torch.from_numpy(np.array(got)), tensors)
+
+
+def _copy_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """``flat`` (the tensors laid end to end, as float64) into the tensors, each in its own
+    dtype."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t).to(t.dtype))
+        offset += t.numel()

@@ -5,6 +5,12 @@ thread of ours: user callbacks chained on the future (``fut.then``) may block, a
 loop's thread they would stall every collective. Futures are completed in the order their
 operations *finish*, not the order they were issued: a receive still waiting for its peer must
 not hold back a collective that is done (the peer may need that collective to send).
+
+The thread is stopped (joined) at the latest when Python exits, before the interpreter
+finalizes: a daemon thread still inside torch there (``fut.set_result`` returns after the
+waiter woke, and the trainer may be exiting by then) is ended by CPython with a forced unwind
+through C++ frames that may not unwind, and the process aborts ("terminate called without an
+active exception", exit 134) after a run that was otherwise complete.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import concurrent.futures
 import contextlib
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +41,8 @@ class Completer:
         self._thread = threading.Thread(target=self._run, name=f"aioreduce-torch-{rank}",
                                         daemon=True)
         self._thread.start()
+        # At exit at the latest: atexit runs before CPython freezes daemon threads.
+        self._stop = weakref.finalize(self, _stop, self._queue, self._thread)
 
     def add(self, done: concurrent.futures.Future[Any], fut: torch.futures.Future[Any],
             finish: Finish, context: Context = contextlib.nullcontext) -> None:
@@ -41,8 +50,8 @@ class Completer:
         done.add_done_callback(lambda d: self._queue.put((d, fut, finish, context)))
 
     def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=10)
+        """Finish what is queued and end the thread (idempotent)."""
+        self._stop()
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -61,3 +70,9 @@ class Completer:
                 fut.set_exception(exc)
             else:
                 fut.set_result(value)
+
+
+def _stop(q: queue.SimpleQueue[Any], thread: threading.Thread) -> None:
+    q.put(None)
+    if thread is not threading.current_thread():  # (stop() from a callback it runs)
+        thread.join(timeout=10)

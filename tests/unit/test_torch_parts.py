@@ -93,3 +93,28 @@ def test_gradient_coding_master_gets_no_samples_and_weighted_loss_is_linear() ->
     loss = weighted_loss(torch.nn.functional.cross_entropy, out, y, w)
     per = torch.nn.functional.cross_entropy(out, y, reduction="none")
     assert torch.allclose(loss, per[0] + 2 * per[2])
+
+
+def test_a_trainer_exiting_while_a_future_completes_exits_cleanly() -> None:
+    # The completer thread is still inside torch's set_result (a callback chained on the
+    # future runs) when the trainer's main thread returns: CPython would end that daemon
+    # thread with a forced unwind through torch's C++ and abort (exit 134); the completer is
+    # joined at exit instead.
+    code = ("import concurrent.futures, threading, torch\n"
+            "from aioreduce.torch.completer import Completer\n"
+            "running = threading.Event()\n"
+            "def chained(_f):\n"
+            "    running.set()\n"
+            "    threading.Event().wait(0.3)  # the callback's own work\n"
+            "    return 1\n"
+            "fut = torch.futures.Future()\n"
+            "after = fut.then(chained)\n"
+            "done = concurrent.futures.Future()\n"
+            "Completer(0).add(done, fut, lambda r: r)\n"
+            "done.set_result(7)\n"
+            "running.wait()\n"
+            "print('left', flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "left" in out.stdout, (out.returncode, out.stderr)
+    assert "terminate called" not in out.stderr

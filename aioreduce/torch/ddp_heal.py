@@ -103,13 +103,17 @@ class Iterations:
 
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # type: ignore[name-defined]
         buf = bucket.buffer()
+        # The copy before the sum starts: the sum lands in ``buf`` as it goes (a CPU tensor is
+        # summed in place, chunk by chunk, on the loop's thread), and a rerun must add this
+        # rank's own gradient, not a partial sum.
+        keep = buf.clone()
         out: torch.futures.Future[Any] = torch.futures.Future()
         if self.joining:  # (no sum: the whole gradient is summed at the last bucket)
             inner: torch.futures.Future[Any] = torch.futures.Future()
             inner.set_result(None)
         else:
             inner = self.pg.future_sum(buf, average=True, rerun=False)
-        self._buckets.append((buf, buf.clone(), list(bucket.parameters()), inner, out))
+        self._buckets.append((buf, keep, list(bucket.parameters()), inner, out))
         if bucket.is_last():
             buckets, self._buckets = self._buckets, []
             if self.joining:

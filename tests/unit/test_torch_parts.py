@@ -118,3 +118,61 @@ def test_a_trainer_exiting_while_a_future_completes_exits_cleanly() -> None:
                          timeout=60)
     assert out.returncode == 0 and "left" in out.stdout, (out.returncode, out.stderr)
     assert "terminate called" not in out.stderr
+
+
+class _SumsInPlaceThenFails:
+    """A group whose first sums land in the tensor at once (as the ring's, on a CPU tensor,
+    chunk by chunk) and then fail (a rank died); its rerun records what it was handed."""
+
+    def __init__(self) -> None:
+        self.reran: list[torch.Tensor] = []
+        self.node = self  # pg.node (SyncNode) and pg.node.node (Node) in one
+
+    world_size, rank = 4, 0
+
+    class mesh:  # noqa: N801
+        class incarnations:  # noqa: N801
+            rejoined = False
+
+    def replace_lost(self) -> bool:
+        return True
+
+    def future_sum(self, t: torch.Tensor, *, average: bool, rerun: bool) -> object:
+        fut: torch.futures.Future[object] = torch.futures.Future()
+        if self.reran or t.numel() > 3:  # the rerun: one vector of the whole gradient
+            self.reran.append(t.clone())
+            fut.set_result(t)
+        else:
+            t.mul_(4)  # a partial sum is already in
+            fut.set_exception(RuntimeError("rank 2: lane from rank 2 closed"))
+        return fut
+
+
+class _Bucket:
+    def __init__(self, params: list[torch.Tensor], last: bool) -> None:
+        self.params, self.last = params, last
+        self.buf = torch.cat([p.grad.reshape(-1) for p in params])
+
+    def buffer(self) -> torch.Tensor:
+        return self.buf
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self.params
+
+    def is_last(self) -> bool:
+        return self.last
+
+
+def test_a_ddp_iteration_runs_again_with_this_ranks_own_gradient_not_a_partial_sum() -> None:
+    from aioreduce.torch.ddp_heal import Iterations
+
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    a.grad, b.grad = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0, 5.0])
+    pg = _SumsInPlaceThenFails()
+    it = Iterations(torch.nn.ParameterList([a, b]), pg)  # type: ignore[arg-type]
+    first, last = _Bucket([b], last=False), _Bucket([a], last=True)
+    outs = [it.hook(first), it.hook(last)]  # type: ignore[arg-type]
+    for out in outs:
+        out.wait()
+    assert len(pg.reran) == 1  # the rerun path was taken, once
+    assert pg.reran[0].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]  # own gradients, params' order

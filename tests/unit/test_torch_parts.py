@@ -130,8 +130,8 @@ class _SumsInPlaceThenFails:
 
     world_size, rank = 4, 0
 
-    class mesh:  # noqa: N801
-        class incarnations:  # noqa: N801
+    class mesh:
+        class incarnations:
             rejoined = False
 
     def replace_lost(self) -> bool:

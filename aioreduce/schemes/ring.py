@@ -253,6 +253,7 @@ class RingSession:
         self._removers: list[Callable[[], None]] = [
             comm.on_early(peer, ABORT_TAG, functools.partial(self._abort_heard, peer))
             for peer in range(comm.world_size) if peer != comm.rank]
+        self._removers.append(comm.on_peer_lost(self._peer_lost))
 
     async def close(self, timeout: float) -> None:
         for remove in self._removers:
@@ -276,6 +277,19 @@ class RingSession:
                 del self._ahead[max(self._ahead)]
         elif self._aborted is not None and not self._aborted.done():
             self._adopt(header.step, *error)
+
+    def _peer_lost(self, peer: int) -> None:
+        """A rank was lost while a step runs (or before it began): the step needs its
+        vector, so it fails here now, and every rank is told. Not only when the rank is a
+        neighbour (its lane ends too): a rank that finished the step before (its last
+        segments were on their way when the rank died) is in the next one, which the
+        others, failing the first, never run; its neighbours wait for it in their own
+        replace_lost() meanwhile, so without this it waited for them until the job died."""
+        aborted = self._aborted
+        if aborted is not None and not aborted.done():
+            reason = "connection lost"
+            self._adopt(self._step, PeerLost(peer, reason),
+                        failed_meta(StepFailed("lost", reason, rank=peer)), peer)
 
     def _adopt(self, step: int, error: AioreduceError, meta: dict[str, object],
                heard_from: int) -> None:
@@ -348,6 +362,10 @@ class RingSession:
         self._ahead = {s: e for s, e in self._ahead.items() if s > step}
         if early is not None:
             self._adopt(step, *early)
+        gone = next((p for p in range(comm.world_size)
+                     if p != comm.rank and comm.is_lost(p)), None)
+        if gone is not None:  # lost between two steps: this one cannot complete either
+            self._peer_lost(gone)
         mine = (await own).reshape(-1)
         if comm.world_size > 1:
             acc = (self.pool.take(mine.size, mine.dtype) if into is None
@@ -384,6 +402,7 @@ class RingSession:
         else:
             acc = mine.copy()
         comm.discard_before(step + 1)
+        self._aborted = None  # over: a loss from now on is the next step's
         value = acc.reshape(like.shape)
         if into is None:  # ours, and reused by the pool: the caller must not write to it
             value.setflags(write=False)

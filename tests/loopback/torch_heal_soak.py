@@ -5,8 +5,10 @@
 a bucket summing, the optimizer), the next kill once the last victim's replacement healed.
 
 Checked: the launcher exits 0; every kill was answered by a replacement that healed; every
-rank's final parameters are identical, and equal to an undisturbed run's (bit for bit under
-the optimizer, within rounding under DDP). Printed: the kills and the time from each kill to
+rank's final parameters are identical; under the optimizer they equal an undisturbed run's bit
+for bit; under DDP (an iteration run again as one vector adds in another order) rank 0's are
+within 1e-5 of the undisturbed run's in the iterations after each heal (over a whole run a
+rounding difference can grow: see ``_ddp_check``). Printed: the kills and the time from each kill to
 its replacement's heal. A script (exit 1 on a failed check)::
 
     python -m tests.loopback.torch_heal_soak --mode optimizer --steps 1000 --kills 10
@@ -34,13 +36,16 @@ import psutil
 
 PROG = Path(__file__).resolve().parent / "torchheal.py"
 HEALED = re.compile(r"^\[(\d+)\] rank \d+ \(incarnation (\d+)\) healed from rank")
+TRACE = re.compile(r"^\[(\d+)\] IT (\d+) (\d+) ?(.*)$")
+WINDOW = 5  # iterations after a heal in which DDP must match the undisturbed run in rounding
 
 
 def _launch(mode: str, steps: int, pace: float, restart: int, save: str
             ) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "aioreduce_launch.cli", "-n", "4",
            *(["--restart", str(restart)] if restart else []), "--", sys.executable, str(PROG),
-           "--mode", mode, "--steps", str(steps), "--pace", str(pace), "--save", save]
+           "--mode", mode, "--steps", str(steps), "--pace", str(pace), "--save", save,
+           *(["--trace"] if mode == "ddp" else [])]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -60,13 +65,52 @@ def _rank_process(launcher: psutil.Process, rank: int) -> psutil.Process | None:
     return None
 
 
-def soak(mode: str, steps: int, pace: float, kills: int, every: float, seed: int) -> bool:
+def _trace(lines: list[str]) -> tuple[dict[int, np.ndarray], list[int]]:
+    """From ``--trace`` lines: rank 0's parameter sample per iteration, and the iterations
+    that a new incarnation of a rank ran first (where each heal's rerun landed)."""
+    sample: dict[int, np.ndarray] = {}
+    heals, seen = [], {0}
+    for line in lines:
+        m = TRACE.match(line)
+        if m is None:
+            continue
+        rank, it, incarnation = (int(m[i]) for i in (1, 2, 3))
+        if rank == 0:
+            sample[it] = np.array([float(x) for x in m[4].split()])
+        elif incarnation not in seen and incarnation > 0:
+            seen.add(incarnation)
+            heals.append(it)
+    return sample, heals
+
+
+def _ddp_check(calm_err: str, err_lines: list[str]) -> bool:
+    """DDP runs an iteration again as one vector: the ring adds in another order, so the
+    run leaves the undisturbed one by rounding, and a ReLU that flips on a rounding
+    difference later (no kill near) makes that grow over hundreds of iterations. So each
+    heal is checked where it lands: rank 0's parameters within 1e-5 (relative) of the
+    undisturbed run's in the WINDOW iterations after it; printed: where the difference first
+    passed 1e-5, and the heals before it."""
+    want, _ = _trace(calm_err.splitlines(keepends=True))
+    got, heals = _trace(err_lines)
+    diff = {it: float(np.abs(got[it] - want[it]).max() / np.abs(want[it]).max())
+            for it in got if it in want}
+    worst = max((diff.get(it, 0.0) for h in heals for it in range(h, h + WINDOW)),
+                default=0.0)
+    past = [it for it in sorted(diff) if diff[it] > 1e-5]
+    print(f"heals landed at iterations {heals}; largest difference within {WINDOW} "
+          f"iterations of one: {worst:.2e}; first above 1e-5: "
+          f"{past[0] if past else 'none'}; at the end {diff[max(diff)]:.2e}")
+    return len(heals) > 0 and worst <= 1e-5
+
+
+def soak(mode: str, steps: int, pace: float, kills: int, every: float, seed: int,
+         log: str = "") -> bool:
     tmp = tempfile.mkdtemp(prefix="torch-heal-soak-")
     calm = _launch(mode, steps, 0.0, 0, f"{tmp}/calm")
-    out, err = calm.communicate(timeout=600)
+    out, calm_err = calm.communicate(timeout=600)
     want = _finals(out)
     if calm.returncode != 0 or len(want) != 4:
-        print("the undisturbed run failed:", err[-2000:])
+        print("the undisturbed run failed:", calm_err[-2000:])
         return False
     job = _launch(mode, steps, pace, kills + 5, f"{tmp}/soak")
     launcher = psutil.Process(job.pid)
@@ -118,14 +162,16 @@ def soak(mode: str, steps: int, pace: float, kills: int, every: float, seed: int
         ok = got[0]["params"] == want[0]["params"]
     elif ok:
         a, b = np.load(f"{tmp}/soak.0.npy"), np.load(f"{tmp}/calm.0.npy")
-        ok = bool(np.abs(a - b).max() <= 1e-5 * np.abs(b).max())
-        print(f"largest difference from the undisturbed run: "
+        print(f"largest difference from the undisturbed run at the end: "
               f"{np.abs(a - b).max() / np.abs(b).max():.2e} of the largest parameter")
+        ok = _ddp_check(calm_err, err_lines)
     print(f"{mode}: {done} kills, exit {job.returncode}, {len(heal_times)} heals, "
           f"identical replicas: {len({f['params'] for f in got}) == 1}, as undisturbed: {ok}")
     if heal_times:
         print(f"kill to the replacement's heal: median {statistics.median(heal_times):.2f} s, "
               f"max {max(heal_times):.2f} s")
+    if log:  # the whole job's stderr, for the diagnosis of a run that went wrong
+        Path(log).write_text("".join(err_lines))
     if not ok:
         print("".join(err_lines[-60:]))
     return ok
@@ -139,8 +185,9 @@ def main() -> None:
     ap.add_argument("--kills", type=int, default=10)
     ap.add_argument("--every", type=float, default=1.0, help="seconds between kills, about")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log", default="", help="write the job's whole stderr to this file")
     a = ap.parse_args()
-    sys.exit(0 if soak(a.mode, a.steps, a.pace, a.kills, a.every, a.seed) else 1)
+    sys.exit(0 if soak(a.mode, a.steps, a.pace, a.kills, a.every, a.seed, a.log) else 1)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ the iteration, and every rank's batch is a function of (rank, iteration), so a r
 that healed computes what the dead process would have: the run ends as an undisturbed one.
 ``--kill R:I``: rank R's first process SIGKILLs itself in iteration I, in the middle of its
 backward pass (once the middle layer's gradient is in: the last layer's bucket is summing).
+``--kill-in forward|step`` moves the kill to the forward pass or the optimizer's step.
 Prints ``FINAL {"rank": R, "params": DIGEST, "iterations": N}`` per rank.
 """
 
@@ -37,6 +38,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60, help="training iterations")
     ap.add_argument("--bucket-bytes", type=int, default=8_000)
     ap.add_argument("--kill", default="", help="RANK:ITERATION")
+    ap.add_argument("--kill-in", choices=("backward", "forward", "step"), default="backward",
+                    help="where the kill lands: the backward pass (a bucket summing), the "
+                    "forward pass, or the optimizer's step (every sum of the iteration done)")
+    ap.add_argument("--trace", action="store_true",
+                    help="print IT ITERATION INCARNATION [rank 0's parameters, every 97th] to "
+                    "stderr after every iteration (the soak's per-heal check)")
     ap.add_argument("--save", default="", help="PREFIX: write PREFIX.RANK.npy")
     ap.add_argument("--pace", type=float, default=0.0, help="seconds of sleep an iteration "
                     "(the soak's: a longer run)")
@@ -61,11 +68,16 @@ def main() -> None:
         if a.kill and not node.node.mesh.incarnations.rejoined:
             victim, at = (int(x) for x in a.kill.split(":"))
 
-            def die(_p: torch.Tensor) -> None:
+            def die(*_args: object) -> None:
                 if node.rank == victim and it == at:
                     os.kill(os.getpid(), signal.SIGKILL)
 
-            model[2].weight.register_post_accumulate_grad_hook(die)
+            if a.kill_in == "backward":
+                model[2].weight.register_post_accumulate_grad_hook(die)
+            elif a.kill_in == "forward":
+                model[2].register_forward_pre_hook(die)
+            else:
+                sgd.register_step_pre_hook(die)
         if a.mode == "ddp":
             net = art.DistributedDataParallel(model, node, bucket_cap_mb=a.bucket_bytes / 2**20)
             opt: art.DistributedOptimizer | torch.optim.Optimizer = sgd
@@ -83,6 +95,12 @@ def main() -> None:
             loss.backward()
             opt.step()
             it += 1
+            if a.trace:  # every iteration: who ran it, and rank 0's parameters (a sample)
+                sample = "" if node.rank else " ".join(
+                    f"{v:.17g}" for v in torch.cat([p.detach().reshape(-1).double()
+                                                    for p in model.parameters()])[::97].tolist())
+                print(f"IT {it} {node.node.mesh.incarnations.mine} {sample}", file=sys.stderr,
+                      flush=True)
             if it == 1 and node.rank == 0:  # the soak's cue: the job runs
                 print("TRAINING", file=sys.stderr, flush=True)
         buckets = (len(net.reducer._get_zeros_like_grad_buckets()) if a.mode == "ddp"

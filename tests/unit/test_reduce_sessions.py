@@ -355,6 +355,28 @@ async def test_a_dead_rank_in_the_ring_stops_every_rank() -> None:
     await job.close()
 
 
+@pytest.mark.parametrize("during", [False, True])
+async def test_a_ring_step_fails_when_a_rank_that_is_not_a_neighbour_dies(during: bool) -> None:
+    # Rank 1 finished a step that the others failed when rank 3 died (its last segments were
+    # on their way): it runs the next step while its neighbours, in their replace_lost(), run
+    # nothing. A ring step needs every rank, so it fails at once, named, whether rank 3 was
+    # lost before it began or while it waits.
+    job = Job(ar.Ring(), 4)
+    job.assert_exact(0, await job.run(0))
+    if not during:
+        job.net.kill(3)
+    task = job.start(1, [1])[1]
+    if during:
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not task.done()  # waiting for rank 0's segment, which does not come
+        job.net.kill(3)
+    with pytest.raises(ar.PeerLost) as lost:
+        await task
+    assert lost.value.rank == 3
+    await job.close()
+
+
 @pytest.mark.parametrize("scheme, world", [
     (ar.Ring(), 4),
     # A result log of two results (6 float64 each): older results leave it, and can be reused.

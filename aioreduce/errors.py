@@ -68,10 +68,26 @@ class LaneMismatch(AioreduceError):
         self.peer, self.got, self.want = peer, got, want
 
 
+class GroupMismatch(AioreduceError):
+    """After ranks died in a group of steps (``Node.replace_lost``), the live ranks would run
+    it again from different steps: a death came while some ranks had finished a step of the
+    group (its last segments on their way) and others had not, and the ones that finished
+    went on. ``at`` maps each live rank to its next step. Every live rank raises it, named."""
+
+    def __init__(self, rank: int, lost: list[int], at: dict[int, int]) -> None:
+        where = ", ".join(f"rank {r} at step {s}" for r, s in sorted(at.items()))
+        super().__init__(
+            f"rank {rank}: ranks {lost} died while some ranks had finished a step of the group "
+            f"that others had not ({where}); the group cannot run again alike on every rank: "
+            "restart the job from its last checkpoint")
+        self.rank, self.lost, self.at = rank, lost, at
+
+
 __all__ = [
     "AioreduceError",
     "AuthError",
     "ConfigError",
+    "GroupMismatch",
     "LaneClosed",
     "LaneMismatch",
     "PeerLost",

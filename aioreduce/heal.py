@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import PeerLost
+from .errors import GroupMismatch, PeerLost
 from .schemes import FellBehind, Result, StragglerError
 from .wire import tags
 from .wire.control import HealAsk
@@ -172,9 +172,13 @@ class Healer:
         ``rejoin_wait`` for each one's replacement, answering heal requests meanwhile with
         the next step number (where the caller runs its group again, and a replacement
         starts). True if every one came; False if no such step failed (or ``rejoin_wait`` is
-        0, or one did not come): then the caller raises its error."""
+        0, or one did not come, or a live rank did not answer): then the caller raises its
+        error. First the live ranks check that they all run the group again from the same
+        step: :class:`~aioreduce.errors.GroupMismatch` on every one if not (see there)."""
         lost, self._group_lost, self._group_error = self._group_lost, {}, None
         if not lost:
+            return False
+        if not await self._same_step(lost, steps.step):
             return False
         self._serving_at = self._group_at = steps.step
         self.serve(steps.step)
@@ -190,6 +194,32 @@ class Healer:
         log.warning("rank %d: ranks %s were replaced; the group of steps runs again from "
                     "step %d", self.mesh.rank, sorted(lost), steps.step)
         return True
+
+    async def _same_step(self, lost: dict[int, int], at: int) -> bool:
+        """Check with every other live rank that it runs the group again from step ``at``
+        too; raise :class:`GroupMismatch` on every one if not. False if a rank did not
+        answer within ``rejoin_wait`` (it died too, or is not in a group)."""
+        mesh = self.mesh
+        world = mesh.world_size
+        key = max(incarnation * world + rank for rank, incarnation in lost.items())
+        peers = [r for r in range(world) if r != mesh.rank and r not in lost]
+        heads = [asyncio.ensure_future(mesh.recv_into(r, EMPTY, step=key, tag=tags.GROUP,
+                                                      timeout=self.rejoin_wait))
+                 for r in peers]
+        try:
+            await asyncio.gather(*(mesh.send(r, EMPTY, step=key, tag=tags.GROUP,
+                                             meta={"at": at}) for r in peers))
+            got = await asyncio.gather(*heads)
+        except (PeerLost, TimeoutError):
+            for head in heads:
+                head.cancel()
+            return False
+        theirs = {r: h.meta.get("at") for r, h in zip(peers, got, strict=True)}
+        if all(s == at for s in theirs.values()):
+            return True
+        theirs[mesh.rank] = at
+        raise GroupMismatch(mesh.rank, sorted(lost),
+                            {r: s if type(s) is int else -1 for r, s in theirs.items()})
 
     def _dead(self, exc: PeerLost | StragglerError, known: list[int]) -> list[int]:
         """The ranks whose death failed the step (to wait for), or none: the rank a

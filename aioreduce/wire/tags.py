@@ -46,6 +46,11 @@ HEAL = P2P + (1 << 32)
 :mod:`aioreduce.heal`): the step and size on ``HEAL`` (meta), piece ``i`` on ``HEAL + 1 + i``,
 the asker's ticket as the frame's step. Above :data:`P2P`, so no step floor drops them."""
 
+GROUP = HEAL + (1 << 24)
+"""After a group of steps failed because ranks died (see ``Healer.replace_lost``): a live
+rank's next step, to every other live rank (meta), keyed by the deaths (the frame's step), so
+the ranks check that they all run the group again from the same step."""
+
 # (first tag, end) of every use above, for the overlap check and for readers.
 RANGES: dict[str, tuple[int, int]] = {
     "DATA": (DATA, SECOND),
@@ -59,4 +64,5 @@ RANGES: dict[str, tuple[int, int]] = {
     "LANE_OFFER": (LANE_OFFER, LANE_OFFER + 1),
     "P2P": (P2P, HEAL),
     "HEAL": (HEAL, HEAL + (1 << 24)),
+    "GROUP": (GROUP, GROUP + 1),
 }

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -187,3 +188,18 @@ def test_chaos_soak_short_ring_and_transpose(scheme: str, n: int) -> None:
     rep = soak.report(soak.run())
     assert rep["kills"] >= 2 and rep["steps_run_again"] == rep["kills"], rep
     assert check(rep) == [], (rep, soak.err[-40:])
+
+
+def test_ranks_that_left_a_group_at_different_steps_are_named_on_every_rank() -> None:
+    # groupprog.py: rank 3 dies in a group of steps; rank 1 runs one step more of it (as a
+    # rank does that finished the step the others failed) before replace_lost(). Running
+    # the group again would pair different steps: every live rank raises, named, instead.
+    prog = Path(__file__).resolve().parent / "groupprog.py"
+    res = subprocess.run([sys.executable, "-m", "aioreduce_launch.cli", "-n", "4",
+                          "--restart", "1", "--kill-timeout", "2", "--", sys.executable,
+                          str(prog)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for rank in (0, 1, 2):
+        assert (f"[{rank}] MISMATCH rank {rank}: ranks [3] died while some ranks had finished "
+                "a step of the group that others had not (rank 0 at step 4, rank 1 at step 5, "
+                "rank 2 at step 4)") in res.stdout, res.stdout + res.stderr[-2000:]

@@ -69,7 +69,8 @@ def _trace(lines: list[str]) -> tuple[dict[int, np.ndarray], list[int]]:
     """From ``--trace`` lines: rank 0's parameter sample per iteration, and the iterations
     that a new incarnation of a rank ran first (where each heal's rerun landed)."""
     sample: dict[int, np.ndarray] = {}
-    heals, seen = [], {0}
+    heals: list[int] = []
+    seen: set[tuple[int, int]] = set()
     for line in lines:
         m = TRACE.match(line)
         if m is None:
@@ -77,8 +78,8 @@ def _trace(lines: list[str]) -> tuple[dict[int, np.ndarray], list[int]]:
         rank, it, incarnation = (int(m[i]) for i in (1, 2, 3))
         if rank == 0:
             sample[it] = np.array([float(x) for x in m[4].split()])
-        elif incarnation not in seen and incarnation > 0:
-            seen.add(incarnation)
+        elif incarnation > 0 and (rank, incarnation) not in seen:
+            seen.add((rank, incarnation))
             heals.append(it)
     return sample, heals
 

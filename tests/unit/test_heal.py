@@ -124,3 +124,46 @@ def test_a_rejoin_wait_that_makes_no_sense_is_refused_by_name(value: str) -> Non
 
     with pytest.raises(ConfigError, match=f"AIOREDUCE_REJOIN_WAIT='{value}'"):
         Node.from_env({**ENV, "AIOREDUCE_REJOIN_WAIT": value})
+
+
+class AnsweringMesh(FakeMesh):
+    """A fake mesh whose peers answer receives from a table ((rank, step, tag) -> meta); a
+    receive nobody answers times out, as the mesh's does after its timeout."""
+
+    def __init__(self, answers: dict[tuple[int, int, int], dict[str, Any]]) -> None:
+        super().__init__()
+        self.answers = answers
+
+    async def recv_into(self, rank: int, out: np.ndarray, *, step: int, tag: int = 0,
+                        timeout: float | None = None) -> Any:
+        await asyncio.sleep(0)
+        meta = self.answers.get((rank, step, tag))
+        if meta is None:
+            raise TimeoutError(f"nothing from rank {rank}")
+        return type("Head", (), {"meta": meta})()
+
+
+@pytest.mark.parametrize("theirs, outcome", [
+    ({0: 9, 3: 9}, True),  # every live rank runs the group again from step 9
+    ({0: 9, 3: 10}, "mismatch"),  # rank 3 finished a step the others did not
+    ({0: 9}, False),  # rank 3 did not answer (died too): the caller raises its own error
+])
+def test_live_ranks_check_they_run_a_group_again_from_the_same_step(
+        theirs: dict[int, int], outcome: object) -> None:
+    from aioreduce.errors import GroupMismatch
+
+    async def body() -> None:
+        # This is rank 1 of 4; rank 2 (incarnation 0) died: the frames' key is 0 * 4 + 2.
+        mesh = AnsweringMesh({(r, 2, tags.GROUP): {"at": s} for r, s in theirs.items()})
+        healer, _calls = _healer(mesh)
+        if outcome == "mismatch":
+            with pytest.raises(GroupMismatch, match=r"rank 1: ranks \[2\] died .* \(rank 0 "
+                               r"at step 9, rank 1 at step 9, rank 3 at step 10\)"):
+                await healer._same_step({2: 0}, 9)
+        else:
+            assert await healer._same_step({2: 0}, 9) is outcome
+        # Told every live peer where it runs the group again; nothing to the dead rank.
+        assert sorted((r, s, t, m) for r, s, t, _b, m in mesh.sent) == [
+            (0, 2, tags.GROUP, {"at": 9}), (3, 2, tags.GROUP, {"at": 9})]
+
+    asyncio.run(body())

@@ -28,11 +28,12 @@ pytestmark = pytest.mark.loopback
 PROG = Path(__file__).resolve().parent / "torchheal.py"
 
 
-def _run(mode: str, save: Path, *launch: str, kill: str = "") -> tuple[list[dict], str]:
+def _run(mode: str, save: Path, *launch: str, kill: str = "", kill_in: str = "backward"
+         ) -> tuple[list[dict], str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "aioreduce_launch.cli", "-n", "4", *launch, "--",
            sys.executable, str(PROG), "--mode", mode, "--save", str(save),
-           *(["--kill", kill] if kill else [])]
+           *(["--kill", kill, "--kill-in", kill_in] if kill else [])]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
     finals = [json.loads(x.split("FINAL ", 1)[1]) for x in out.stdout.splitlines()
@@ -41,12 +42,16 @@ def _run(mode: str, save: Path, *launch: str, kill: str = "") -> tuple[list[dict
     return finals, out.stderr
 
 
+@pytest.mark.parametrize("kill_in", ["backward", "step"])
 @pytest.mark.parametrize("mode", ["optimizer", "ddp"])
-def test_a_rank_killed_inside_an_iteration_heals_to_the_undisturbed_run(mode: str,
-                                                                       tmp_path: Path) -> None:
+def test_a_rank_killed_inside_an_iteration_heals_to_the_undisturbed_run(
+        mode: str, kill_in: str, tmp_path: Path) -> None:
+    # backward: a bucket summing, the next not started; step: in the optimizer's step, every
+    # sum of the iteration done (the live ranks run the next iteration again).
     calm, _ = _run(mode, tmp_path / "calm")
     assert calm[0]["buckets"] >= 2  # an iteration is several sums: the kill lands between
-    finals, err = _run(mode, tmp_path / "healed", "--restart", "2", kill="2:10")
+    finals, err = _run(mode, tmp_path / "healed", "--restart", "2", kill="2:10",
+                       kill_in=kill_in)
     assert "rank 2 on localhost killed by SIGKILL; restarting it" in err
     assert "[2] rank 2 (incarnation 1) healed from rank" in err, err[-3000:]
     # Every live rank ran the iteration again with the replacement.

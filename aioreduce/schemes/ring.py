@@ -253,7 +253,10 @@ class RingSession:
         self._removers: list[Callable[[], None]] = [
             comm.on_early(peer, ABORT_TAG, functools.partial(self._abort_heard, peer))
             for peer in range(comm.world_size) if peer != comm.rank]
-        self._removers.append(comm.on_peer_lost(self._peer_lost))
+        # The newest step that succeeded here, and the abort of it that came afterwards
+        # (see _abort_heard), for the next step to raise.
+        self._completed = -1
+        self._doomed: tuple[AioreduceError, dict[str, object], int] | None = None
 
     async def close(self, timeout: float) -> None:
         for remove in self._removers:
@@ -268,28 +271,26 @@ class RingSession:
             await asyncio.wait(self._sends, timeout=timeout)
 
     def _abort_heard(self, peer: int, header: Header, _payload: memoryview) -> None:
-        if header.tag != ABORT_TAG or header.step < self._step:
-            return  # a stale abort: that step is over here
+        if header.tag != ABORT_TAG:
+            return
         error = (_abort_error(peer, header.meta), dict(header.meta), peer)
+        running = self._aborted is not None and not self._aborted.done()
         if header.step > self._step:
             self._ahead.setdefault(header.step, error)
             while len(self._ahead) > MAX_AHEAD:
                 del self._ahead[max(self._ahead)]
-        elif self._aborted is not None and not self._aborted.done():
+        elif header.step == self._step and running:
             self._adopt(header.step, *error)
-
-    def _peer_lost(self, peer: int) -> None:
-        """A rank was lost while a step runs (or before it began): the step needs its
-        vector, so it fails here now, and every rank is told. Not only when the rank is a
-        neighbour (its lane ends too): a rank that finished the step before (its last
-        segments were on their way when the rank died) is in the next one, which the
-        others, failing the first, never run; its neighbours wait for it in their own
-        replace_lost() meanwhile, so without this it waited for them until the job died."""
-        aborted = self._aborted
-        if aborted is not None and not aborted.done():
-            reason = "connection lost"
-            self._adopt(self._step, PeerLost(peer, reason),
-                        failed_meta(StepFailed("lost", reason, rank=peer)), peer)
+        elif header.step == self._completed:
+            # A step that succeeded here failed there: a rank died while its last segments
+            # were on their way, some ranks finished the step and the rest did not. Those
+            # run it again (or stop); no later step of ours can complete alike with them, so
+            # the one running fails now, or the next one at once (else it would wait for
+            # ranks that never run it).
+            if running:
+                self._adopt(self._step, *error)
+            else:
+                self._doomed = error
 
     def _adopt(self, step: int, error: AioreduceError, meta: dict[str, object],
                heard_from: int) -> None:
@@ -358,14 +359,19 @@ class RingSession:
         comm.discard_before(step)
         self._step = step
         self._aborted = asyncio.get_running_loop().create_future()
-        early = self._ahead.pop(step, None)
+        # This step failed elsewhere already, or so did the last one, which succeeded here
+        # (see _abort_heard), or a rank is lost (a ring step needs every rank): raise at once.
+        early = self._ahead.pop(step, None) or self._doomed
         self._ahead = {s: e for s, e in self._ahead.items() if s > step}
-        if early is not None:
-            self._adopt(step, *early)
+        self._doomed = None
         gone = next((p for p in range(comm.world_size)
                      if p != comm.rank and comm.is_lost(p)), None)
-        if gone is not None:  # lost between two steps: this one cannot complete either
-            self._peer_lost(gone)
+        if early is not None:
+            self._adopt(step, *early)
+        elif gone is not None:
+            reason = "connection lost"
+            self._adopt(step, PeerLost(gone, reason),
+                        failed_meta(StepFailed("lost", reason, rank=gone)), gone)
         mine = (await own).reshape(-1)
         if comm.world_size > 1:
             acc = (self.pool.take(mine.size, mine.dtype) if into is None
@@ -402,7 +408,7 @@ class RingSession:
         else:
             acc = mine.copy()
         comm.discard_before(step + 1)
-        self._aborted = None  # over: a loss from now on is the next step's
+        self._aborted, self._completed = None, step  # over (see _abort_heard)
         value = acc.reshape(like.shape)
         if into is None:  # ours, and reused by the pool: the caller must not write to it
             value.setflags(write=False)

@@ -22,6 +22,7 @@ from aioreduce.schemes.reduce import Link, ReduceSession
 from aioreduce.schemes.reduce.family import DOWN, REQUEST_TAG
 from aioreduce.transport.memory import MemoryNetwork
 from aioreduce.wire import Header, tags
+from aioreduce.wire.control import StepFailed, failed_meta
 
 from .memjob import DIM, Job
 
@@ -355,25 +356,36 @@ async def test_a_dead_rank_in_the_ring_stops_every_rank() -> None:
     await job.close()
 
 
-@pytest.mark.parametrize("during", [False, True])
-async def test_a_ring_step_fails_when_a_rank_that_is_not_a_neighbour_dies(during: bool) -> None:
-    # Rank 1 finished a step that the others failed when rank 3 died (its last segments were
-    # on their way): it runs the next step while its neighbours, in their replace_lost(), run
-    # nothing. A ring step needs every rank, so it fails at once, named, whether rank 3 was
-    # lost before it began or while it waits.
+async def test_a_ring_step_fails_at_once_when_a_rank_is_lost_before_it_begins() -> None:
     job = Job(ar.Ring(), 4)
     job.assert_exact(0, await job.run(0))
+    job.net.kill(3)
+    with pytest.raises(ar.PeerLost) as lost:  # rank 1: neither neighbour is rank 3
+        await job.start(1, [1])[1]
+    assert lost.value.rank == 3
+    await job.close()
+
+
+@pytest.mark.parametrize("during", [False, True])
+async def test_ranks_that_failed_a_step_this_rank_finished_fail_its_next_step(
+        during: bool) -> None:
+    # Rank 3 died while step 0's last segments were on their way: rank 1 finished step 0,
+    # ranks 0 and 2 did not and told every rank (their abort of step 0). They run step 0
+    # again with a replacement (or stop); rank 1's step 1, which they never run, fails at
+    # once, whether the abort came before it began or while it waits.
+    job = Job(ar.Ring(), 4)
+    job.assert_exact(0, await job.run(0))
+    abort = failed_meta(StepFailed("lost", "lane from rank 3 closed", rank=3))
     if not during:
-        job.net.kill(3)
+        await job.net.comms[0].send(1, np.empty(0), step=0, tag=tags.ABORT, meta=abort)
     task = job.start(1, [1])[1]
     if during:
         for _ in range(5):
             await asyncio.sleep(0)
         assert not task.done()  # waiting for rank 0's segment, which does not come
-        job.net.kill(3)
-    with pytest.raises(ar.PeerLost) as lost:
+        await job.net.comms[0].send(1, np.empty(0), step=0, tag=tags.ABORT, meta=abort)
+    with pytest.raises(ar.PeerLost, match=r"lane from rank 3 closed \(reported by rank 0\)"):
         await task
-    assert lost.value.rank == 3
     await job.close()
 
 

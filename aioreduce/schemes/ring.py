@@ -256,6 +256,7 @@ class RingSession:
         # The newest step that succeeded here, and the abort of it that came afterwards
         # (see _abort_heard), for the next step to raise.
         self._completed = -1
+        self._clean = True  # no step failed here since that one
         self._doomed: tuple[AioreduceError, dict[str, object], int] | None = None
 
     async def close(self, timeout: float) -> None:
@@ -281,12 +282,14 @@ class RingSession:
                 del self._ahead[max(self._ahead)]
         elif header.step == self._step and running:
             self._adopt(header.step, *error)
-        elif header.step == self._completed:
+        elif header.step == self._completed and self._clean:
             # A step that succeeded here failed there: a rank died while its last segments
             # were on their way, some ranks finished the step and the rest did not. Those
             # run it again (or stop); no later step of ours can complete alike with them, so
             # the one running fails now, or the next one at once (else it would wait for
-            # ranks that never run it).
+            # ranks that never run it). Not once a later step failed here: that failure is
+            # this rank's part in it already (an abort passed on late must not fail the
+            # step that runs again with a replacement).
             if running:
                 self._adopt(self._step, *error)
             else:
@@ -408,7 +411,7 @@ class RingSession:
         else:
             acc = mine.copy()
         comm.discard_before(step + 1)
-        self._aborted, self._completed = None, step  # over (see _abort_heard)
+        self._aborted, self._completed, self._clean = None, step, True  # see _abort_heard
         value = acc.reshape(like.shape)
         if into is None:  # ours, and reused by the pool: the caller must not write to it
             value.setflags(write=False)
@@ -508,6 +511,7 @@ class RingSession:
     def _failed(self, step: int) -> None:
         """A step failed on this rank: its messages still on the way are stale, and every
         rank opens new lanes at the next step (a lane may have ended with it)."""
+        self._clean = False
         if self._links is not None:
             self._links.discard_before(step + 1)
             self._reopen = True

@@ -389,6 +389,20 @@ async def test_ranks_that_failed_a_step_this_rank_finished_fail_its_next_step(
     await job.close()
 
 
+async def test_a_late_abort_of_a_step_finished_here_spares_the_step_run_again() -> None:
+    # After its step failed that way, rank 1 hears the same abort again (passed on by another
+    # rank, late): the step the ranks run next, again together, is not failed by it.
+    job = Job(ar.Ring(), 4)
+    job.assert_exact(0, await job.run(0))
+    abort = failed_meta(StepFailed("lost", "lane from rank 3 closed", rank=3))
+    await job.net.comms[0].send(1, np.empty(0), step=0, tag=tags.ABORT, meta=abort)
+    with pytest.raises(ar.PeerLost):
+        await job.start(1, [1])[1]
+    await job.net.comms[2].send(1, np.empty(0), step=0, tag=tags.ABORT, meta=abort)
+    job.assert_exact(2, await job.run(2))
+    await job.close()
+
+
 @pytest.mark.parametrize("scheme, world", [
     (ar.Ring(), 4),
     # A result log of two results (6 float64 each): older results leave it, and can be reused.

@@ -292,7 +292,7 @@ class RingSession:
             # step that runs again with a replacement).
             if running:
                 self._adopt(self._step, *error)
-            else:
+            elif self._aborted is None:  # between steps (a failed one is not over yet)
                 self._doomed = error
 
     def _adopt(self, step: int, error: AioreduceError, meta: dict[str, object],
@@ -304,6 +304,7 @@ class RingSession:
         of that connection's end."""
         assert self._aborted is not None
         self._aborted.set_result(error)
+        self._clean = False
         for peer in range(self.comm.world_size):
             if peer not in (self.comm.rank, heard_from) and not self.comm.is_lost(peer):
                 self._spawn_send(self._send_abort(peer, step, meta))

@@ -395,9 +395,14 @@ async def test_a_late_abort_of_a_step_finished_here_spares_the_step_run_again() 
     job = Job(ar.Ring(), 4)
     job.assert_exact(0, await job.run(0))
     abort = failed_meta(StepFailed("lost", "lane from rank 3 closed", rank=3))
+    task = job.start(1, [1])[1]
+    for _ in range(5):
+        await asyncio.sleep(0)
+    # Two at once: the second comes while the failed step is not yet over.
     await job.net.comms[0].send(1, np.empty(0), step=0, tag=tags.ABORT, meta=abort)
+    await job.net.comms[3].send(1, np.empty(0), step=0, tag=tags.ABORT, meta=abort)
     with pytest.raises(ar.PeerLost):
-        await job.start(1, [1])[1]
+        await task
     await job.net.comms[2].send(1, np.empty(0), step=0, tag=tags.ABORT, meta=abort)
     job.assert_exact(2, await job.run(2))
     await job.close()

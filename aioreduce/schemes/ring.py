@@ -253,11 +253,6 @@ class RingSession:
         self._removers: list[Callable[[], None]] = [
             comm.on_early(peer, ABORT_TAG, functools.partial(self._abort_heard, peer))
             for peer in range(comm.world_size) if peer != comm.rank]
-        # The newest step that succeeded here, and the abort of it that came afterwards
-        # (see _abort_heard), for the next step to raise.
-        self._completed = -1
-        self._clean = True  # no step failed here since that one
-        self._doomed: tuple[AioreduceError, dict[str, object], int] | None = None
 
     async def close(self, timeout: float) -> None:
         for remove in self._removers:
@@ -272,28 +267,15 @@ class RingSession:
             await asyncio.wait(self._sends, timeout=timeout)
 
     def _abort_heard(self, peer: int, header: Header, _payload: memoryview) -> None:
-        if header.tag != ABORT_TAG:
-            return
+        if header.tag != ABORT_TAG or header.step < self._step:
+            return  # a stale abort: that step is over here
         error = (_abort_error(peer, header.meta), dict(header.meta), peer)
-        running = self._aborted is not None and not self._aborted.done()
         if header.step > self._step:
             self._ahead.setdefault(header.step, error)
             while len(self._ahead) > MAX_AHEAD:
                 del self._ahead[max(self._ahead)]
-        elif header.step == self._step and running:
+        elif self._aborted is not None and not self._aborted.done():
             self._adopt(header.step, *error)
-        elif header.step == self._completed and self._clean:
-            # A step that succeeded here failed there: a rank died while its last segments
-            # were on their way, some ranks finished the step and the rest did not. Those
-            # run it again (or stop); no later step of ours can complete alike with them, so
-            # the one running fails now, or the next one at once (else it would wait for
-            # ranks that never run it). Not once a later step failed here: that failure is
-            # this rank's part in it already (an abort passed on late must not fail the
-            # step that runs again with a replacement).
-            if running:
-                self._adopt(self._step, *error)
-            elif self._aborted is None:  # between steps (a failed one is not over yet)
-                self._doomed = error
 
     def _adopt(self, step: int, error: AioreduceError, meta: dict[str, object],
                heard_from: int) -> None:
@@ -304,7 +286,6 @@ class RingSession:
         of that connection's end."""
         assert self._aborted is not None
         self._aborted.set_result(error)
-        self._clean = False
         for peer in range(self.comm.world_size):
             if peer not in (self.comm.rank, heard_from) and not self.comm.is_lost(peer):
                 self._spawn_send(self._send_abort(peer, step, meta))
@@ -363,19 +344,10 @@ class RingSession:
         comm.discard_before(step)
         self._step = step
         self._aborted = asyncio.get_running_loop().create_future()
-        # This step failed elsewhere already, or so did the last one, which succeeded here
-        # (see _abort_heard), or a rank is lost (a ring step needs every rank): raise at once.
-        early = self._ahead.pop(step, None) or self._doomed
+        early = self._ahead.pop(step, None)
         self._ahead = {s: e for s, e in self._ahead.items() if s > step}
-        self._doomed = None
-        gone = next((p for p in range(comm.world_size)
-                     if p != comm.rank and comm.is_lost(p)), None)
         if early is not None:
             self._adopt(step, *early)
-        elif gone is not None:
-            reason = "connection lost"
-            self._adopt(step, PeerLost(gone, reason),
-                        failed_meta(StepFailed("lost", reason, rank=gone)), gone)
         mine = (await own).reshape(-1)
         if comm.world_size > 1:
             acc = (self.pool.take(mine.size, mine.dtype) if into is None
@@ -412,7 +384,6 @@ class RingSession:
         else:
             acc = mine.copy()
         comm.discard_before(step + 1)
-        self._aborted, self._completed, self._clean = None, step, True  # see _abort_heard
         value = acc.reshape(like.shape)
         if into is None:  # ours, and reused by the pool: the caller must not write to it
             value.setflags(write=False)
@@ -512,7 +483,6 @@ class RingSession:
     def _failed(self, step: int) -> None:
         """A step failed on this rank: its messages still on the way are stale, and every
         rank opens new lanes at the next step (a lane may have ended with it)."""
-        self._clean = False
         if self._links is not None:
             self._links.discard_before(step + 1)
             self._reopen = True

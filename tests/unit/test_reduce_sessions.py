@@ -22,7 +22,6 @@ from aioreduce.schemes.reduce import Link, ReduceSession
 from aioreduce.schemes.reduce.family import DOWN, REQUEST_TAG
 from aioreduce.transport.memory import MemoryNetwork
 from aioreduce.wire import Header, tags
-from aioreduce.wire.control import StepFailed, failed_meta
 
 from .memjob import DIM, Job
 
@@ -353,58 +352,6 @@ async def test_a_dead_rank_in_the_ring_stops_every_rank() -> None:
     results = await job.run(1, [r for r in range(world) if r != 3])
     for rank, res in results.items():
         assert isinstance(res, ar.PeerLost) and res.rank == 3, (rank, res)
-    await job.close()
-
-
-async def test_a_ring_step_fails_at_once_when_a_rank_is_lost_before_it_begins() -> None:
-    job = Job(ar.Ring(), 4)
-    job.assert_exact(0, await job.run(0))
-    job.net.kill(3)
-    with pytest.raises(ar.PeerLost) as lost:  # rank 1: neither neighbour is rank 3
-        await job.start(1, [1])[1]
-    assert lost.value.rank == 3
-    await job.close()
-
-
-@pytest.mark.parametrize("during", [False, True])
-async def test_ranks_that_failed_a_step_this_rank_finished_fail_its_next_step(
-        during: bool) -> None:
-    # Rank 3 died while step 0's last segments were on their way: rank 1 finished step 0,
-    # ranks 0 and 2 did not and told every rank (their abort of step 0). They run step 0
-    # again with a replacement (or stop); rank 1's step 1, which they never run, fails at
-    # once, whether the abort came before it began or while it waits.
-    job = Job(ar.Ring(), 4)
-    job.assert_exact(0, await job.run(0))
-    abort = failed_meta(StepFailed("lost", "lane from rank 3 closed", rank=3))
-    if not during:
-        await job.net.comms[0].send(1, np.empty(0), step=0, tag=tags.ABORT, meta=abort)
-    task = job.start(1, [1])[1]
-    if during:
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert not task.done()  # waiting for rank 0's segment, which does not come
-        await job.net.comms[0].send(1, np.empty(0), step=0, tag=tags.ABORT, meta=abort)
-    with pytest.raises(ar.PeerLost, match=r"lane from rank 3 closed \(reported by rank 0\)"):
-        await task
-    await job.close()
-
-
-async def test_a_late_abort_of_a_step_finished_here_spares_the_step_run_again() -> None:
-    # After its step failed that way, rank 1 hears the same abort again (passed on by another
-    # rank, late): the step the ranks run next, again together, is not failed by it.
-    job = Job(ar.Ring(), 4)
-    job.assert_exact(0, await job.run(0))
-    abort = failed_meta(StepFailed("lost", "lane from rank 3 closed", rank=3))
-    task = job.start(1, [1])[1]
-    for _ in range(5):
-        await asyncio.sleep(0)
-    # Two at once: the second comes while the failed step is not yet over.
-    await job.net.comms[0].send(1, np.empty(0), step=0, tag=tags.ABORT, meta=abort)
-    await job.net.comms[3].send(1, np.empty(0), step=0, tag=tags.ABORT, meta=abort)
-    with pytest.raises(ar.PeerLost):
-        await task
-    await job.net.comms[2].send(1, np.empty(0), step=0, tag=tags.ABORT, meta=abort)
-    job.assert_exact(2, await job.run(2))
     await job.close()
 
 

@@ -23,10 +23,8 @@ what the step waits for.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +32,7 @@ import numpy as np
 
 from .errors import GroupMismatch, PeerLost
 from .schemes import FellBehind, Result, StragglerError
-from .wire import Header, tags
+from .wire import tags
 from .wire.control import HealAsk
 
 if TYPE_CHECKING:
@@ -92,15 +90,7 @@ class Healer:
         # where the group runs again from a later step.
         self._group_for: dict[int, int] = {}
         self._serve_only: dict[int, int] | None = None  # while answering inside a group
-        # A peer that failed the group and checks with us before running it again (see
-        # _same_step) while we are still in it: the step running fails (or the next one).
-        self._told: PeerLost | None = None
-        self._told_now: asyncio.Future[PeerLost] | None = None
-        self._checking = False
         mesh.on_heal = self._ask
-        for peer in range(mesh.world_size):
-            if peer != mesh.rank:
-                mesh.on_early(peer, tags.GROUP, functools.partial(self._group_heard, peer))
 
     def _ask(self, rank: int, ask: HealAsk) -> None:
         if ask.incarnation == self.mesh.incarnations.known[rank]:  # not a replaced process's
@@ -161,7 +151,7 @@ class Healer:
         if self._group_at is not None:
             self.serve(self._group_at)
         try:
-            result = await self._unless_told(steps, self._healing(steps, run))
+            result = await self._healing(steps, run)
         except (PeerLost, StragglerError) as exc:
             lost = self._dead(exc, known) if self.rejoin_wait else []
             if lost:
@@ -176,50 +166,6 @@ class Healer:
             self._serving_at, self._serve_only = None, None
         self._group_at, self._group_for = None, {}
         return result
-
-    async def _unless_told(self, steps: Stepper, step: Coroutine[Any, Any, Result]) -> Result:
-        """A group step, unless a peer that failed the group tells us so first (a rank died
-        while this step's predecessor's last segments were on their way: it finished here,
-        not there, and the peer will not run this step): then it fails here too, so that
-        every rank runs the group again from the same step."""
-        told, self._told = self._told, None
-        if told is not None:
-            step.close()
-            steps.take()  # every rank numbers the group's steps alike, run or not
-            raise told
-        task = asyncio.ensure_future(step)
-        told_now = self._told_now = asyncio.get_running_loop().create_future()
-        waits: set[asyncio.Future[Any]] = {task, told_now}
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # our caller was cancelled: so is the step
-            task.cancel()
-            raise
-        finally:
-            self._told_now = None
-        if task.done():
-            told_now.cancel()
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
-        raise told_now.result()
-
-    def _group_heard(self, src: int, header: Header, _payload: memoryview) -> None:
-        """A peer's check before it runs a group again (see :meth:`_same_step`), come while
-        this rank is not checking: the group failed there."""
-        if header.tag != tags.GROUP or self._checking or self._group_error is not None:
-            return
-        lost = header.meta.get("lost")
-        if not isinstance(lost, list) or not lost or not isinstance(lost[0], int) \
-                or not 0 <= lost[0] < self.mesh.world_size:
-            return
-        error = PeerLost(lost[0], f"the group of steps failed on rank {src}, which waits for "
-                                  f"ranks {lost} to be replaced")
-        if self._told_now is not None and not self._told_now.done():
-            self._told_now.set_result(error)
-        else:
-            self._told = error
 
     async def replace_lost(self, steps: Stepper) -> bool:
         """After steps run with ``rerun=False`` failed because ranks died: wait up to
@@ -253,13 +199,6 @@ class Healer:
         """Check with every other live rank that it runs the group again from step ``at``
         too; raise :class:`GroupMismatch` on every one if not. False if a rank did not
         answer within ``rejoin_wait`` (it died too, or is not in a group)."""
-        self._checking = True
-        try:
-            return await self._check_same_step(lost, at)
-        finally:
-            self._checking = False
-
-    async def _check_same_step(self, lost: dict[int, int], at: int) -> bool:
         mesh = self.mesh
         world = mesh.world_size
         key = max(incarnation * world + rank for rank, incarnation in lost.items())
@@ -269,8 +208,7 @@ class Healer:
                  for r in peers]
         try:
             await asyncio.gather(*(mesh.send(r, EMPTY, step=key, tag=tags.GROUP,
-                                             meta={"at": at, "lost": sorted(lost)})
-                                   for r in peers))
+                                             meta={"at": at}) for r in peers))
             got = await asyncio.gather(*heads)
         except (PeerLost, TimeoutError):
             for head in heads:

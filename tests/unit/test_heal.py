@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aioreduce.errors import PeerLost
 from aioreduce.heal import Healer, StateHooks, sources
 from aioreduce.wire import tags
 from aioreduce.wire.control import HealAsk
@@ -35,10 +34,6 @@ class FakeMesh:
 
     def spawn(self, coro: Any) -> None:
         self.tasks.append(asyncio.get_running_loop().create_task(coro))
-
-    def on_early(self, rank: int, min_tag: int, handler: Any, *, since: int | None = None
-                 ) -> Any:
-        return lambda: None
 
 
 def _healer(mesh: FakeMesh) -> tuple[Healer, list[int]]:
@@ -169,53 +164,6 @@ def test_live_ranks_check_they_run_a_group_again_from_the_same_step(
             assert await healer._same_step({2: 0}, 9) is outcome
         # Told every live peer where it runs the group again; nothing to the dead rank.
         assert sorted((r, s, t, m) for r, s, t, _b, m in mesh.sent) == [
-            (0, 2, tags.GROUP, {"at": 9, "lost": [2]}), (3, 2, tags.GROUP, {"at": 9, "lost": [2]})]
-
-    asyncio.run(body())
-
-
-class _Steps:
-    step = 20
-
-    def take(self) -> int:
-        self.step += 1
-        return self.step - 1
-
-
-def _told(lost: list[int]) -> Any:
-    from aioreduce.wire import Header, Kind
-
-    return Header(Kind.DATA, 2, tags.GROUP, 0, "|u1", (0,), {"at": 21, "lost": lost})
-
-
-@pytest.mark.parametrize("running", [True, False])
-def test_a_peer_that_failed_the_group_fails_this_ranks_group_step(running: bool) -> None:
-    # Rank 0 failed the group and checks with this rank (its same-step frame) while this
-    # rank, which finished the step rank 0 failed, runs the next one (or is about to): that
-    # step fails at once, the group's failure is recorded, and the next steps fail fast.
-    async def body() -> None:
-        mesh = FakeMesh()
-        healer = Healer(mesh, None, 5.0, lambda: [0, 2], rejoin_wait=5.0)  # type: ignore[arg-type]
-        steps = _Steps()
-        never = asyncio.get_running_loop().create_future()
-
-        async def run() -> Any:
-            steps.take()
-            return await never  # waits for ranks that never run this step
-
-        if running:
-            group = asyncio.ensure_future(healer.step(steps, run, None, rerun=False))  # type: ignore[arg-type]
-            await _settle(mesh)
-            healer._group_heard(0, _told([2]), memoryview(b""))
-        else:
-            healer._group_heard(0, _told([2]), memoryview(b""))
-            group = asyncio.ensure_future(healer.step(steps, run, None, rerun=False))  # type: ignore[arg-type]
-        with pytest.raises(PeerLost, match=r"the group of steps failed on rank 0, which waits "
-                                           r"for ranks \[2\] to be replaced"):
-            await group
-        assert steps.step == 21 and healer._group_lost == {2: 0}
-        with pytest.raises(PeerLost):  # the group's later steps fail at once
-            await healer.step(steps, run, None, rerun=False)  # type: ignore[arg-type]
-        assert steps.step == 22
+            (0, 2, tags.GROUP, {"at": 9}), (3, 2, tags.GROUP, {"at": 9})]
 
     asyncio.run(body())

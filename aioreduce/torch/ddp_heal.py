@@ -138,17 +138,19 @@ class Iterations:
         """Wait for the dead ranks' replacements (``failed``), then sum the iteration's
         gradient as one vector in the parameters' order and land it in the buckets."""
         node = self.pg.node
+        # Why the last sum failed: a bucket's, or the rerun's (whose buckets then hold none).
+        last = next((e for b in buckets if (e := _error(b[3])) is not None), None)
         try:
             for _attempt in range(node.world_size):
                 if failed and not node.replace_lost():
-                    error = next(e for b in buckets if (e := _error(b[3])) is not None)
-                    raise RuntimeError(f"rank {node.rank}: {error}")
+                    raise RuntimeError(f"rank {node.rank}: {last or 'a rank was lost'}; no "
+                                       "replacement came")
                 slices = self._slices(buckets)
                 flat = torch.cat([keep[a:b] for keep, a, b, _buf in slices])
                 try:
                     self.pg.future_sum(flat, average=True, rerun=False).wait()
-                except Exception:
-                    failed = True
+                except Exception as exc:
+                    failed, last = True, exc
                     continue
                 offset = 0
                 for _keep, a, b, buf in slices:

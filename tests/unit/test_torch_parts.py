@@ -176,3 +176,36 @@ def test_a_ddp_iteration_runs_again_with_this_ranks_own_gradient_not_a_partial_s
         out.wait()
     assert len(pg.reran) == 1  # the rerun path was taken, once
     assert pg.reran[0].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]  # own gradients, params' order
+
+
+class _JoinerWhoseRerunFails(_SumsInPlaceThenFails):
+    """A replacement's group (its first iteration sums only the whole gradient) whose sum
+    fails, and whose next wait for a replacement gives up."""
+
+    class mesh:
+        class incarnations:
+            rejoined = True
+
+    def replace_lost(self) -> bool:
+        return False
+
+    def future_sum(self, t: torch.Tensor, *, average: bool, rerun: bool) -> object:
+        self.reran.append(t.clone())
+        fut: torch.futures.Future[object] = torch.futures.Future()
+        fut.set_exception(RuntimeError("rank 3: lane from rank 3 closed"))
+        return fut
+
+
+def test_a_failed_rerun_with_no_replacement_names_its_own_error() -> None:
+    """The buckets' own sums held no error (a joiner's, or ones that succeeded before the
+    rerun failed): the error DDP gets is the rerun's, not an empty StopIteration."""
+    from aioreduce.torch.ddp_heal import Iterations
+
+    a = torch.nn.Parameter(torch.zeros(2))
+    a.grad = torch.tensor([1.0, 2.0])
+    pg = _JoinerWhoseRerunFails()
+    it = Iterations(torch.nn.ParameterList([a]), pg)  # type: ignore[arg-type]
+    out = it.hook(_Bucket([a], last=True))  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match=r"lane from rank 3 closed.*no replacement came"):
+        out.wait()
+    assert len(pg.reran) == 1  # the joiner's rerun was tried, once

@@ -89,16 +89,20 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
         step += 1
 
         def lane_stream(buf: np.ndarray, first: int, reps: int) -> float:
+            # A trial is one step of the links, its messages numbered as a scheme's slices
+            # (step ``first``, index i; the ack after them), and it ends as a step does.
             t0 = time.perf_counter()
             if me == 0:
                 for i in range(reps):
-                    links.send(1, buf, first + i, 0, {}, bare=True)
-                links.recv(1, ack, first, 2)
+                    links.send(1, buf, first, i, {}, bare=True)
+                links.recv(1, ack, first, reps)
             else:
                 for i in range(reps):
-                    links.recv(0, buf, first + i, 0)
-                links.send(0, ack, first, 2, {}, bare=True)
-            return time.perf_counter() - t0
+                    links.recv(0, buf, first, i)
+                links.send(0, ack, first, reps, {}, bare=True)
+            took = time.perf_counter() - t0
+            links.end_step(first)
+            return took
 
         for size in sizes:
             reps = max(1, min_bytes // size)
@@ -176,6 +180,8 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
                     _recv_exact(raw, raw_ack)
                     raw.sendall(raw_ack)
                 rtts[mode].append(time.perf_counter() - t0)
+                if mode == "lanes":
+                    links.end_step(step)  # (as a scheme's step ends, outside the timing)
                 step += 1
         if me == 0:
             r = statistics.median(rtts["raw"])

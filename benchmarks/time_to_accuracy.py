@@ -8,6 +8,7 @@ the least fraction of gradients a transpose step received. Needs root, iproute2 
 
     python benchmarks/time_to_accuracy.py [--hosts 8] [--flows 4] [--link-mbit 1000]
         [--epochs 15] [--hidden 1024] [--batch 16] [--target 0.95] [--repeats 1]
+        [--runs transpose,transpose-norot,ring,gloo] [--json]
 
 The training time starts after a barrier, once every rank has its process group: it includes
 the first steps' one-time costs (our lanes open at the first sum; the transpose's warm-up
@@ -26,8 +27,11 @@ from aioreduce.bench.allreduce import run_on_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "examples" / "torch_ddp.py")
-RUNS = {"transpose": ["--scheme", "transpose"], "ring": ["--scheme", "ring"],
-        "gloo": ["--backend", "gloo"]}
+RUNS = {"transpose": ["--scheme", "transpose"],
+        # the transpose without the Hadamard rotation: what the rotation buys where slices
+        # are cut (it spreads a cut slice's loss over the whole vector)
+        "transpose-norot": ["--scheme", "transpose", "--options", '{"hadamard": false}'],
+        "ring": ["--scheme", "ring"], "gloo": ["--backend", "gloo"]}
 
 
 def one(name: str, a: argparse.Namespace) -> dict[str, object]:
@@ -40,8 +44,12 @@ def one(name: str, a: argparse.Namespace) -> dict[str, object]:
     if not epochs:
         raise RuntimeError(f"{name}: no EPOCH line in:\n{out[-2000:]}")
     reached = next((e["elapsed_s"] for e in epochs if e["test"] >= a.target), None)
+    # The step-time tail after the first epoch (which holds the one-time costs).
+    steps = sorted(t for e in epochs[1:] for t in e["steps_s"])
     return {"run": name, "time_to_target_s": reached, "final_test": epochs[-1]["test"],
-            "train_s": epochs[-1]["elapsed_s"],
+            "final_loss": epochs[-1]["loss"], "train_s": epochs[-1]["elapsed_s"],
+            "p99_over_p50": (steps[min(len(steps) - 1, int(0.99 * len(steps)))]
+                             / steps[len(steps) // 2]) if steps else None,
             "median_step_ms": 1e3 * sorted(e["median_step_s"] for e in epochs)[len(epochs) // 2],
             "least_received": min(e["received"] for e in epochs)}
 
@@ -57,21 +65,25 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--runs", default="transpose,ring,gloo")
+    p.add_argument("--runs", default="transpose,transpose-norot,ring,gloo")
+    p.add_argument("--json", action="store_true", help="also a RESULT line of JSON per run")
     a = p.parse_args()
     print(f"{a.hosts} emulated hosts, {a.link_mbit:g} Mbit/s links, {a.flows} background "
           f"flows; MLP hidden {a.hidden}, batch {a.batch} per rank, {a.epochs} epochs; target "
           f"test accuracy {a.target}\n")
-    print("| run | time to target | training time | final accuracy | median step | least "
-          "received |")
-    print("|---|---|---|---|---|---|")
+    print("| run | time to target | training time | final accuracy | final loss | median step "
+          "| step P99/P50 | least received |")
+    print("|---|---|---|---|---|---|---|---|")
     for _ in range(a.repeats):
         for name in a.runs.split(","):
             r = one(name, a)
             t = r["time_to_target_s"]
             print(f"| {name} | {'not reached' if t is None else f'{t:.2f} s'} | "
-                  f"{r['train_s']:.2f} s | {r['final_test']:.3f} | "
-                  f"{r['median_step_ms']:.1f} ms | {r['least_received']:.3f} |", flush=True)
+                  f"{r['train_s']:.2f} s | {r['final_test']:.3f} | {r['final_loss']:.4f} | "
+                  f"{r['median_step_ms']:.1f} ms | {r['p99_over_p50']:.2f} | "
+                  f"{r['least_received']:.3f} |", flush=True)
+            if a.json:
+                print("RESULT " + json.dumps({**vars(a), **r}), flush=True)
 
 
 if __name__ == "__main__":

@@ -46,12 +46,15 @@ def main() -> None:
     ap.add_argument("--backend", choices=["aioreduce", "gloo"], default="aioreduce",
                     help="gloo: the same program over torch's Gloo (to compare)")
     ap.add_argument("--hidden", type=int, default=128, help="the MLP's hidden width")
+    ap.add_argument("--options", default="{}",
+                    help='the scheme\'s options as JSON, e.g. \'{"hadamard": false}\'')
     a = ap.parse_args()
     if a.straggle:
         os.environ["AIOREDUCE_STRAGGLE"] = a.straggle
     # Under transpose, a step that lost more than max_loss (5 %) waits for the rest instead of
     # raising inside backward(): training goes on, never on a worse sum.
-    art.configure(ar.schemes.by_name(a.scheme, strict=False, on_excess_loss="wait"))
+    options = {"on_excess_loss": "wait", **json.loads(a.options)}
+    art.configure(ar.schemes.by_name(a.scheme, strict=False, **options))
     torch.set_num_threads(1)
     dist.init_process_group(backend=a.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -90,6 +93,7 @@ def main() -> None:
             print("EPOCH " + json.dumps({"epoch": epoch, "elapsed_s": elapsed,
                                          "loss": statistics.mean(losses), "test": test,
                                          "median_step_s": statistics.median(times),
+                                         "steps_s": times,
                                          "received": got}), flush=True)
             start += time.perf_counter() - start - elapsed  # (the test is not training time)
     if rank == 0:

@@ -115,6 +115,10 @@ class Lane:
         self._rbuf = bytearray(READ_AHEAD)
         self._rview = memoryview(self._rbuf)
         self._r0 = self._r1 = 0
+        # After a message larger than READ_AHEAD, the next head is read alone: its payload is
+        # likely as large, and goes straight to its destination instead of partly through
+        # the read-ahead buffer (a copy and its bookkeeping per message).
+        self._head_only = False
         self.sent = 0  # messages in the kernel (or failed): they leave in the order queued
         self._unsent = 0  # bytes queued here, not yet handed to the kernel
         self._poll: select.poll | None = None
@@ -252,9 +256,10 @@ class Lane:
         """The next message's (step, index, payload bytes, meta bytes); a peer announcing more
         meta than :data:`MAX_META` or a negative size is lost (it is not one of ours)."""
         while self._r1 - self._r0 < HEADER.size:
-            self._read_ahead()
+            self._read_ahead(0, self._head_only)
         step, index, nbytes, meta = HEADER.unpack_from(self._rbuf, self._r0)
         self._r0 += HEADER.size
+        self._head_only = nbytes > READ_AHEAD
         if nbytes < 0 or not 0 <= meta <= MAX_META:
             raise PeerLost(self.peer, f"lane from rank {self.peer}: malformed header")
         return step, index, nbytes, meta
@@ -267,17 +272,19 @@ class Lane:
         self._r0 += nbytes
         return meta
 
-    def _read_ahead(self, flags: int = 0) -> bool:
+    def _read_ahead(self, flags: int = 0, head_only: bool = False) -> bool:
         """Read what the socket has (blocking until there is some; with MSG_DONTWAIT, False
-        if there is none) into the read-ahead buffer, after what it holds."""
+        if there is none) into the read-ahead buffer, after what it holds; ``head_only``: no
+        more than the rest of a message's head."""
         if self._r0 == self._r1:
             self._r0 = self._r1 = 0
         elif self._r1 > READ_AHEAD - MAX_META - HEADER.size:  # make room for a head and meta
             held = self._r1 - self._r0
             self._rview[:held] = self._rview[self._r0:self._r1]
             self._r0, self._r1 = 0, held
+        want = HEADER.size - (self._r1 - self._r0) if head_only else 0  # (0: what fits)
         try:
-            n = self.sock.recv_into(self._rview[self._r1:], 0, flags)
+            n = self.sock.recv_into(self._rview[self._r1:], want, flags)
         except BlockingIOError:
             return False
         except OSError as exc:
@@ -319,7 +326,7 @@ class Lane:
         if self._r1 > self._r0:
             return True
         try:  # (not contextlib.suppress: this runs once a message)
-            return self._read_ahead(socket.MSG_DONTWAIT)
+            return self._read_ahead(socket.MSG_DONTWAIT, self._head_only)
         except LaneClosed:
             return True
 

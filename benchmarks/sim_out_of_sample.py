@@ -2,17 +2,19 @@
 of another cluster size or vector size that the fit never saw, beside the in-sample fit that
 ``docs/sweep/sim.md`` reports (fitted per cluster size on its calm cells).
 
-Splits (the sweep of ``docs/sweep``: 13 and 40 emulated hosts; 40 KB and 4 MiB at both, 64 MiB
-at 13; five straggler models):
+Splits, for a sweep's cluster sizes (``docs/sweep``: 13 and 40 emulated hosts; 40 KB and 4
+MiB at both, 64 MiB at 13; five straggler models):
 
-- ranks: fitted on the 13-rank calm cells, checked on every 40-rank cell;
-- size: fitted on the 13-rank calm cells at 40 KB and 4 MiB, checked on every 13-rank 64 MiB
-  cell.
+- ranks: fitted on the ``--fit-nodes`` (13) calm cells, checked on every cell of each other
+  cluster size in the sweep (beside that size's own in-sample fit);
+- size: fitted on those calm cells at 40 KB and 4 MiB, checked on every 64 MiB cell of that
+  size, where the sweep has one.
 
 Writes a Markdown report (errors per split, the advisor's picks from the out-of-sample
 predictions, every cell) to ``--out`` and prints its summary.
 
     python benchmarks/sim_out_of_sample.py [--sweep docs/sweep] [--out docs/sweep/out_of_sample.md]
+        [--fit-nodes 13]
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sweep", type=Path, default=ROOT / "docs" / "sweep")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "sweep" / "out_of_sample.md")
+    ap.add_argument("--fit-nodes", type=int, default=13,
+                    help="the cluster size fitted on; every other one in the sweep is checked")
     opts = ap.parse_args()
     rows = [json.loads(line) for line in (opts.sweep / "results.jsonl").open()]
     measured = from_sweep(rows, row_config)
@@ -80,22 +84,27 @@ def main() -> None:
 
     small = {40 << 10, 4 << 20}
     big = {m.cfg.size_bytes for m in measured} - small
+    sizes_of = sorted({m.cfg.nodes for m in measured})
+    base = opts.fit_nodes
     t0 = time.perf_counter()
-    fitted = {"13 calm": fit(cells(13, calm=True), emulation_start(link)),
-              "40 calm": fit(cells(40, calm=True), emulation_start(link)),
-              "13 calm, 40K and 4M": fit(cells(13, small, calm=True), emulation_start(link))}
-    splits = [
-        ("in sample: 40 ranks, fitted on 40's calm cells", compare(cells(40),
-                                                                    fitted["40 calm"])),
-        ("ranks: 40 ranks, fitted on 13's calm cells", compare(cells(40), fitted["13 calm"])),
-        ("in sample: 13 ranks 64M, fitted on 13's calm cells",
-         compare(cells(13, big), fitted["13 calm"])),
-        ("size: 13 ranks 64M, fitted on 13's calm 40K and 4M",
-         compare(cells(13, big), fitted["13 calm, 40K and 4M"])),
-    ]
+    fitted = {n: fit(cells(n, calm=True), emulation_start(link)) for n in sizes_of}
+    splits = []
+    for n in sizes_of:
+        if n == base:
+            continue
+        splits += [(f"in sample: {n} ranks, fitted on {n}'s calm cells",
+                    compare(cells(n), fitted[n])),
+                   (f"ranks: {n} ranks, fitted on {base}'s calm cells",
+                    compare(cells(n), fitted[base]))]
+    if cells(base, big):  # a size the small ones never saw
+        splits += [(f"in sample: {base} ranks 64M, fitted on {base}'s calm cells",
+                    compare(cells(base, big), fitted[base])),
+                   (f"size: {base} ranks 64M, fitted on {base}'s calm 40K and 4M",
+                    compare(cells(base, big), fit(cells(base, small, calm=True),
+                                                  emulation_start(link))))]
     lines = ["# The simulator out of sample", "",
-             "Made by `python benchmarks/sim_out_of_sample.py` from `docs/sweep/results.jsonl` "
-             "(the sweep of 2026-11-25; no new runs). Error = simulated / measured - 1 of each "
+             f"Made by `python benchmarks/sim_out_of_sample.py --sweep {opts.sweep.name}` from its "
+             "`results.jsonl`. Error = simulated / measured - 1 of each "
              "cell's median; the advisor's pick is right when its measured median is within "
              "10 % of the fastest measured (as in `sim.md`). The in-sample rows are the fit "
              "`sim.md` reports (one per cluster size, on its calm cells).", "",

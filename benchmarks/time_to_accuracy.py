@@ -8,7 +8,8 @@ the least fraction of gradients a transpose step received. Needs root, iproute2 
 
     python benchmarks/time_to_accuracy.py [--hosts 8] [--flows 4] [--link-mbit 1000]
         [--epochs 15] [--hidden 1024] [--batch 16] [--target 0.95] [--repeats 1]
-        [--runs transpose,transpose-norot,ring,gloo] [--json]
+        [--runs transpose,transpose-norot,ring,gloo] [--straggle MODEL]
+        [--transpose-options JSON] [--json]
 
 The training time starts after a barrier, once every rank has its process group: it includes
 the first steps' one-time costs (our lanes open at the first sum; the transpose's warm-up
@@ -37,6 +38,10 @@ RUNS = {"transpose": ["--scheme", "transpose"],
 def one(name: str, a: argparse.Namespace) -> dict[str, object]:
     argv = [sys.executable, EXAMPLE, "--epochs", str(a.epochs), "--hidden", str(a.hidden),
             "--batch", str(a.batch), "--lr", str(a.lr), *RUNS[name]]
+    if a.straggle:
+        argv += ["--straggle", a.straggle]
+    if name.startswith("transpose"):  # the transpose's options, beside the run's own
+        argv = _with_options(argv, json.loads(a.transpose_options))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "AIOREDUCE_GC_EVERY": "50"}
     out = run_on_cluster(a.hosts, a.link_mbit, a.flows, argv, env, timeout=1800)
     epochs = [json.loads(line[len("EPOCH "):]) for line in out.splitlines()
@@ -54,6 +59,16 @@ def one(name: str, a: argparse.Namespace) -> dict[str, object]:
             "least_received": min(e["received"] for e in epochs)}
 
 
+def _with_options(argv: list[str], extra: dict[str, object]) -> list[str]:
+    """``argv`` with ``extra`` merged into its ``--options`` JSON (added if it has none)."""
+    if not extra:
+        return argv
+    if "--options" in argv:
+        i = argv.index("--options") + 1
+        return [*argv[:i], json.dumps({**json.loads(argv[i]), **extra}), *argv[i + 1:]]
+    return [*argv, "--options", json.dumps(extra)]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hosts", type=int, default=8)
@@ -67,6 +82,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--runs", default="transpose,transpose-norot,ring,gloo")
     p.add_argument("--json", action="store_true", help="also a RESULT line of JSON per run")
+    p.add_argument("--transpose-options", default="{}", metavar="JSON",
+                   help='the transpose\'s options for both of its runs, e.g. \'{"max_loss": 0.2}\' '
+                        "(by default a step that would lose more than 5 %% waits for the rest)")
+    p.add_argument("--straggle", default="",
+                   help="a straggler model for every run (see the README), e.g. "
+                        "'all:shifted-exp=0.002,500' (Gloo's runs get it too)")
     a = p.parse_args()
     print(f"{a.hosts} emulated hosts, {a.link_mbit:g} Mbit/s links, {a.flows} background "
           f"flows; MLP hidden {a.hidden}, batch {a.batch} per rank, {a.epochs} epochs; target "

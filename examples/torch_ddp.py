@@ -49,7 +49,13 @@ def main() -> None:
     ap.add_argument("--options", default="{}",
                     help='the scheme\'s options as JSON, e.g. \'{"hadamard": false}\'')
     a = ap.parse_args()
-    if a.straggle:
+    delays = None
+    if a.straggle and a.backend == "gloo":
+        # Gloo has no injection of its own: the same model's delay before each backward pass
+        # (where our node waits before its contribution)
+        delays = ar.straggle.parse_straggle(a.straggle,
+                                            int(os.environ.get("AIOREDUCE_STRAGGLE_SEED", "0")))
+    elif a.straggle:
         os.environ["AIOREDUCE_STRAGGLE"] = a.straggle
     # Under transpose, a step that lost more than max_loss (5 %) waits for the rest instead of
     # raising inside backward(): training goes on, never on a worse sum.
@@ -78,6 +84,8 @@ def main() -> None:
             t0 = time.perf_counter()
             opt.zero_grad()
             loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
+            if delays is not None:
+                time.sleep(delays.extra_delay(rank, epoch * steps + s, 0.0, world))
             loss.backward()
             opt.step()
             times.append(time.perf_counter() - t0)

@@ -295,6 +295,18 @@ class WritesInto(Protocol):
 
 
 @runtime_checkable
+class TellsFailure(Protocol):
+    """A session whose ranks wait in a step for one another's parts (the ring). A rank that
+    fails a step without running it (a group's later steps after a death: see
+    :mod:`aioreduce.heal`) tells its peers, or one that is running the step would wait for a
+    part that never comes."""
+
+    def tell_failed(self, step: int, error: BaseException) -> None:
+        """Tell every live peer, in the background, that ``step`` failed here with ``error``
+        (this rank does not run it)."""
+
+
+@runtime_checkable
 class DecodeTimed(Protocol):
     """A session that can tell how long this rank spent decoding a step (for telemetry)."""
 

@@ -302,6 +302,12 @@ class RingSession:
             if peer != self.comm.rank and not self.comm.is_lost(peer):
                 self._spawn_send(self._send_abort(peer, step, meta))
 
+    def tell_failed(self, step: int, error: BaseException) -> None:
+        """See :class:`~.base.TellsFailure`: the abort this rank would send had it run
+        ``step`` and seen ``error``; a peer in that step raises it, one not there yet raises
+        it when it gets there."""
+        self._tell_everyone(step, error)
+
     def _spawn_send(self, send: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(send)
         self._sends.add(task)

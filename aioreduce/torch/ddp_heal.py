@@ -143,8 +143,11 @@ class Iterations:
         try:
             for _attempt in range(node.world_size):
                 if failed and not node.replace_lost():
-                    raise RuntimeError(f"rank {node.rank}: {last or 'a rank was lost'}; no "
-                                       "replacement came")
+                    raise RuntimeError(
+                        f"rank {node.rank}: {last or 'a rank was lost'}; the iteration was "
+                        "not run again: no replacement came within rejoin_wait, or a live "
+                        "rank did not answer (one that finished the iteration's last sum "
+                        "goes on: see docs/heal.md, Not yet)")
                 slices = self._slices(buckets)
                 flat = torch.cat([keep[a:b] for keep, a, b, _buf in slices])
                 try:

@@ -167,3 +167,45 @@ def test_live_ranks_check_they_run_a_group_again_from_the_same_step(
             (0, 2, tags.GROUP, {"at": 9}), (3, 2, tags.GROUP, {"at": 9})]
 
     asyncio.run(body())
+
+
+def test_a_groups_later_steps_fail_at_once_and_tell_the_peers() -> None:
+    """After a death failed a step of a group (``rerun=False``), the group's later steps fail
+    at once, without running, and each tells the peers it failed here (the session's
+    ``tell_failed``): a peer that finished the failed step and waits in the next one would
+    otherwise wait for this rank's part."""
+    from aioreduce.errors import PeerLost
+    from aioreduce.stepper import Stepper
+    from aioreduce.straggle import StraggleModel
+
+    async def body() -> None:
+        mesh = FakeMesh()
+        healer = Healer(mesh, None, 5.0, lambda: [0, 2], rejoin_wait=5.0)  # type: ignore[arg-type]
+        steps = Stepper(1, 4, StraggleModel(), None, None)
+        steps.step = 7
+        death = PeerLost(2, "connection lost")
+        told: list[tuple[int, BaseException]] = []
+        ran: list[int] = []
+
+        async def fails() -> Any:
+            ran.append(steps.take())
+            raise death
+
+        async def never() -> Any:
+            ran.append(steps.take())
+            raise AssertionError("a later step of a failed group ran")
+
+        def tell(step: int, error: BaseException) -> None:
+            told.append((step, error))
+
+        with pytest.raises(PeerLost):
+            await healer.step(steps, fails, None, rerun=False, tell=tell)
+        assert told == []  # the step that failed told its peers itself (the scheme's abort)
+        for _later in range(2):
+            with pytest.raises(PeerLost) as raised:
+                await healer.step(steps, never, None, rerun=False, tell=tell)
+            assert raised.value is death
+        assert ran == [7] and told == [(8, death), (9, death)]
+        assert steps.step == 10  # numbered as the ranks that ran them
+
+    asyncio.run(body())

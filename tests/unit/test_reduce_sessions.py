@@ -447,3 +447,35 @@ async def test_a_leaf_paces_its_chunks_by_the_result_and_sums_stay_exact(
         for c in range(window, chunks):  # chunk c went after result chunk c - window came
             assert order.events.index(("result", c - window)) < order.events.index(("up", c))
     await job.close()
+
+
+@pytest.mark.parametrize("when", ["running", "before"])
+async def test_a_ring_step_one_rank_fails_without_running_it_fails_on_every_rank(
+        when: str) -> None:
+    """A rank that fails a step at once, without running it (a group's later steps after a
+    death: ``Healer``), tells the others with ``tell_failed``. Ranks already in the step raise
+    the error it names, as ranks not there yet do when they get there; none waits for the
+    part that rank never sends. The next step, on every rank, is exact."""
+    from aioreduce.schemes.base import TellsFailure
+
+    world = 5
+    job = Job(ar.Ring(), world)
+    job.assert_exact(0, await job.run(0))
+    teller = job.sessions[0]
+    assert isinstance(teller, TellsFailure)
+    error = ar.PeerLost(3, "connection lost")
+    if when == "before":
+        teller.tell_failed(1, error)
+        tasks = job.start(1, range(1, world))
+    else:
+        tasks = job.start(1, range(1, world))
+        await job.net.until_sent(1, 2, 1, 0)  # rank 1 is in step 1: its first segment left
+        assert not any(t.done() for t in tasks.values())
+        teller.tell_failed(1, error)
+    await asyncio.wait(tasks.values())
+    for rank, task in tasks.items():
+        exc = task.exception()
+        assert isinstance(exc, ar.PeerLost) and exc.rank == 3, (rank, exc)
+        assert "reported by rank" in str(exc), (rank, exc)
+    job.assert_exact(2, await job.run(2))
+    await job.close()

@@ -206,6 +206,7 @@ def test_a_failed_rerun_with_no_replacement_names_its_own_error() -> None:
     pg = _JoinerWhoseRerunFails()
     it = Iterations(torch.nn.ParameterList([a]), pg)  # type: ignore[arg-type]
     out = it.hook(_Bucket([a], last=True))  # type: ignore[arg-type]
-    with pytest.raises(RuntimeError, match=r"lane from rank 3 closed.*no replacement came"):
+    with pytest.raises(RuntimeError, match=r"lane from rank 3 closed; the iteration was "
+                                           r"not run again: no replacement came"):
         out.wait()
     assert len(pg.reran) == 1  # the joiner's rerun was tried, once

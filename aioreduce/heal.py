@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import GroupMismatch, PeerLost
-from .schemes import FellBehind, Result, StragglerError
+from .schemes import FellBehind, Result, Session, StragglerError
+from .schemes.base import TellsFailure
 from .wire import tags
 from .wire.control import HealAsk
 
@@ -100,7 +101,7 @@ class Healer:
 
     async def step(self, steps: Stepper, run: Callable[[], Awaitable[Result]],
                    into: np.ndarray | None, *, rerun: bool = True,
-                   tell: Callable[[int, BaseException], None] | None = None) -> Result:
+                   session: Session | None = None) -> Result:
         """Run one step (``run`` takes the next step number) as healing asks: first answer
         the peers that asked; after ``FellBehind``, heal this rank's state too (with state
         hooks); after a step that failed because a rank was lost, wait up to
@@ -110,13 +111,13 @@ class Healer:
         ``rerun=False``: the step is one of a group that the caller runs again as a whole
         (see :meth:`replace_lost`); it answers no heal at its boundary (a replacement must
         start at a group's first step), and a failure because ranks died is recorded and
-        raised, by this step and at once by every later one of the group; ``tell`` (the
-        session's :meth:`~aioreduce.schemes.base.TellsFailure.tell_failed`, if it has one)
-        tells the peers that such a step failed here, so that a peer which finished the step
-        that failed here (its last parts came before the death) and waits in the next one
-        fails it too, and runs the group again from the same step as every rank."""
+        raised, by this step and at once by every later one of the group; a ``session`` that
+        can (:class:`~aioreduce.schemes.base.TellsFailure`) tells the peers that such a step
+        failed here, so that a peer which finished the step that failed here (its last parts
+        came before the death) and waits in the next one fails it too, and runs the group
+        again from the same step as every rank."""
         if not rerun:
-            return await self._group_step(steps, run, tell)
+            return await self._group_step(steps, run, session)
         self._serving_at = steps.step
         self.serve(steps.step)
         try:
@@ -147,11 +148,12 @@ class Healer:
             self._serving_at = None
 
     async def _group_step(self, steps: Stepper, run: Callable[[], Awaitable[Result]],
-                          tell: Callable[[int, BaseException], None] | None) -> Result:
+                          session: Session | None) -> Result:
         if self._group_error is not None:
             step = steps.take()  # every rank numbers the group's steps alike, run or not
-            if tell is not None:  # a peer may be in this step, waiting for our part
-                tell(step, self._group_error)
+            # (checked here, not per step: a protocol's isinstance costs microseconds)
+            if isinstance(session, TellsFailure):  # a peer may be in it, waiting for us
+                session.tell_failed(step, self._group_error)
             raise self._group_error
         known = list(self.mesh.incarnations.known)
         self._serving_at, self._serve_only = self._group_at, self._group_for

@@ -28,7 +28,7 @@ from .heal import Healer, StateHooks
 from .inputs import Inputs
 from .peers import Peers
 from .schemes import CodedScheme, Result, Scheme, Session
-from .schemes.base import Arrival, Comm, SumsInPlace, TellsFailure
+from .schemes.base import Arrival, Comm, SumsInPlace
 from .schemes.p2p import PointToPoint
 from .sessions import Sessions, preconnect
 from .settings import bind_for, env_extras
@@ -272,7 +272,8 @@ class Node(Peers):
                                arrival: Arrival | None, rerun: bool) -> Result:
         """:meth:`allreduce` with ``in_place=True``."""
         array = self._inputs.in_place(target)
-        # Summing in place divides by the world size as it goes; others by their contributions.
+        # A session that sums in place sums every rank: it divides by the world size as it
+        # goes. Any other copies its sum in, divided here by the contributions it holds.
         folded = op == "mean" and self.sums_in_place
         res = await self._reduce(array, op, any_shape=any_shape, into=array, arrival=arrival,
                                  divisor=self.world_size if folded else 1, rerun=rerun)
@@ -294,6 +295,5 @@ class Node(Peers):
         assert session is not None  # aggregate()/allreduce() checked it
         res = await self.healer.step(self._steps, lambda: self._steps.run(
             session, type(self.scheme).__name__, array, into, divisor, arrival),
-            into if arrival is None else None, rerun=rerun,
-            tell=session.tell_failed if isinstance(session, TellsFailure) else None)
+            into if arrival is None else None, rerun=rerun, session=session)
         return res if into is not None else self._inputs.result(res, like, callable(array))

@@ -195,15 +195,17 @@ def test_a_groups_later_steps_fail_at_once_and_tell_the_peers() -> None:
             ran.append(steps.take())
             raise AssertionError("a later step of a failed group ran")
 
-        def tell(step: int, error: BaseException) -> None:
-            told.append((step, error))
+        class Telling:  # a session that can tell its peers (TellsFailure)
+            def tell_failed(self, step: int, error: BaseException) -> None:
+                told.append((step, error))
 
+        session: Any = Telling()
         with pytest.raises(PeerLost):
-            await healer.step(steps, fails, None, rerun=False, tell=tell)
+            await healer.step(steps, fails, None, rerun=False, session=session)
         assert told == []  # the step that failed told its peers itself (the scheme's abort)
         for _later in range(2):
             with pytest.raises(PeerLost) as raised:
-                await healer.step(steps, never, None, rerun=False, tell=tell)
+                await healer.step(steps, never, None, rerun=False, session=session)
             assert raised.value is death
         assert ran == [7] and told == [(8, death), (9, death)]
         assert steps.step == 10  # numbered as the ranks that ran them

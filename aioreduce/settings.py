@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import ConfigError
-from .straggle import parse_straggle
+from .straggle import parse_seeded
 from .transport import MeshOptions
 
 
@@ -48,8 +48,7 @@ def env_extras(env_map: Mapping[str, str], max_frame: int | None = None) -> dict
                                          "step that lost a rank waits for its replacement "
                                          "(0: it fails at once)")
     if env_map.get("AIOREDUCE_STRAGGLE"):
-        extras["straggle"] = parse_straggle(env_map["AIOREDUCE_STRAGGLE"],
-                                            int(env_map.get("AIOREDUCE_STRAGGLE_SEED", 0)))
+        extras["straggle"] = parse_seeded(env_map["AIOREDUCE_STRAGGLE"], env_map)
     return extras
 
 

@@ -26,6 +26,8 @@ created from the environment, so a launcher can slow chosen ranks without touchi
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,6 +114,13 @@ class StraggleModel:
 
     def __bool__(self) -> bool:
         return bool(self.rules)
+
+
+def parse_seeded(spec: str, environ: Mapping[str, str] | None = None) -> StraggleModel:
+    """:func:`parse_straggle` with the seed ``AIOREDUCE_STRAGGLE_SEED`` of ``environ`` (the
+    process's environment by default; 0 where it is not set), as the runtime reads it."""
+    env = os.environ if environ is None else environ
+    return parse_straggle(spec, int(env.get("AIOREDUCE_STRAGGLE_SEED", 0)))
 
 
 def parse_straggle(spec: str, seed: int = 0) -> StraggleModel:

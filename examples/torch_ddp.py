@@ -53,8 +53,7 @@ def main() -> None:
     if a.straggle and a.backend == "gloo":
         # Gloo has no injection of its own: the same model's delay before each backward pass
         # (where our node waits before its contribution)
-        delays = ar.straggle.parse_straggle(a.straggle,
-                                            int(os.environ.get("AIOREDUCE_STRAGGLE_SEED", "0")))
+        delays = ar.straggle.parse_seeded(a.straggle)
     elif a.straggle:
         os.environ["AIOREDUCE_STRAGGLE"] = a.straggle
     # Under transpose, a step that lost more than max_loss (5 %) waits for the rest instead of

@@ -45,7 +45,7 @@ from ..codes.model import ComputeModel, LinkModel, predict_ring, predict_star, p
 from ..node import Node
 from ..schemes import CodedTree, GradientCoding, Scheme, StragglerError, names
 from ..sim.config import Config, build_scheme, load_fraction, variant, warmup_iterations
-from ..straggle import StraggleModel, parse_straggle
+from ..straggle import StraggleModel, parse_seeded, parse_straggle
 from ..transport.loop import run
 from .bound import bound
 
@@ -104,7 +104,7 @@ async def _worker(cfg: Config) -> None:
     # The bench injects the straggler model itself, by iteration, so every scheme (and Gloo)
     # sees the same delays at the same iteration (the node would draw them by its own step
     # number, which differs between the alternating schemes).
-    model = parse_straggle(cfg.straggle, int(os.environ.get("AIOREDUCE_STRAGGLE_SEED", 0)))
+    model = parse_seeded(cfg.straggle)
     node = Node.from_env(close_timeout=30.0, straggle=StraggleModel(), gc_every=cfg.gc_every)
     async with node:
         rank, world = node.rank, node.world_size

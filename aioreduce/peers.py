@@ -5,7 +5,7 @@ over the node's mesh. :class:`~aioreduce.node.Node` is one of these and runs a s
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -95,17 +95,21 @@ class Peers:
         return await broadcast(self.mesh, self._steps.take(), array, root)
 
     async def exchange(self, sends: Mapping[int, np.ndarray],
-                       recvs: Mapping[int, np.ndarray], *, bulk: bool = False) -> None:
+                       recvs: Mapping[int, np.ndarray], *, bulk: bool = False,
+                       each: Callable[[int], None] | None = None) -> None:
         """A collective step that sends ``sends[r]`` to rank ``r`` and receives from rank
         ``r`` straight into ``recvs[r]``, exactly (all-to-all, gather, scatter). Every rank
         calls it at the same step, each with the sizes it receives.
 
         ``bulk=True`` (every rank alike): over lanes to and from every peer, opened at the
         first such step and kept, off the event loop (large arrays: the owners' sums of
-        16-bit floats)."""
+        16-bit floats).
+
+        ``each(r)``: called for every rank of ``recvs`` in rank order once its part is in
+        (see :func:`~aioreduce.schemes.exchange.exchange`)."""
         step = self._steps.take()
         await exchange(self.mesh, step, sends, recvs,
-                       await self._bulk_lanes(step) if bulk else None)
+                       await self._bulk_lanes(step) if bulk else None, each)
 
     async def _bulk_lanes(self, step: int) -> LaneLinks:
         if self._lanes is None:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..schemes.base import Arrival
 from ..tensors import narrow, widen
 
 
@@ -33,7 +34,8 @@ class Exchanging(Protocol):
     def world_size(self) -> int: ...
 
     def exchange(self, sends: Mapping[int, np.ndarray],
-                 recvs: Mapping[int, np.ndarray], *, bulk: bool = False) -> Awaitable[None]: ...
+                 recvs: Mapping[int, np.ndarray], *, bulk: bool = False,
+                 each: Callable[[int], None] | None = None) -> Awaitable[None]: ...
 
 Combine = Callable[..., Any]  # a numpy ufunc: (a, b, out=a)
 
@@ -60,58 +62,102 @@ def reduce_parts(parts: Sequence[np.ndarray], dtype: torch.dtype, op: Any, world
                  out: np.ndarray) -> None:
     """Reduce ``parts`` (wire dtype, rank order) with ``op`` into ``out`` (wire dtype): in
     float32 for 16-bit floats, rounded once; ``AVG`` divides by ``world``."""
-    if dtype in (torch.bfloat16, torch.float16) and op in (dist.ReduceOp.SUM,
-                                                          dist.ReduceOp.AVG):
-        _sum16(parts, dtype, op == dist.ReduceOp.AVG, world, out)
-        return
-    combine = _COMBINE[op]
-    acc = np.array(widen(parts[0], dtype), copy=True)
-    for part in parts[1:]:
-        combine(acc, widen(part, dtype), out=acc)
-    if op == dist.ReduceOp.AVG:
-        if acc.dtype.kind == "f":
-            acc /= world
+    fold = Fold(dtype, op, world)
+    for part in parts:
+        fold.add(part)
+    fold.into(out)
+
+
+class Fold:
+    """A reduction fed one part at a time, in rank order, as the parts arrive (the same
+    operations in the same order as a reduction of all of them at once): 16-bit floats are
+    summed in float32 by torch, each part widened into one reused buffer as it is added
+    (half the time of torch's mixed-dtype add, a third of numpy's widening); everything
+    else by numpy's ufunc of ``op``."""
+
+    def __init__(self, dtype: torch.dtype, op: Any, world: int) -> None:
+        self.dtype, self.op, self.world = dtype, op, world
+        self.sum16 = (dtype in (torch.bfloat16, torch.float16)
+                      and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG))
+        self._acc: Any = None  # float32 tensor (sum16) or numpy array
+        self._wide: torch.Tensor | None = None
+
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a.view(np.int16)).view(self.dtype)
+
+    def add(self, part: np.ndarray) -> None:
+        """Fold in the next rank's ``part`` (wire dtype)."""
+        if self.sum16:
+            t = self._tensor(part)
+            if self._acc is None:
+                self._acc = t.to(torch.float32)
+            else:
+                if self._wide is None:
+                    self._wide = torch.empty(t.shape, dtype=torch.float32)
+                self._wide.copy_(t)
+                self._acc.add_(self._wide)
+        elif self._acc is None:
+            self._acc = np.array(widen(part, self.dtype), copy=True)
         else:
-            acc //= world
-    narrow(acc, dtype, out)
+            _COMBINE[self.op](self._acc, widen(part, self.dtype), out=self._acc)
 
-
-def _sum16(parts: Sequence[np.ndarray], dtype: torch.dtype, average: bool, world: int,
-           out: np.ndarray) -> None:
-    """:func:`reduce_parts`' sum of 16-bit floats by torch: each part widened as it is added
-    (one pass each, on torch's threads; numpy widened into a new array first, three times
-    the time), the same float32 additions in the same order."""
-    def tensor(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a.view(np.int16)).view(dtype)
-
-    acc = tensor(parts[0]).to(torch.float32)
-    for part in parts[1:]:
-        acc.add_(tensor(part))
-    if average:
-        acc.div_(world)
-    tensor(out).copy_(acc)  # rounded to nearest even once, as torch casts
+    def into(self, out: np.ndarray) -> None:
+        """Write the reduction into ``out`` (wire dtype): ``AVG`` divided by the world size,
+        16-bit floats rounded to nearest even once, as torch casts."""
+        acc = self._acc
+        if self.sum16:
+            if self.op == dist.ReduceOp.AVG:
+                acc.div_(self.world)
+            self._tensor(out).copy_(acc)
+            return
+        if self.op == dist.ReduceOp.AVG:
+            if acc.dtype.kind == "f":
+                acc /= self.world
+            else:
+                acc //= self.world
+        narrow(acc, self.dtype, out)
 
 
 async def reduce_scatter(node: Exchanging, parts: Sequence[np.ndarray], out: np.ndarray,
                          dtype: torch.dtype, op: Any) -> None:
     """``out`` = the reduction of every rank's ``parts[me]`` (``parts[r]`` goes to rank
-    ``r``; all wire dtype)."""
+    ``r``; all wire dtype), each folded in, in rank order, as soon as it is in. ``out`` may
+    be ``parts[me]`` itself."""
     me, world = node.rank, node.world_size
     got = {r: np.empty_like(out) for r in range(world) if r != me}
-    await node.exchange({r: parts[r] for r in range(world) if r != me}, got, bulk=True)
-    got[me] = parts[me]
-    reduce_parts([got[r] for r in range(world)], dtype, op, world, out)
+    fold = Fold(dtype, op, world)
+    own = [parts[me]]  # folded when its turn in rank order comes
+
+    def each(r: int) -> None:
+        if own and me < r:
+            fold.add(own.pop())
+        fold.add(got[r])
+
+    await node.exchange({r: parts[r] for r in range(world) if r != me}, got, bulk=True,
+                        each=each)
+    if own:
+        fold.add(own.pop())
+    fold.into(out)
 
 
-async def allreduce(node: Exchanging, flat: np.ndarray, dtype: torch.dtype, op: Any) -> None:
+async def allreduce(node: Exchanging, flat: np.ndarray, dtype: torch.dtype, op: Any,
+                    arrival: Arrival | None = None) -> None:
     """``flat`` (wire dtype, every rank the same length) becomes the reduction of every
-    rank's ``flat``, identical on every rank."""
+    rank's ``flat``, identical on every rank. ``arrival``: ``flat`` is a device tensor's
+    staging buffer, and each owner's part is copied back (:meth:`Arrival.final`) as soon as
+    it is here, while the others are still on the wire."""
     me, world = node.rank, node.world_size
     edge = bounds(flat.size, world)
     parts = [flat[edge[r]:edge[r + 1]] for r in range(world)]
     mine = parts[me]
-    reduced = np.empty_like(mine)
-    await reduce_scatter(node, parts, reduced, dtype, op)
-    mine[...] = reduced
+    await reduce_scatter(node, parts, mine, dtype, op)  # read (folded) before it is written
     others = [r for r in range(world) if r != me]
-    await node.exchange({r: mine for r in others}, {r: parts[r] for r in others}, bulk=True)
+
+    def each(r: int) -> None:
+        if arrival is not None:
+            arrival.final(edge[r], edge[r + 1])
+
+    if arrival is not None:
+        arrival.final(edge[me], edge[me + 1])
+    await node.exchange({r: mine for r in others}, {r: parts[r] for r in others}, bulk=True,
+                        each=each)

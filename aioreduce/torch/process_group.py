@@ -331,7 +331,8 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         st = self.stager.stage(tensor, order=order)
         host, dtype, world = st.host, st.tensor.dtype, node.world_size
         if by_owners:
-            return self._op([st], [st], lambda: direct.allreduce(node, host, dtype, op),
+            back = st if tensor.is_contiguous() else None  # each part copied back as it comes
+            return self._op([st], [st], lambda: direct.allreduce(node, host, dtype, op, back),
                             lambda _r: tensor)
         average = op == dist.ReduceOp.AVG
         divided = average and node.sums_in_place  # the ring divides as it goes

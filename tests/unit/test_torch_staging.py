@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import pytest
@@ -215,9 +215,87 @@ class _Rank:
         return self.comm.world_size
 
     async def exchange(self, sends: Mapping[int, np.ndarray],
-                       recvs: Mapping[int, np.ndarray], *, bulk: bool = False) -> None:
+                       recvs: Mapping[int, np.ndarray], *, bulk: bool = False,
+                       each: Callable[[int], None] | None = None) -> None:
         self.step += 1
-        await exchange(self.comm, self.step, sends, recvs)
+        await exchange(self.comm, self.step, sends, recvs, each=each)
+
+
+class _ArrivesLate:
+    """A comm whose receives complete only when the test says (in any order it likes)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.world_size = rank, 4
+        self.posts: dict[int, asyncio.Future[Header]] = {}
+
+    def discard_before(self, step: int, tag: int = 0) -> None:
+        pass
+
+    async def send(self, rank: int, array: np.ndarray, *, step: int, tag: int = 0,
+                   meta: object = None) -> None:
+        pass
+
+    def post_recv(self, rank: int, out: np.ndarray, *, step: int,
+                  tag: int = 0) -> asyncio.Future[Header]:
+        self.posts[rank] = asyncio.get_running_loop().create_future()
+        return self.posts[rank]
+
+
+async def test_each_part_is_handed_on_in_rank_order_once_it_and_every_lower_one_is_in() -> None:
+    comm = _ArrivesLate(rank=1)
+    recvs = {r: np.zeros(2) for r in (0, 2, 3)}
+    seen: list[int] = []
+    task = asyncio.ensure_future(exchange(comm, 5, {r: np.ones(2) for r in recvs}, recvs,
+                                          each=seen.append))  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    for r, done_after in [(3, []), (2, []), (0, [0, 2, 3])]:  # they arrive last first
+        comm.posts[r].set_result(Header(Kind.DATA, 5, 0, r))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert seen == done_after
+    await task
+
+
+async def test_a_failed_part_withdraws_the_rest_and_hands_on_none_after_it() -> None:
+    comm = _ArrivesLate(rank=1)
+    recvs = {r: np.zeros(2) for r in (0, 2, 3)}
+    seen: list[int] = []
+    task = asyncio.ensure_future(exchange(comm, 5, {}, recvs, each=seen.append))  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    comm.posts[0].set_result(Header(Kind.DATA, 5, 0, 0))
+    comm.posts[2].set_exception(ConnectionError("rank 2 is gone"))
+    with pytest.raises(ConnectionError):
+        await task
+    assert seen == [0] and comm.posts[3].cancelled()
+
+
+class _Backs:
+    """An :class:`~aioreduce.schemes.base.Arrival` that records what is copied back."""
+
+    def __init__(self) -> None:
+        self.finals: list[tuple[int, int]] = []
+
+    def landed(self, lo: int, hi: int) -> None:
+        pass
+
+    def final(self, lo: int, hi: int) -> None:
+        self.finals.append((lo, hi))
+
+
+async def test_owners_copy_back_their_part_first_then_each_other_as_it_comes() -> None:
+    world, length = 4, 10  # parts of 3, 3, 2, 2
+    net = MemoryNetwork(world)
+    backs = [_Backs() for _ in range(world)]
+    wires = [wire_view(torch.full((length,), float(r), dtype=torch.bfloat16))
+             for r in range(world)]
+    await asyncio.gather(*(direct.allreduce(_Rank(net.comms[r]), wires[r], torch.bfloat16,
+                                            dist.ReduceOp.SUM, backs[r])
+                           for r in range(world)))
+    edges = [(0, 3), (3, 6), (6, 8), (8, 10)]
+    for r in range(world):
+        assert backs[r].finals == [edges[r]] + [e for i, e in enumerate(edges) if i != r]
+        np.testing.assert_array_equal(wires[r], wire_view(torch.full((length,), 6.0,
+                                                                     dtype=torch.bfloat16)))
 
 
 @pytest.mark.parametrize("length", [1, 5, 4099])

@@ -18,7 +18,9 @@ share one GPU when there are more ranks than GPUs), and a step ends when the ran
 done. Two more rows then measure the staging of GPU tensors: ``allreduce-cpu`` and
 ``allreduce-cuda`` sum a tensor of the model's size through our process group, alternating, and
 ``vs_cpu`` is the GPU tensor's median over the CPU tensor's (the cost of the copies through
-pinned memory). ``--dtype bfloat16`` casts the models (``model.to(torch.bfloat16)``).
+pinned memory), in the models' dtype. ``--dtype bfloat16`` casts the models
+(``model.to(torch.bfloat16)``). ``cpu_ms``: a rank's CPU per training step (every thread of
+its process), the median over ranks and steps.
 
 ``--fsdp``: instead of the above, a 4-layer transformer under FSDP2 (``fully_shard`` per layer
 and at the root, AdamW) over Gloo and over our backend, each on a one-dimensional device mesh
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -85,6 +88,12 @@ def _done(dev: Any) -> float:
     return time.monotonic()
 
 
+def _cpu_seconds() -> float:
+    """This process's CPU time (every thread: ours, torch's, the lanes'), user and system."""
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
+
 def _spans_row(name: str, straggle: str, every: np.ndarray, warmup: int,
                **extra: Any) -> dict[str, Any]:
     from .allreduce import makespans
@@ -94,16 +103,18 @@ def _spans_row(name: str, straggle: str, every: np.ndarray, warmup: int,
             "steps_s": [round(float(s), 5) for s in spans], **extra}
 
 
-def _staging_rows(pg: Any, node: Any, numel: int, dev: Any, iters: int) -> list[dict[str, Any]]:
-    """allreduce of ``numel`` float32, a CPU tensor against a GPU tensor, through ``pg`` (ours)
-    and through Gloo (the default group), alternating (each after a barrier): what staging
-    through pinned memory costs us, beside what it costs Gloo in the same run."""
+def _staging_rows(pg: Any, node: Any, numel: int, dev: Any, iters: int, dtype: Any
+                  ) -> list[dict[str, Any]]:
+    """allreduce of ``numel`` elements of ``dtype``, a CPU tensor against a GPU tensor,
+    through ``pg`` (ours) and through Gloo (the default group), alternating (each after a
+    barrier): what staging through pinned memory costs us, beside what it costs Gloo in the
+    same run; and, in bfloat16, our float32 sums of 16-bit parts beside Gloo's."""
     import torch
     import torch.distributed as dist
     # Zeros: summed in place again and again, ones would overflow to inf (same time, but
     # numpy warns on every rank).
-    tensors = {"allreduce-cpu": torch.zeros(numel),
-               "allreduce-cuda": torch.zeros(numel, device=dev)}
+    tensors = {"allreduce-cpu": torch.zeros(numel, dtype=dtype),
+               "allreduce-cuda": torch.zeros(numel, dtype=dtype, device=dev)}
     calls = {f"{who}{name}": (who, t) for name, t in tensors.items() for who in ("", "gloo-")}
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in calls}
     for it in range(iters + 2):
@@ -120,7 +131,8 @@ def _staging_rows(pg: Any, node: Any, numel: int, dev: Any, iters: int) -> list[
     rows = {}
     for name, spans in times.items():
         every = node.allgather(np.array(spans, np.float64)).value
-        rows[name] = _spans_row(name, "", every, 2, size_bytes=numel * 4)
+        rows[name] = _spans_row(name, "", every, 2, size_bytes=numel * dtype.itemsize,
+                                dtype=str(dtype).removeprefix("torch."))
     for who in ("", "gloo-"):
         gpu, cpu = rows[f"{who}allreduce-cuda"], rows[f"{who}allreduce-cpu"]
         gpu["vs_cpu"] = gpu["median_s"] / cpu["median_s"]
@@ -166,6 +178,7 @@ def _worker(cfg: DdpConfig) -> None:
     coded_batches: Iterator[tuple[np.ndarray, torch.Tensor]] = iter(sampler)
     current = "ring"
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in models}
+    cpu: dict[str, list[float]] = {k: [] for k in models}  # this process's CPU per step
     per_rank = cfg.batch // world
     for it in range(cfg.warmup + cfg.iters):
         names = list(models) if it % 2 == 0 else list(models)[::-1]
@@ -175,7 +188,7 @@ def _worker(cfg: DdpConfig) -> None:
                 node.use(tree if name == "coded-tree" else ring, keep=True)
                 current = name
             node.barrier(timeout=300)
-            t0 = time.monotonic()
+            t0, cpu0 = time.monotonic(), _cpu_seconds()
             opt, model = opts[name], models[name]
             opt.zero_grad()
             if name == "coded-tree":
@@ -206,17 +219,19 @@ def _worker(cfg: DdpConfig) -> None:
             end = _done(dev)
             if it >= cfg.warmup:
                 times[name].append((t0, end))
+                cpu[name].append(_cpu_seconds() - cpu0)
     rows = []
     for name, m in models.items():
         every = node.allgather(np.array(times[name], np.float64)).value  # (ranks, iters, 2)
+        cpus = node.allgather(np.array(cpu[name], np.float64)).value  # (ranks, iters)
         rows.append(_spans_row(name, cfg.straggle, every, cfg.warmup,
                                parameters=sum(p.numel() for p in m.parameters()),
                                global_batch=cfg.batch, iters=cfg.iters, device=cfg.device,
-                               dtype=cfg.dtype))
-    if dev.type == "cuda" and not cfg.straggle and cfg.dtype == "float32":
+                               dtype=cfg.dtype, cpu_ms=1e3 * float(np.median(cpus))))
+    if dev.type == "cuda" and not cfg.straggle:
         node.use(ring)
         numel = sum(p.numel() for p in next(iter(models.values())).parameters())
-        rows += _staging_rows(pg, node, numel, dev, cfg.iters)
+        rows += _staging_rows(pg, node, numel, dev, cfg.iters, dtype)
     if rank == 0:
         for row in rows:
             print("RESULT " + json.dumps(row), flush=True)
@@ -322,12 +337,13 @@ def print_ddp(rows: list[dict[str, Any]]) -> None:
           f"({first['dtype']}, on {first['device']}), global batch {first['global_batch']}, "
           f"{first['iters']} steps per scheme (makespan of a training step: median, p99)")
     print(f"{'straggler':>22} {'scheme':>19} {'median ms':>10} {'p99 ms':>9} {'vs gloo':>8} "
-          f"{'vs none':>8}")
+          f"{'vs none':>8} {'CPU ms':>7}")
     for r in rows:
         vs_g = f"{r['vs_gloo']:8.2f}" if "vs_gloo" in r else f"{'-':>8}"
         vs_n = f"{r['vs_no_straggler']:8.2f}" if "vs_no_straggler" in r else f"{'-':>8}"
+        cpu = f"{r['cpu_ms']:7.1f}" if "cpu_ms" in r else f"{'-':>7}"
         print(f"{r['straggle']:>22} {r['scheme']:>19} {r['median_s'] * 1e3:10.1f} "
-              f"{r['p99_s'] * 1e3:9.1f} {vs_g} {vs_n}")
+              f"{r['p99_s'] * 1e3:9.1f} {vs_g} {vs_n} {cpu}")
         if "vs_cpu" in r:
             who = "Gloo" if r["scheme"].startswith("gloo-") else "ours"
             print(f"{'':>22} staging a GPU tensor of {r['size_bytes'] / 2**20:.1f} MiB ({who}): "

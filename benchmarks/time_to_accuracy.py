@@ -8,7 +8,7 @@ the least fraction of gradients a transpose step received. Needs root, iproute2 
 
     python benchmarks/time_to_accuracy.py [--hosts 8] [--flows 4] [--link-mbit 1000]
         [--epochs 15] [--hidden 1024] [--batch 16] [--target 0.95] [--repeats 1]
-        [--runs transpose,transpose-norot,ring,gloo] [--straggle MODEL]
+        [--runs transpose,transpose-norot,transpose-resync,ring,gloo] [--straggle MODEL]
         [--transpose-options JSON] [--json]
 
 The training time starts after a barrier, once every rank has its process group: it includes
@@ -32,6 +32,9 @@ RUNS = {"transpose": ["--scheme", "transpose"],
         # the transpose without the Hadamard rotation: what the rotation buys where slices
         # are cut (it spreads a cut slice's loss over the whole vector)
         "transpose-norot": ["--scheme", "transpose", "--options", '{"hadamard": false}'],
+        # the transpose under aioreduce.torch.DistributedDataParallel, which broadcasts rank
+        # 0's parameters when a step reports that the replicas drifted apart (a cut slice)
+        "transpose-resync": ["--scheme", "transpose", "--via", "hook"],
         "ring": ["--scheme", "ring"], "gloo": ["--backend", "gloo"]}
 
 

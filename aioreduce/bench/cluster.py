@@ -221,9 +221,11 @@ class Cluster:
                 break
             sink = ("import socket,sys\ns=socket.create_server((sys.argv[1],int(sys.argv[2])))\n"
                     "print('ready',flush=True)\nc,_=s.accept()\nb=bytearray(1<<20)\n"
-                    "while c.recv_into(b):pass")
+                    "try:\n while c.recv_into(b):pass\nexcept OSError:pass")
             source = ("import socket,sys\nc=socket.create_connection((sys.argv[1],"
-                      "int(sys.argv[2])))\nb=bytes(1<<20)\nwhile True:c.sendall(b)")
+                      "int(sys.argv[2])))\nb=bytes(1<<20)\n"
+                      # torn down with the cluster: a reset then is the end, not an error
+                      "try:\n while True:c.sendall(b)\nexcept OSError:pass")
             addr, p = self.addr(dst), str(port + k)
             listener = subprocess.Popen(self.exec_argv(dst, [sys.executable, "-c", sink, addr,
                                                               p]), stdout=subprocess.PIPE)

@@ -8,7 +8,8 @@ the least fraction of gradients a transpose step received. Needs root, iproute2 
 
     python benchmarks/time_to_accuracy.py [--hosts 8] [--flows 4] [--link-mbit 1000]
         [--epochs 15] [--hidden 1024] [--batch 16] [--target 0.95] [--repeats 1]
-        [--runs transpose,transpose-norot,transpose-resync,ring,gloo] [--straggle MODEL]
+        [--runs transpose,transpose-norot,transpose-resync,transpose-rescale,ring,gloo]
+        [--straggle MODEL]
         [--transpose-options JSON] [--json]
 
 The training time starts after a barrier, once every rank has its process group: it includes
@@ -35,6 +36,9 @@ RUNS = {"transpose": ["--scheme", "transpose"],
         # the transpose under aioreduce.torch.DistributedDataParallel, which broadcasts rank
         # 0's parameters when a step reports that the replicas drifted apart (a cut slice)
         "transpose-resync": ["--scheme", "transpose", "--via", "hook"],
+        # a cut contribution estimated, not dropped: each reduced slice scaled by N over the
+        # contributions it holds, a missing reduced slice N times this rank's own
+        "transpose-rescale": ["--scheme", "transpose", "--options", '{"missing": "rescale"}'],
         "ring": ["--scheme", "ring"], "gloo": ["--backend", "gloo"]}
 
 

@@ -180,8 +180,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hadamard", default="after_loss", choices=["after_loss", "always", "never"],
                    help="transpose: when to rotate (the scheme's default: after a loss)")
     p.add_argument("--no-hadamard", action="store_true", help="transpose: --hadamard never")
-    p.add_argument("--missing", default="zero", choices=["zero", "rescale"],
-                   help="transpose: what a missing contribution becomes")
+    p.add_argument("--missing", default="rescale", choices=["zero", "rescale"],
+                   help="transpose: what a missing contribution becomes (the scheme's "
+                        "default: rescale)")
     p.add_argument("--max-loss", type=float, default=1.0,
                    help="transpose: refuse a step missing more than this fraction")
     p.add_argument("--resync-every", type=int, default=10,

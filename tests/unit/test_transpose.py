@@ -40,9 +40,11 @@ async def run_step(net: MemoryNetwork, sessions: list, step: int,
 
 
 def worked(**options: object) -> tuple[MemoryNetwork, list, list[np.ndarray]]:
-    """N = 3, length 6, one slice per shard; x_1 = 10 x_0, x_2 = 100 x_0."""
+    """N = 3, length 6, one slice per shard; x_1 = 10 x_0, x_2 = 100 x_0. OptiReduce's
+    ``missing="zero"``, as the reference's worked examples, unless ``options`` say else."""
     net = MemoryNetwork(3)
-    scheme = Transpose(hadamard=False, deadline=D, max_loss=1.0, **options)  # type: ignore
+    scheme = Transpose(hadamard=False, deadline=D, max_loss=1.0,  # type: ignore[arg-type]
+                       **{"missing": "zero", **options})
     return net, [scheme.open(c) for c in net.comms], [X0, 10 * X0, 100 * X0]
 
 
@@ -143,13 +145,16 @@ async def test_exact_sums_with_and_without_hadamard(world: int, in_place: bool) 
         await asyncio.gather(*(s.close(1.0) for s in sessions))
 
 
+@pytest.mark.parametrize("missing", ["zero", "rescale"])
 @pytest.mark.parametrize("hadamard", [False, True])
 async def test_a_missed_reduced_shard_written_into_the_vector_gets_its_own_values(
-        hadamard: bool) -> None:
-    """The stand-in is this rank's own contribution even though the vector it came from is
-    where the result lands (with the rotation: rotated back from what the rank sent)."""
+        hadamard: bool, missing: str) -> None:
+    """The stand-in is this rank's own contribution (N times it with ``rescale``) even though
+    the vector it came from is where the result lands (with the rotation: rotated back from
+    what the rank sent)."""
     net = MemoryNetwork(3)
-    sessions = [Transpose(hadamard=hadamard, deadline=D, max_loss=1.0).open(c)
+    sessions = [Transpose(hadamard=hadamard, deadline=D, max_loss=1.0,
+                          missing=missing).open(c)  # type: ignore[arg-type]
                 for c in net.comms]
     xs = [X0.copy(), 10 * X0, 100 * X0]
     net.lose(2, 0, PHASE2_TAG)  # owner 2's reduced shard never reaches rank 0
@@ -158,14 +163,20 @@ async def test_a_missed_reduced_shard_written_into_the_vector_gets_its_own_value
         assert isinstance(res, Result) and res.exact
         assert res.value.tolist() == pytest.approx([111, 222, 333, 444, 555, 666])
     assert isinstance(r0, Result) and r0.stand_in == [2] and np.shares_memory(r0.value, xs[0])
-    assert xs[0].tolist() == pytest.approx([111, 222, 333, 444, 5, 6])
+    weight = 3 if missing == "rescale" else 1
+    assert xs[0].tolist() == pytest.approx([111, 222, 333, 444, 5 * weight, 6 * weight])
 
 
-async def test_a_missed_reduced_slice_in_the_rotation_padding_gets_its_own_values() -> None:
+@pytest.mark.parametrize("missing", ["zero", "rescale"])
+async def test_a_missed_reduced_slice_in_the_rotation_padding_gets_its_own_values(
+        missing: str) -> None:
     """With the rotation, the last shard's slices reach past the vector; one that is lost
-    leaves this rank's own values in the vector's entries it covers, nothing beyond."""
+    leaves this rank's own values (N times them with ``rescale``) in the vector's entries it
+    covers, nothing beyond."""
     net = MemoryNetwork(3)
-    sessions = [Transpose(deadline=D, max_loss=1.0, slice_bytes=16).open(c) for c in net.comms]
+    sessions = [Transpose(deadline=D, max_loss=1.0, slice_bytes=16,
+                          missing=missing).open(c)  # type: ignore[arg-type]
+                for c in net.comms]
     xs = [np.arange(1.0, 12.0) * 10 ** r for r in range(3)]  # 11 entries, padded to 12
     sessions[0]._rotation_for(11)
     assert sessions[0]._rotation.padded == 12  # shards of 4: the last slice is 10..11
@@ -176,7 +187,7 @@ async def test_a_missed_reduced_slice_in_the_rotation_padding_gets_its_own_value
     for res in others:  # theirs came, through the buffer beside the vector
         assert isinstance(res, Result) and res.exact
         assert res.value.tolist() == pytest.approx(want.tolist())
-    want[10] = xs[0][10]
+    want[10] = xs[0][10] * (3 if missing == "rescale" else 1)
     assert r0.value.tolist() == pytest.approx(want.tolist())
 
 

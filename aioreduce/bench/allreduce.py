@@ -150,7 +150,7 @@ async def _worker(cfg: Config) -> None:
                 work = vec.copy() if _in_place(cfg, scheme) else None
                 await node.barrier(timeout=300)
                 t0 = time.monotonic()
-                cpu0 = _cpu_seconds()
+                cpu0 = cpu_seconds()
                 profile.start(it >= warmup)
                 received, refused = 1.0, 0.0
                 value: np.ndarray | None = None
@@ -181,7 +181,7 @@ async def _worker(cfg: Config) -> None:
                         received, refused = exc.received, 1.0  # the safety valve said no
                 profile.stop()
                 t1 = time.monotonic()
-                cpu = _cpu_seconds() - cpu0
+                cpu = cpu_seconds() - cpu0
                 # A straggler-tolerant step can end with messages it did not need still on the
                 # links (gradient coding's last leaf, a coded tree's late child); the step
                 # after it, of another scheme when they alternate, would pay for them. Wait
@@ -229,7 +229,7 @@ class _Profile:
             self.profiler.dump_stats(self.path)
 
 
-def _cpu_seconds() -> float:
+def cpu_seconds() -> float:
     """User and system CPU of this rank's process so far, every thread (its lanes' too)."""
     use = resource.getrusage(resource.RUSAGE_SELF)
     return use.ru_utime + use.ru_stime

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -86,12 +85,6 @@ def _done(dev: Any) -> float:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     return time.monotonic()
-
-
-def _cpu_seconds() -> float:
-    """This process's CPU time (every thread: ours, torch's, the lanes'), user and system."""
-    use = resource.getrusage(resource.RUSAGE_SELF)
-    return use.ru_utime + use.ru_stime
 
 
 def _spans_row(name: str, straggle: str, every: np.ndarray, warmup: int,
@@ -149,6 +142,8 @@ def _worker(cfg: DdpConfig) -> None:
     import aioreduce.torch as art
     from aioreduce.straggle import parse_straggle
 
+    from .allreduce import cpu_seconds
+
     torch.set_num_threads(1)
     dev = _device(cfg.device)
     dtype = getattr(torch, cfg.dtype)
@@ -188,7 +183,7 @@ def _worker(cfg: DdpConfig) -> None:
                 node.use(tree if name == "coded-tree" else ring, keep=True)
                 current = name
             node.barrier(timeout=300)
-            t0, cpu0 = time.monotonic(), _cpu_seconds()
+            t0, cpu0 = time.monotonic(), cpu_seconds()
             opt, model = opts[name], models[name]
             opt.zero_grad()
             if name == "coded-tree":
@@ -219,7 +214,7 @@ def _worker(cfg: DdpConfig) -> None:
             end = _done(dev)
             if it >= cfg.warmup:
                 times[name].append((t0, end))
-                cpu[name].append(_cpu_seconds() - cpu0)
+                cpu[name].append(cpu_seconds() - cpu0)
     rows = []
     for name, m in models.items():
         every = node.allgather(np.array(times[name], np.float64)).value  # (ranks, iters, 2)

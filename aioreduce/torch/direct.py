@@ -152,12 +152,13 @@ async def allreduce(node: Exchanging, flat: np.ndarray, dtype: torch.dtype, op: 
     mine = parts[me]
     await reduce_scatter(node, parts, mine, dtype, op)  # read (folded) before it is written
     others = [r for r in range(world) if r != me]
-
-    def each(r: int) -> None:
-        if arrival is not None:
-            arrival.final(edge[r], edge[r + 1])
-
+    each: Callable[[int], None] | None = None
     if arrival is not None:
-        arrival.final(edge[me], edge[me + 1])
+        back = arrival
+
+        def each(r: int) -> None:
+            back.final(edge[r], edge[r + 1])
+
+        each(me)
     await node.exchange({r: mine for r in others}, {r: parts[r] for r in others}, bulk=True,
                         each=each)

@@ -29,15 +29,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 import aioreduce as ar
 import aioreduce.torch as art
+from aioreduce.bench.ddp import _device, _model
 
 
 def main() -> None:
     torch.set_num_threads(1)
     dtype = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "float32")
     cuda = torch.cuda.is_available()
-    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(dev)
+    dev = _device("cuda" if cuda else "cpu")
 
     def sync() -> None:
         if cuda:
@@ -48,11 +47,7 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
     def model() -> Any:
-        torch.manual_seed(0)
-        h = 1750
-        return torch.nn.Sequential(
-            torch.nn.Linear(256, h), torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(),
-            torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 10)).to(dev, dtype)
+        return _model(1750).to(dev, dtype)
 
     pg = art.ProcessGroupAioreduce(node)
     ids = [dev] if cuda else None
@@ -62,7 +57,7 @@ def main() -> None:
     x = torch.randn(32, 256, device=dev, dtype=dtype)
     y = torch.randint(0, 10, (32,), device=dev)
     phases: dict[str, list[np.ndarray]] = {k: [] for k in models}
-    handed: list[tuple[float, int]] = []  # (when, elements) of each bucket given to our hook
+    handed: list[tuple[float, int]] = []  # (when, elements) of the buckets of our last step
     future_sum = art.ProcessGroupAioreduce.future_sum
 
     def spy(self: art.ProcessGroupAioreduce, tensor: torch.Tensor, **kw: Any) -> Any:
@@ -74,6 +69,8 @@ def main() -> None:
         for name in (list(models) if it % 2 == 0 else list(models)[::-1]):
             node.barrier(timeout=60)
             sync()
+            if name == "ours":
+                handed.clear()
             t = [time.monotonic()]
             opts[name].zero_grad()
             out = models[name](x)
@@ -87,12 +84,11 @@ def main() -> None:
             t.append(time.monotonic())
             if it >= 5:
                 phases[name].append(np.diff(t) * 1e3)
-    last = handed[-len(handed) // 25:]  # the buckets of our last step
     print(f"rank {rank} {str(dtype).removeprefix('torch.')}, median ms of forward, "
           "backward() until it returns, GPU work after it, optimizer step:",
           json.dumps({k: np.median(np.array(v), 0).round(2).tolist() for k, v in phases.items()}),
           "; buckets (elements, ms after the first):",
-          [(n, round((when - last[0][0]) * 1e3, 2)) for when, n in last], flush=True)
+          [(n, round((when - handed[0][0]) * 1e3, 2)) for when, n in handed], flush=True)
     pg.shutdown()
     dist.destroy_process_group()
     node.close()

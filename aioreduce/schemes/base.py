@@ -38,8 +38,13 @@ class BulkLink(Protocol):
     def buffered(self) -> int:
         """Bytes read ahead: a read of at most this many returns at once."""
 
-    def send(self, step: int, index: int, payload: memoryview, meta: bytes = b"") -> None:
-        """Queue one message (the sender thread writes it; a small one may go at once)."""
+    def send(self, step: int, index: int, payload: memoryview, meta: bytes = b"", *,
+             lent: bool = False) -> None:
+        """Queue one message (the sender thread writes it; a small one may go at once);
+        ``lent``: ``payload`` may change once :meth:`release` returned."""
+
+    def release(self) -> None:
+        """Copy what is still queued of lent payloads (see :meth:`send`)."""
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued message is in the kernel; False after ``timeout``."""

@@ -51,6 +51,7 @@ import socket
 import struct
 import threading
 import time
+from collections import deque
 from typing import cast
 
 from ..errors import LaneClosed, PeerLost
@@ -72,10 +73,23 @@ READ_AHEAD = 8 << 10  # (more: a large message's first bytes are copied once mor
 # payload each: under the kernel's IOV_MAX of 1024 buffers) or bytes.
 SEND_BATCH = 64
 SEND_BATCH_BYTES = 8 << 20
+# A blocking send gives up after this long without room in the socket (and is made again):
+# :meth:`Lane.release` waits at most this for a send in progress, even to a peer not reading.
+SEND_TIMEOUT_S = 0.005
 # A lane's abstract Unix name: this prefix and a random nonce in hex, so that nobody can take
 # the name before us, and a peer's offer can be checked for its shape before we connect.
 LOCAL_PREFIX = "aioreduce-lane-"
 LOCAL_NONCE_BYTES = 16
+
+
+class _Message:
+    """A queued message: what is left to send of its head and payload (the sender thread
+    cuts what the kernel took; :meth:`Lane.release` swaps a lent payload for a copy)."""
+
+    __slots__ = ("head", "lent", "payload")
+
+    def __init__(self, head: bytes, payload: memoryview, lent: bool) -> None:
+        self.head, self.payload, self.lent = head, payload, lent
 
 
 def _flat(view: memoryview) -> memoryview:
@@ -97,12 +111,20 @@ class Lane:
 
     def __init__(self, sock: socket.socket, peer: int, latency: float = 0.0) -> None:
         sock.setblocking(True)
+        # (blocking all the same: a send that times out is made again, see _send_all)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", 0, int(SEND_TIMEOUT_S * 1e6)))
         self.sock, self.peer = sock, peer
         # Emulated one-way latency (MeshOptions.latency): a message counts as arrived this
         # long after its last byte did, as on the mesh's connections.
         self.latency = latency
         self._closed = False
-        self._queue: queue.SimpleQueue[tuple[bytes, memoryview] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Message | None] = queue.SimpleQueue()
+        # Lent messages (see send) not wholly in the kernel yet, oldest first; the sender
+        # thread is in a send call (_in_call) or not, under _idle_lock.
+        self._lent: deque[_Message] = deque()
+        self._in_call = False
+        self._releasing = 0
         self._error: BaseException | None = None
         self._idle_lock = threading.Lock()  # (taken directly on the hot path: cheaper)
         self._idle = threading.Condition(self._idle_lock)
@@ -134,9 +156,11 @@ class Lane:
         return self.sock.family == socket.AF_UNIX
 
     # -- sending (any thread; the bytes go out on the lane's own) --------------------------------
-    def send(self, step: int, index: int, payload: memoryview, meta: bytes = b"") -> None:
+    def send(self, step: int, index: int, payload: memoryview, meta: bytes = b"", *,
+             lent: bool = False) -> None:
         """Queue one message (``meta``: at most :data:`MAX_META` bytes of msgpack); ``payload``
-        must stay unchanged until it is sent (:meth:`flush`, or :attr:`sent` counts it)."""
+        must stay unchanged until it is sent (:meth:`flush`, or :attr:`sent` counts it), or,
+        ``lent``, until :meth:`release` returns."""
         self._raise_if_failed()
         if len(meta) > MAX_META:
             raise ValueError(f"lane meta of {len(meta)} bytes, at most {MAX_META}")
@@ -148,13 +172,37 @@ class Lane:
                 if not head and not payload.nbytes:
                     self.sent += 1
                     return
+            message = _Message(head, _flat(payload), lent)
+            if lent:
+                self._lent.append(message)
             self._pending += 1
             self._unsent += len(head) + payload.nbytes
         if self._sender is None:
             self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                             name=f"aioreduce-lane-to-{self.peer}")
             self._sender.start()
-        self._queue.put((head, payload))
+        self._queue.put(message)
+
+    def release(self) -> None:
+        """Copy what lent messages (see :meth:`send`) still hold of their payloads, so that
+        the arrays they came from may change; waits for a send in progress to return (at
+        most :data:`SEND_TIMEOUT_S`, the peer reading or not). Nothing to do, in a calm
+        step: what a peer received is in the kernel already."""
+        with self._idle:
+            if not self._lent:
+                return
+            self._releasing += 1
+            try:
+                while self._in_call:
+                    self._idle.wait()
+                for message in self._lent:
+                    if message.payload.nbytes:
+                        message.payload = memoryview(bytes(message.payload))
+                    message.lent = False
+                self._lent.clear()
+            finally:
+                self._releasing -= 1
+                self._idle.notify_all()  # the sender thread waits for this copy
 
     def _send_now(self, head: bytes, payload: memoryview) -> tuple[bytes, memoryview]:
         """Hand what the kernel takes at once to it from the caller's thread (the sender
@@ -189,7 +237,7 @@ class Lane:
             # What else is queued already goes out in the same call: the thread takes the GIL
             # once for all of them. (Queued while the caller's thread held the GIL, a stream of
             # 64 KiB messages got one message out per switch interval.)
-            batch, nbytes, last = [item], len(item[0]) + item[1].nbytes, False
+            batch, nbytes, last = [item], len(item.head) + item.payload.nbytes, False
             del item
             while len(batch) < SEND_BATCH and nbytes < SEND_BATCH_BYTES:
                 try:
@@ -200,15 +248,20 @@ class Lane:
                     last = True
                     break
                 batch.append(more)
-                nbytes += len(more[0]) + more[1].nbytes
+                nbytes += len(more.head) + more.payload.nbytes
+            more = None  # (a reference to a payload would outlive its sending)
             try:
                 if self._error is None:
                     self._send_all(batch)
             except OSError as exc:
                 self._error = exc
             count = len(batch)
-            del batch  # no reference left once sent: the payloads' arrays may be reused then
             with self._idle_lock:
+                for message in batch:
+                    if message.lent:  # (oldest first: the batch's are at the front)
+                        message.lent = False
+                        self._lent.remove(message)
+                del batch  # no reference left once sent: the payloads' arrays may be reused
                 self._pending -= count
                 self._unsent -= nbytes
                 self.sent += count
@@ -217,25 +270,49 @@ class Lane:
             if last:
                 return
 
-    def _send_all(self, batch: list[tuple[bytes, memoryview]]) -> None:
+    def _send_all(self, batch: list[_Message]) -> None:
         """Send the messages' heads and payloads, blocking: one call for all of them where
-        the kernel takes them (a blocking stream socket takes everything unless interrupted;
-        what it did not take is sent again)."""
-        bufs: list[bytes | memoryview] = []
-        for head, payload in batch:
-            bufs.append(head)  # (a head is never empty: the lane's own)
-            flat = _flat(payload)
-            if flat.nbytes:
-                bufs.append(flat)
-        while bufs:
-            n = self.sock.sendmsg(bufs)
-            done = 0
-            while done < len(bufs) and n >= len(bufs[done]):
-                n -= len(bufs[done])
-                done += 1
-            del bufs[:done]
-            if bufs and n:
-                bufs[0] = memoryview(bufs[0])[n:]
+        the kernel takes them. A call returns early after :data:`SEND_TIMEOUT_S` without
+        room (or when interrupted); what it did not take is sent again, from the messages
+        as they are then (:meth:`release` may have copied a payload meanwhile)."""
+        first = 0  # the batch's first message not wholly sent
+        while first < len(batch):
+            with self._idle:
+                while self._releasing:  # (it copies the payloads first)
+                    self._idle.wait()
+                if self._error is not None or self._closed:
+                    return
+                bufs: list[bytes | memoryview] = []
+                for message in batch[first:]:
+                    if message.head:
+                        bufs.append(message.head)
+                    if message.payload.nbytes:
+                        bufs.append(message.payload)
+                self._in_call = True
+            n = 0
+            try:
+                n = self.sock.sendmsg(bufs)
+            except (BlockingIOError, InterruptedError):
+                pass
+            finally:
+                with self._idle_lock:  # what the call took, message by message
+                    self._in_call = False
+                    while first < len(batch):
+                        message = batch[first]
+                        cut = min(n, len(message.head))
+                        message.head, n = message.head[cut:], n - cut
+                        cut = min(n, message.payload.nbytes)
+                        message.payload, n = message.payload[cut:], n - cut
+                        if message.head or message.payload.nbytes:
+                            break
+                        first += 1
+                    if self._releasing:
+                        self._idle.notify_all()
+
+    @property
+    def unsent(self) -> int:
+        """Bytes queued on this lane that are not in the kernel yet."""
+        return self._unsent
 
     def unacked(self) -> int:
         """Bytes queued on this lane that the peer's kernel has not acknowledged yet (what the

@@ -1,5 +1,6 @@
 """One lane (``transport/lane.py``) on a real socket pair: what the sender thread finds queued
-goes out in one call, in order and exact, also when the kernel takes it piece by piece."""
+goes out in one call, in order and exact, also when the kernel takes it piece by piece; what
+was lent and not sent yet is copied on release, the peer reading or not."""
 
 from __future__ import annotations
 
@@ -79,3 +80,25 @@ def test_close_ends_the_sender_thread_with_messages_queued_behind() -> None:
     sender.close()
     assert not any(t.name == "aioreduce-lane-to-1" and t.is_alive()
                    for t in threading.enumerate())
+
+
+def test_release_copies_what_a_peer_not_reading_has_not_taken_yet() -> None:
+    sender, receiver, _sock = _pair(None)
+    vector = np.arange(4 << 20, dtype=np.uint8)  # far more than the socket holds
+    want = vector.copy()
+    try:
+        for i in range(4):
+            sender.send(3, i, vector[i << 20:(i + 1) << 20].data, lent=True)
+        assert sender.unsent > 0  # the peer reads nothing: most of it is still ours
+        sender.release()  # returns although the peer still does not read
+        vector[:] = 0xFF  # the caller's array changes: what was lent must not
+        got = np.empty(1 << 20, np.uint8)
+        for i in range(4):
+            assert receiver.read_head() == (3, i, 1 << 20, 0)
+            receiver.read_into(got.data)
+            assert np.array_equal(got, want[i << 20:(i + 1) << 20]), f"message {i} altered"
+        assert sender.flush(timeout=10) and sender.unsent == 0
+        sender.release()  # nothing lent any more: nothing to do
+    finally:
+        sender.close()
+        receiver.close()

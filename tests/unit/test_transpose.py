@@ -18,6 +18,7 @@ import pytest
 from aioreduce.codes import hadamard as hadamard_module
 from aioreduce.codes.hadamard import Rotation
 from aioreduce.schemes import FellBehind, Result, StragglerError, Transpose
+from aioreduce.schemes.links import CommLinks
 from aioreduce.schemes.transpose.clock import StageClock
 from aioreduce.schemes.transpose.layout import PHASE2_TAG, Layout
 from aioreduce.schemes.transpose.stage import Slot, Stage
@@ -115,6 +116,36 @@ async def test_late_slices_are_dropped_and_never_written_into_a_later_step() -> 
         assert res.value.tolist() == [222, 444, 666, 888, 1110, 1332]
 
 
+class Lending:
+    """Makes the comm's links lend, as lanes do (``Links.release``): each lent array is
+    checked, at the release that frees it, to be as it was when it was sent (the session
+    may not write into what it lent before then), and the peer gets those bytes."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.lent: list[tuple[int, np.ndarray, np.ndarray]] = []  # (peer, array, as sent)
+        self.released = self.sent = 0
+        send = CommLinks.send
+
+        def lending_send(links: CommLinks, peer: int, array: np.ndarray, step: int, tag: int,
+                         meta: dict, *, lent: bool = False) -> bool:
+            if not lent:
+                return send(links, peer, array, step, tag, meta)
+            self.sent += 1
+            self.lent.append((peer, array, array.copy()))
+            return send(links, peer, self.lent[-1][2], step, tag, meta)
+
+        def release(_links: CommLinks, peers: list[int]) -> None:
+            self.released += 1
+            for peer, array, as_sent in self.lent:
+                if peer in peers:
+                    assert np.array_equal(array, as_sent), "lent memory written before release"
+            self.lent = [e for e in self.lent if e[0] not in peers]
+
+        monkeypatch.setattr(CommLinks, "send", lending_send)
+        monkeypatch.setattr(CommLinks, "lends", lambda _links, _peer: True)
+        monkeypatch.setattr(CommLinks, "release", release)
+
+
 async def run_step_to(net: MemoryNetwork, sessions: list, step: int,
                       vectors: list[np.ndarray]) -> list[Result | BaseException]:
     """One step on every rank, each result written into the rank's own vector."""
@@ -126,7 +157,12 @@ async def run_step_to(net: MemoryNetwork, sessions: list, step: int,
 
 @pytest.mark.parametrize("world", [4, 7])
 @pytest.mark.parametrize("in_place", [False, True], ids=["result", "into-own-vector"])
-async def test_exact_sums_with_and_without_hadamard(world: int, in_place: bool) -> None:
+@pytest.mark.parametrize("lends", [False, True], ids=["copied", "lent"])
+async def test_exact_sums_with_and_without_hadamard(world: int, in_place: bool, lends: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exact, with the vector sent as it is (``lent``: links that lend, as lanes) or copied
+    first (the comm's links, or the rotation)."""
+    lending = Lending(monkeypatch) if lends else None
     net = MemoryNetwork(world)
     rng = np.random.default_rng(world)
     for hadamard, dtype, tol in [(False, np.float64, 1e-9), (True, np.float32, 1e-6)]:
@@ -142,16 +178,21 @@ async def test_exact_sums_with_and_without_hadamard(world: int, in_place: bool) 
             assert np.shares_memory(res.value, x) == in_place  # where the result landed
             err = np.linalg.norm(res.value - want) / np.linalg.norm(want)
             assert err < tol, (hadamard, err)
+        if lending is not None:  # lent in the step without the rotation only, and released
+            assert lending.released == world and lending.sent and not lending.lent
         await asyncio.gather(*(s.close(1.0) for s in sessions))
 
 
 @pytest.mark.parametrize("missing", ["zero", "rescale"])
 @pytest.mark.parametrize("hadamard", [False, True])
+@pytest.mark.parametrize("lends", [False, True], ids=["copied", "lent"])
 async def test_a_missed_reduced_shard_written_into_the_vector_gets_its_own_values(
-        hadamard: bool, missing: str) -> None:
+        hadamard: bool, missing: str, lends: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The stand-in is this rank's own contribution (N times it with ``rescale``) even though
     the vector it came from is where the result lands (with the rotation: rotated back from
     what the rank sent)."""
+    if lends:
+        Lending(monkeypatch)
     net = MemoryNetwork(3)
     sessions = [Transpose(hadamard=hadamard, deadline=D, max_loss=1.0,
                           missing=missing).open(c)  # type: ignore[arg-type]

@@ -10,7 +10,7 @@ lane to and from each peer, off the event loop.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import numpy as np
@@ -32,10 +32,19 @@ class Links(Protocol):
         its header (meta included) once every byte is in, or with ``PeerLost``."""
 
     def send(self, peer: int, array: np.ndarray, step: int, tag: int,
-             meta: dict[str, Any]) -> bool:
+             meta: dict[str, Any], *, lent: bool = False) -> bool:
         """Send in the background; ``array`` must stay unchanged until it is sent (a peer
-        that is not reading is skipped once it has many steps unsent). False: ``peer`` is
-        lost, nothing was sent."""
+        that is not reading is skipped once it has many steps unsent), or, ``lent`` (only
+        where :meth:`lends`), until :meth:`release` returns. False: ``peer`` is lost,
+        nothing was sent."""
+
+    def lends(self, peer: int) -> bool:
+        """Whether a send to ``peer`` may be ``lent``: the sender's array then needs to stay
+        unchanged only until :meth:`release`, not until it is sent."""
+
+    def release(self, peers: Iterable[int]) -> None:
+        """What was lent to ``peers`` and is not sent yet is copied: the arrays may change
+        (waits a few milliseconds at most, the peers reading or not)."""
 
     def discard_before(self, step: int, tag: int = 0) -> None:
         """Drop slices below ``(step, tag)`` on arrival; a posted receive below it is
@@ -72,11 +81,19 @@ class CommLinks:
         return self.comm.post_recv(src, out, step=step, tag=tag)
 
     def send(self, peer: int, array: np.ndarray, step: int, tag: int,
-             meta: dict[str, Any]) -> bool:
+             meta: dict[str, Any], *, lent: bool = False) -> bool:
+        if lent:
+            raise ValueError("the comm's links lend nothing (see lends)")
         if self.comm.is_lost(peer):
             return False
         self.outbox.send(peer, array, step=step, tag=tag, meta=meta)
         return True
+
+    def lends(self, peer: int) -> bool:
+        return False  # the outbox holds the array until its frame is written
+
+    def release(self, peers: Iterable[int]) -> None:
+        pass  # nothing lent
 
     def discard_before(self, step: int, tag: int = 0) -> None:
         self.comm.discard_before(step, tag)

@@ -228,7 +228,7 @@ class LaneLinks:
             time.sleep(lane.latency)
 
     def send(self, peer: int, array: np.ndarray, step: int, tag: int,
-             meta: dict[str, Any], *, bare: bool = False) -> bool:
+             meta: dict[str, Any], *, bare: bool = False, lent: bool = False) -> bool:
         """See :class:`~.comm.Links`; False if ``peer`` is lost (nothing was sent).
         ``bare``: the message carries no wire header (dtype, shape, meta), only the lane's
         (step, slice, bytes), for a receiver that knows what it receives (a ring's segments:
@@ -238,7 +238,7 @@ class LaneLinks:
             return False
         lane = self._outs[peer]
         if self._backlog is None:  # never skipped: nothing to keep count of
-            return self._put(peer, lane, array, step, tag, meta, bare)
+            return self._put(peer, lane, array, step, tag, meta, bare, lent)
         queued = self._queued[peer]
         sent = lane.sent  # once: the lane's thread may count more meanwhile
         for _done in range(sent - self._forgotten[peer]):
@@ -260,24 +260,33 @@ class LaneLinks:
             if self._on_resumed is not None:
                 # Before this message: what the scheme re-sends goes out first, in step order.
                 self._on_resumed(peer, skipped[0], skipped[1])
-        if not self._put(peer, lane, array, step, tag, meta, bare):
+        if not self._put(peer, lane, array, step, tag, meta, bare, lent):
             return False
         queued.append(step)
         return True
 
     def _put(self, peer: int, lane: BulkLink, array: np.ndarray, step: int, tag: int,
-             meta: dict[str, Any], bare: bool) -> bool:
+             meta: dict[str, Any], bare: bool, lent: bool) -> bool:
         """Queue the message on ``lane``; False if the lane has ended (``peer`` is lost)."""
         # dtype and shape as on the mesh: an early message is forwarded as what it is.
         head = b"" if bare else Header(Kind.DATA, step, tag, self.comm.rank, array.dtype.str,
                                        array.shape, meta).to_bytes()
         try:
-            lane.send(step, tag, byte_view(array), head)
+            lane.send(step, tag, byte_view(array), head, lent=lent)
         except PeerLost as exc:
             self._lost(peer, exc)
             return False
         self._sent[step] = self._sent.get(step, 0) + array.nbytes
         return True
+
+    def lends(self, peer: int) -> bool:
+        return peer in self._outs
+
+    def release(self, peers: Iterable[int]) -> None:
+        for peer in peers:
+            lane = self._outs.get(peer)
+            if lane is not None:
+                lane.release()
 
     async def flush(self, peers: Iterable[int]) -> None:
         """Return once every message queued to ``peers`` is in the kernel, so the arrays sent

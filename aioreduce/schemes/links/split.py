@@ -10,6 +10,7 @@ replacement is taken back at the first step it sends in, over the event loop.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -40,8 +41,14 @@ class SplitLinks:
         return self._for(src).post(src, out, step, tag)
 
     def send(self, peer: int, array: np.ndarray, step: int, tag: int,
-             meta: dict[str, Any]) -> bool:
-        return self._for(peer).send(peer, array, step, tag, meta)
+             meta: dict[str, Any], *, lent: bool = False) -> bool:
+        return self._for(peer).send(peer, array, step, tag, meta, lent=lent)
+
+    def lends(self, peer: int) -> bool:
+        return self._for(peer).lends(peer)
+
+    def release(self, peers: Iterable[int]) -> None:
+        self.lanes.release(peers)  # (only lanes lend: a peer moved to the comm since too)
 
     def discard_before(self, step: int, tag: int = 0) -> None:
         # The lanes raise the comm's floor too, which is all the comm's links have to do.

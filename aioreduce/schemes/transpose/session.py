@@ -172,6 +172,8 @@ class TransposeSession:
                             lambda src, a, b: scratch[src, a - lo:b - lo])
         phase2: list[Slot] = []
         sent_early: set[int] = set()  # reduced slices sent during stage 1 (see _adder)
+        peers = [j for j in range(n) if j != me]
+        lent = False  # whether arrays of the caller's went out lent (released at the end)
         try:
             mine = np.asarray(await own).reshape(-1)
             # Stage 1's time starts here, with the rotation in it: the ranks' vectors are
@@ -181,6 +183,16 @@ class TransposeSession:
             # What we send must stay as it is until it is sent (a slow owner may take longer
             # than this step): our rotated vector, or a copy, never the caller's array.
             y = self.pool.take(length, like.dtype)
+            # Without the rotation, over links that lend (lanes: see Links.release), nothing
+            # is copied but what must be. Our own shard is summed where its result goes (the
+            # caller's array, in place) and sent from there in phase 2. The others' shards
+            # go out from the caller's array as they are, unless the result lands in it:
+            # then a cut reduced slice, partly written over our own values, would leave its
+            # stand-in nothing to take them from (so they are copied, as with the rotation).
+            lend = rot is None and all(links.lends(k) for k in peers)
+            acc = out if lend and hi <= like.size else y  # where our shard is summed
+            send_from = mine if lend and not np.may_share_memory(mine, out) else None
+            lent = lend and (acc is out or send_from is not None)
             meta: dict[str, Any] = {"c": [clock.advert() for clock in self.clocks],
                                     "d": me in self.drifted, "r": rot is not None,
                                     "l": self._lossy_block}
@@ -195,10 +207,13 @@ class TransposeSession:
                     t = time.perf_counter()
                     rot.forward_part(k, mine, y)
                     rotating += time.perf_counter() - t
-                else:
+                elif k == me:
+                    if not np.may_share_memory(acc, mine):
+                        _copy_part(mine, acc, a, b)
+                elif send_from is None:
                     _copy_part(mine, y, a, b)
                 if k != me:
-                    self._send_shard(step, layout, y, k, meta)
+                    self._send_shard(step, layout, y, k, meta, send_from)
                     await asyncio.sleep(0)
             # Reduced slices may land in the caller's vector: posted only now that it is read.
             phase2 = [s for k in range(n) if k != me
@@ -226,8 +241,8 @@ class TransposeSession:
             self.last_deadline = ((d1 + d2) * (1 + grace) if d1 is not None and d2 is not None
                                   else 0.0)
             stage1 = Stage(phase1, (n - 1) * (hi - lo),
-                           on_arrival=self._adder(step, y, scratch, layout, rot is not None,
-                                                  sent_early))
+                           on_arrival=self._adder(step, acc, scratch, layout, rot is not None,
+                                                  sent_early, lent))
             await stage1.run(d1, self._idle(0), self._need(), opts.max_wait, since=ready,
                              grace=grace, heard=links.heard_at)
             if stage1.reason != "complete":
@@ -236,13 +251,14 @@ class TransposeSession:
                          (d1 or 0) * 1e3, stage1.fraction * 100)
             links.discard_before(step, PHASE2_TAG)
             self._drop_injected(step, 1, phase1)
-            shard_fraction, missing = self._reduce(y, scratch, layout, phase1, shape,
+            shard_fraction, missing = self._reduce(acc, scratch, layout, phase1, shape,
                                                    rot is not None)
             if rot is not None:  # the layout's shards are the rotation's parts
                 rot.inverse_part(me, y[lo:hi])
-            self._send_phase2(step, layout, y, shard_fraction, missing, skip=sent_early)
+            self._send_phase2(step, layout, acc, shard_fraction, missing, skip=sent_early,
+                              lent=lent)
             end = min(hi, like.size)
-            if lo < end:
+            if lo < end and acc is not out:
                 out[lo:end] = y[lo:end]
             # An owner that sent us nothing in stage 1 was not running then (a pause, a GC,
             # a preempted VM): its reduced shard comes only after it wakes, so stage 2 closes
@@ -266,11 +282,13 @@ class TransposeSession:
             # Whatever ended the step, no receive of it writes into our buffers any more
             # (the caller's vector among them) once it is over.
             links.discard_before(step + 1)
+            if lent:  # (before a stand-in is written, or the caller changes its array)
+                links.release(peers)
             links.end_step(step)
         self.clocks[0].observe(max(0.0, stage1.elapsed - extra), stage1.fraction)
         self.clocks[1].observe(max(0.0, stage2.elapsed - extra / n), stage2.fraction)
         tail.land(out, phase2, layout)
-        own_part = _OwnContribution(mine, y, rot, layout, out)
+        own_part = _OwnContribution(mine, y if send_from is None else mine, rot, layout, out)
         return self._finish(step, like, own_part, out, into is not None, layout, phase2,
                             shard_fraction, missing, time.perf_counter() - t0)
 
@@ -291,10 +309,17 @@ class TransposeSession:
         return slots
 
     def _send_shard(self, step: int, layout: Layout, y: np.ndarray, owner: int,
-                    meta: dict[str, Any]) -> None:
-        """Our copy of ``owner``'s shard to its owner, slice by slice (phase 1)."""
+                    meta: dict[str, Any], lend: np.ndarray | None = None) -> None:
+        """Our copy of ``owner``'s shard to its owner, slice by slice (phase 1): from ``y``,
+        or lent from ``lend`` (the caller's vector; a slice reaching into the rotation's
+        padding is copied into ``y`` first)."""
         if not self.links.is_lost(owner):
             for i, (a, b) in enumerate(layout.slices_of(owner)):
+                if lend is not None and b <= lend.size:
+                    self.links.send(owner, lend[a:b], step, i, meta, lent=True)
+                    continue
+                if lend is not None:
+                    _copy_part(lend, y, a, b)
                 self.links.send(owner, y[a:b], step, i, meta)
 
     def _rotates(self, step: int) -> bool:
@@ -316,7 +341,8 @@ class TransposeSession:
         return self._block[1]
 
     def _adder(self, step: int, y: np.ndarray, scratch: np.ndarray, layout: Layout,
-               rotating: bool, sent_early: set[int]) -> Callable[[Slot], None] | None:
+               rotating: bool, sent_early: set[int],
+               lent: bool = False) -> Callable[[Slot], None] | None:
         """What stage 1 calls with each slice of our shard as it arrives: added to our copy
         at once, so the sum is done when the stage ends (the adds overlap the wait). Not a
         slice of a sender in the other rotation state (its row is converted whole, in
@@ -343,7 +369,7 @@ class TransposeSession:
                 counts[slot.index] += 1
                 if counts[slot.index] == n - 1 and not rotating:
                     sent_early.add(slot.index)
-                    self._send_slice(step, slot.index, y[a:b], {"f": 1.0, "m": []})
+                    self._send_slice(step, slot.index, y[a:b], {"f": 1.0, "m": []}, lent)
 
         return add
 
@@ -416,21 +442,22 @@ class TransposeSession:
             self._lossy_block = max(self._lossy_block, lossy)
 
     def _send_phase2(self, step: int, layout: Layout, out: np.ndarray, fraction: float,
-                     missing: list[int], skip: set[int]) -> None:
+                     missing: list[int], skip: set[int], lent: bool = False) -> None:
         """Our reduced shard to every rank, interleaved, with what it lacks (but the slices
         in ``skip``: sent already)."""
         meta = {"f": fraction, "m": missing}
         for i, (a, b) in enumerate(layout.slices_of(self.comm.rank)):
             if i not in skip:
-                self._send_slice(step, i, out[a:b], meta)
+                self._send_slice(step, i, out[a:b], meta, lent)
 
     def _send_slice(self, step: int, index: int, values: np.ndarray,
-                    meta: dict[str, Any]) -> None:
-        """Reduced slice ``index`` of our shard to every rank (phase 2)."""
+                    meta: dict[str, Any], lent: bool = False) -> None:
+        """Reduced slice ``index`` of our shard to every rank (phase 2; ``lent``: from the
+        caller's array, see ``Links.release``)."""
         me = self.comm.rank
         for k in range(self.comm.world_size):
             if k != me and not self.links.is_lost(k):
-                self.links.send(k, values, step, PHASE2_TAG + index, meta)
+                self.links.send(k, values, step, PHASE2_TAG + index, meta, lent=lent)
 
     # -- accounting -------------------------------------------------------------------------
     def _finish(self, step: int, like: np.ndarray, own: _OwnContribution, out: np.ndarray,

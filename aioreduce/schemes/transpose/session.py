@@ -181,7 +181,8 @@ class TransposeSession:
             # clock started after our own rotation would charge its variance twice.
             ready = time.perf_counter()
             # What we send must stay as it is until it is sent (a slow owner may take longer
-            # than this step): our rotated vector, or a copy, never the caller's array.
+            # than this step): our rotated vector, a copy, or the caller's array lent to the
+            # links until the step ends (see below).
             y = self.pool.take(length, like.dtype)
             # Without the rotation, over links that lend (lanes: see Links.release), nothing
             # is copied but what must be. Our own shard is summed where its result goes (the

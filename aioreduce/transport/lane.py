@@ -69,6 +69,9 @@ INLINE_BYTES = 256 << 10
 # Bytes a receive reads at once when it wants a message's head (see Lane._read_ahead): one
 # call for a small message instead of three (head, meta, payload).
 READ_AHEAD = 8 << 10  # (more: a large message's first bytes are copied once more)
+# After a large message, the next head is read with this much more, enough for the usual
+# meta (a wire header: dtype, shape, a scheme's few fields): head and meta in one call.
+HEAD_ROOM = 512
 # The sender thread sends what is queued in one call, up to this many messages (a head and a
 # payload each: under the kernel's IOV_MAX of 1024 buffers) or bytes.
 SEND_BATCH = 64
@@ -137,9 +140,10 @@ class Lane:
         self._rbuf = bytearray(READ_AHEAD)
         self._rview = memoryview(self._rbuf)
         self._r0 = self._r1 = 0
-        # After a message larger than READ_AHEAD, the next head is read alone: its payload is
-        # likely as large, and goes straight to its destination instead of partly through
-        # the read-ahead buffer (a copy and its bookkeeping per message).
+        # After a message larger than READ_AHEAD, the next head is read alone (with at most
+        # HEAD_ROOM bytes more, for its meta): its payload is likely as large, and goes
+        # straight to its destination instead of partly through the read-ahead buffer (a
+        # copy and its bookkeeping per message).
         self._head_only = False
         self.sent = 0  # messages in the kernel (or failed): they leave in the order queued
         self._unsent = 0  # bytes queued here, not yet handed to the kernel
@@ -352,14 +356,14 @@ class Lane:
     def _read_ahead(self, flags: int = 0, head_only: bool = False) -> bool:
         """Read what the socket has (blocking until there is some; with MSG_DONTWAIT, False
         if there is none) into the read-ahead buffer, after what it holds; ``head_only``: no
-        more than the rest of a message's head."""
+        more than the rest of a message's head and :data:`HEAD_ROOM` bytes."""
         if self._r0 == self._r1:
             self._r0 = self._r1 = 0
         elif self._r1 > READ_AHEAD - MAX_META - HEADER.size:  # make room for a head and meta
             held = self._r1 - self._r0
             self._rview[:held] = self._rview[self._r0:self._r1]
             self._r0, self._r1 = 0, held
-        want = HEADER.size - (self._r1 - self._r0) if head_only else 0  # (0: what fits)
+        want = HEADER.size + HEAD_ROOM - (self._r1 - self._r0) if head_only else 0  # 0: all
         try:
             n = self.sock.recv_into(self._rview[self._r1:], want, flags)
         except BlockingIOError:

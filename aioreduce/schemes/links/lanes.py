@@ -499,14 +499,14 @@ class LaneLinks:
         got = 0
         while got < nbytes:
             lane.wait_readable()
-            with self._cond:
+            with self._lock:  # (the conditions' lock, without a Condition's Python per chunk)
                 if not self._book.begin_write(post):
                     break
             try:
                 got += lane.recv_now(post.view[got:])
                 self._heard_at[lane.peer] = time.perf_counter()
             finally:
-                with self._cond:
+                with self._lock:
                     self._book.end_write(post)
                     if post.withdrawn:  # the session may wait for this copy
                         self._cond.notify_all()

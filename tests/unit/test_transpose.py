@@ -178,8 +178,9 @@ async def test_exact_sums_with_and_without_hadamard(world: int, in_place: bool, 
             assert np.shares_memory(res.value, x) == in_place  # where the result landed
             err = np.linalg.norm(res.value - want) / np.linalg.norm(want)
             assert err < tol, (hadamard, err)
-        if lending is not None:  # lent in the step without the rotation only, and released
-            assert lending.released == world and lending.sent and not lending.lent
+        if lending is not None:  # lent without the rotation, not in place; and released
+            assert lending.released == (0 if in_place else world)
+            assert bool(lending.sent) != in_place and not lending.lent
         await asyncio.gather(*(s.close(1.0) for s in sessions))
 
 
@@ -190,9 +191,9 @@ async def test_a_missed_reduced_shard_written_into_the_vector_gets_its_own_value
         hadamard: bool, missing: str, lends: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The stand-in is this rank's own contribution (N times it with ``rescale``) even though
     the vector it came from is where the result lands (with the rotation: rotated back from
-    what the rank sent)."""
-    if lends:
-        Lending(monkeypatch)
+    what the rank sent). Links that lend are lent nothing here: in place, what the stand-in
+    needs is copied."""
+    lending = Lending(monkeypatch) if lends else None
     net = MemoryNetwork(3)
     sessions = [Transpose(hadamard=hadamard, deadline=D, max_loss=1.0,
                           missing=missing).open(c)  # type: ignore[arg-type]
@@ -206,6 +207,30 @@ async def test_a_missed_reduced_shard_written_into_the_vector_gets_its_own_value
     assert isinstance(r0, Result) and r0.stand_in == [2] and np.shares_memory(r0.value, xs[0])
     weight = 3 if missing == "rescale" else 1
     assert xs[0].tolist() == pytest.approx([111, 222, 333, 444, 5 * weight, 6 * weight])
+    assert lending is None or not lending.sent
+
+
+@pytest.mark.parametrize("missing", ["zero", "rescale"])
+async def test_a_missed_reduced_shard_gets_the_values_that_were_lent(
+        missing: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not in place, over links that lend: the vector went out as it is (not copied), and the
+    stand-in for a reduced shard that did not come is taken from it."""
+    lending = Lending(monkeypatch)
+    net = MemoryNetwork(3)
+    sessions = [Transpose(hadamard=False, deadline=D, max_loss=1.0,
+                          missing=missing).open(c)  # type: ignore[arg-type]
+                for c in net.comms]
+    xs = [X0.copy(), 10 * X0, 100 * X0]
+    net.lose(2, 0, PHASE2_TAG)  # owner 2's reduced shard never reaches rank 0
+    r0, r1, r2 = await run_step(net, sessions, 0, xs)
+    assert lending.sent and lending.released == 3  # the path under test
+    for res in (r1, r2):
+        assert isinstance(res, Result) and res.exact
+        assert res.value.tolist() == pytest.approx([111, 222, 333, 444, 555, 666])
+    assert isinstance(r0, Result) and r0.stand_in == [2]
+    weight = 3 if missing == "rescale" else 1
+    assert r0.value.tolist() == pytest.approx([111, 222, 333, 444, 5 * weight, 6 * weight])
+    assert xs[0].tolist() == X0.tolist()  # the caller's vector as it was
 
 
 @pytest.mark.parametrize("missing", ["zero", "rescale"])

@@ -184,16 +184,20 @@ class TransposeSession:
             # than this step): our rotated vector, a copy, or the caller's array lent to the
             # links until the step ends (see below).
             y = self.pool.take(length, like.dtype)
-            # Without the rotation, over links that lend (lanes: see Links.release), nothing
-            # is copied but what must be. Our own shard is summed where its result goes (the
-            # caller's array, in place) and sent from there in phase 2. The others' shards
-            # go out from the caller's array as they are, unless the result lands in it:
-            # then a cut reduced slice, partly written over our own values, would leave its
-            # stand-in nothing to take them from (so they are copied, as with the rotation).
-            lend = rot is None and all(links.lends(k) for k in peers)
-            acc = out if lend and hi <= like.size else y  # where our shard is summed
-            send_from = mine if lend and not np.may_share_memory(mine, out) else None
-            lent = lend and (acc is out or send_from is not None)
+            # Without the rotation, when the result lands in a buffer of ours (not in place),
+            # nothing is copied but our own shard, into that buffer, where it is summed and
+            # sent from in phase 2 (ours: it is not reused while a lane still reads it). The
+            # others' shards go out from the caller's array as it is, lent to links that lend
+            # (lanes: see Links.release). In place they are copied, as with the rotation: a
+            # cut reduced slice, partly written over our own values, would leave its stand-in
+            # nothing to take them from; and our reduced shard is sent from a copy, as the
+            # caller's array would have to be released at the end of the step, which waits
+            # for a send in progress (3-13 ms a step on 4 ranks here, phase 2 to the slowest
+            # peer often still going when we have everything).
+            apart = rot is None and not np.may_share_memory(mine, out)
+            acc = out if apart and hi <= like.size else y  # where our shard is summed
+            send_from = mine if apart and all(links.lends(k) for k in peers) else None
+            lent = send_from is not None
             meta: dict[str, Any] = {"c": [clock.advert() for clock in self.clocks],
                                     "d": me in self.drifted, "r": rot is not None,
                                     "l": self._lossy_block}
@@ -209,8 +213,7 @@ class TransposeSession:
                     rot.forward_part(k, mine, y)
                     rotating += time.perf_counter() - t
                 elif k == me:
-                    if not np.may_share_memory(acc, mine):
-                        _copy_part(mine, acc, a, b)
+                    _copy_part(mine, acc, a, b)
                 elif send_from is None:
                     _copy_part(mine, y, a, b)
                 if k != me:
@@ -243,7 +246,7 @@ class TransposeSession:
                                   else 0.0)
             stage1 = Stage(phase1, (n - 1) * (hi - lo),
                            on_arrival=self._adder(step, acc, scratch, layout, rot is not None,
-                                                  sent_early, lent))
+                                                  sent_early))
             await stage1.run(d1, self._idle(0), self._need(), opts.max_wait, since=ready,
                              grace=grace, heard=links.heard_at)
             if stage1.reason != "complete":
@@ -256,8 +259,7 @@ class TransposeSession:
                                                    rot is not None)
             if rot is not None:  # the layout's shards are the rotation's parts
                 rot.inverse_part(me, y[lo:hi])
-            self._send_phase2(step, layout, acc, shard_fraction, missing, skip=sent_early,
-                              lent=lent)
+            self._send_phase2(step, layout, acc, shard_fraction, missing, skip=sent_early)
             end = min(hi, like.size)
             if lo < end and acc is not out:
                 out[lo:end] = y[lo:end]
@@ -283,7 +285,7 @@ class TransposeSession:
             # Whatever ended the step, no receive of it writes into our buffers any more
             # (the caller's vector among them) once it is over.
             links.discard_before(step + 1)
-            if lent:  # (before a stand-in is written, or the caller changes its array)
+            if lent:  # (before the caller changes its array)
                 links.release(peers)
             links.end_step(step)
         self.clocks[0].observe(max(0.0, stage1.elapsed - extra), stage1.fraction)
@@ -342,8 +344,7 @@ class TransposeSession:
         return self._block[1]
 
     def _adder(self, step: int, y: np.ndarray, scratch: np.ndarray, layout: Layout,
-               rotating: bool, sent_early: set[int],
-               lent: bool = False) -> Callable[[Slot], None] | None:
+               rotating: bool, sent_early: set[int]) -> Callable[[Slot], None] | None:
         """What stage 1 calls with each slice of our shard as it arrives: added to our copy
         at once, so the sum is done when the stage ends (the adds overlap the wait). Not a
         slice of a sender in the other rotation state (its row is converted whole, in
@@ -370,7 +371,7 @@ class TransposeSession:
                 counts[slot.index] += 1
                 if counts[slot.index] == n - 1 and not rotating:
                     sent_early.add(slot.index)
-                    self._send_slice(step, slot.index, y[a:b], {"f": 1.0, "m": []}, lent)
+                    self._send_slice(step, slot.index, y[a:b], {"f": 1.0, "m": []})
 
         return add
 
@@ -443,22 +444,21 @@ class TransposeSession:
             self._lossy_block = max(self._lossy_block, lossy)
 
     def _send_phase2(self, step: int, layout: Layout, out: np.ndarray, fraction: float,
-                     missing: list[int], skip: set[int], lent: bool = False) -> None:
+                     missing: list[int], skip: set[int]) -> None:
         """Our reduced shard to every rank, interleaved, with what it lacks (but the slices
         in ``skip``: sent already)."""
         meta = {"f": fraction, "m": missing}
         for i, (a, b) in enumerate(layout.slices_of(self.comm.rank)):
             if i not in skip:
-                self._send_slice(step, i, out[a:b], meta, lent)
+                self._send_slice(step, i, out[a:b], meta)
 
     def _send_slice(self, step: int, index: int, values: np.ndarray,
-                    meta: dict[str, Any], lent: bool = False) -> None:
-        """Reduced slice ``index`` of our shard to every rank (phase 2; ``lent``: from the
-        caller's array, see ``Links.release``)."""
+                    meta: dict[str, Any]) -> None:
+        """Reduced slice ``index`` of our shard to every rank (phase 2)."""
         me = self.comm.rank
         for k in range(self.comm.world_size):
             if k != me and not self.links.is_lost(k):
-                self.links.send(k, values, step, PHASE2_TAG + index, meta, lent=lent)
+                self.links.send(k, values, step, PHASE2_TAG + index, meta)
 
     # -- accounting -------------------------------------------------------------------------
     def _finish(self, step: int, like: np.ndarray, own: _OwnContribution, out: np.ndarray,

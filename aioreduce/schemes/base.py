@@ -376,36 +376,44 @@ class FellBehind(AioreduceError):
                          f"peers; the job is at step {current_step}")
 
 
+MAX_CHUNKS = 16
+"""By default (``max_chunks``) a step's vector travels in at most this many chunks per
+message: larger vectors get larger chunks than ``chunk_bytes``. Every chunk costs a frame (a
+fraction of a millisecond of Python on each side): where the CPU binds, pipelining gains
+little beyond a few chunks per level (a 64 MiB tree on 7 ranks of a 2-core host took 1.21x the
+ring's time with 64 chunks of 1 MiB, 1.01x with 16). Where links bind instead, more chunks
+fill and drain a tree's levels faster, e.g. ``chunk_bytes=256 << 10, max_chunks=64``
+(docs/schemes.md has the fractions of bound)."""
+
+MAX_CHUNKS_LIMIT = 1024  # what ``max_chunks`` may be at most (a frame per chunk)
+
+
 @dataclass(frozen=True)
 class StepOptions:
     """Knobs shared by the tree and star schemes."""
 
     deadline: float = 30.0  # seconds a parent waits for a sufficient set of children
     on_insufficient: OnInsufficient = "raise"
-    chunk_bytes: int = 1 << 20  # pipelining granularity (at most MAX_CHUNKS per message)
+    chunk_bytes: int = 1 << 20  # pipelining granularity (at most max_chunks per message)
     history_bytes: int = 256 << 20  # results kept for ranks that fell behind (at least 2)
     backlog_steps: int = 8  # a peer with this many steps unsent is not reading
     # Chunks to and from the parent and children over the comm's bulk links (lanes, off the
     # event loop) instead of the event loop's frames; see ReduceSession. None: when the
     # session's first vector has at least LANES_FROM bytes (every rank's is the same size).
     lanes: bool | None = None
+    max_chunks: int = MAX_CHUNKS  # a message's chunks at most (see MAX_CHUNKS)
 
     def __post_init__(self) -> None:
         if self.deadline <= 0:
             raise ValueError("deadline must be positive")
         if self.on_insufficient not in ("raise", "approximate"):
             raise ValueError("on_insufficient must be 'raise' or 'approximate'")
-        if self.chunk_bytes < 1:
-            raise ValueError("chunk_bytes must be positive")
+        if self.chunk_bytes < 1 or not 1 <= self.max_chunks <= MAX_CHUNKS_LIMIT:
+            raise ValueError(f"chunk_bytes must be positive and max_chunks in [1, "
+                             f"{MAX_CHUNKS_LIMIT}]")
         if self.history_bytes < 0 or self.backlog_steps < 1:
             raise ValueError("history_bytes must be >= 0 and backlog_steps >= 1")
 
-
-MAX_CHUNKS = 16
-"""A step's vector travels in at most this many chunks per message: larger vectors get larger
-chunks than ``chunk_bytes``. Every chunk costs a frame (a fraction of a millisecond of Python
-on each side) and pipelining gains little beyond a few chunks per level: a 64 MiB tree on 7
-ranks of a 2-core host took 1.21x the ring's time with 64 chunks of 1 MiB, 1.01x with 16."""
 
 LANES_FROM = 1 << 20
 """From what size of vector (bytes) the trees take lanes (``StepOptions.lanes=None``): where
@@ -413,13 +421,15 @@ each rank has a core, lanes win for large vectors and lose for the papers' small
 (docs/schemes.md)."""
 
 
-def chunk_step(length: int, itemsize: int, chunk_bytes: int) -> int:
+def chunk_step(length: int, itemsize: int, chunk_bytes: int,
+               max_chunks: int = MAX_CHUNKS) -> int:
     """Elements per pipelining chunk of a vector of ``length``: ``chunk_bytes`` worth, or more
-    so that there are at most :data:`MAX_CHUNKS` chunks."""
-    return max(1, chunk_bytes // max(1, itemsize), -(-length // MAX_CHUNKS))
+    so that there are at most ``max_chunks`` chunks."""
+    return max(1, chunk_bytes // max(1, itemsize), -(-length // max_chunks))
 
 
-def chunk_bounds(length: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
+def chunk_bounds(length: int, itemsize: int, chunk_bytes: int,
+                 max_chunks: int = MAX_CHUNKS) -> list[tuple[int, int]]:
     """Element ranges of the pipelining chunks of a vector (at least one, even if empty)."""
-    step = chunk_step(length, itemsize, chunk_bytes)
+    step = chunk_step(length, itemsize, chunk_bytes, max_chunks)
     return [(lo, min(lo + step, length)) for lo in range(0, length, step)] or [(0, 0)]

@@ -9,7 +9,7 @@ from functools import cached_property
 import numpy as np
 
 from ..codes import GradientCode
-from .base import Comm, OnInsufficient, StepOptions
+from .base import MAX_CHUNKS, Comm, OnInsufficient, StepOptions
 from .reduce import Family, ReduceSession
 
 
@@ -27,6 +27,7 @@ class GradientCoding:
     deadline: float = 30.0
     on_insufficient: OnInsufficient = "raise"
     chunk_bytes: int = 1 << 20
+    max_chunks: int = MAX_CHUNKS  # a message's chunks at most (see MAX_CHUNKS)
     history_bytes: int = 256 << 20  # results the master keeps for workers that fell behind
     # Chunks over lanes to and from the parent and children (off the event loop; the comm
     # must offer bulk links, else the event loop's frames): see ReduceSession. None: for a
@@ -37,7 +38,7 @@ class GradientCoding:
     @cached_property
     def options(self) -> StepOptions:
         return StepOptions(self.deadline, self.on_insufficient, self.chunk_bytes,
-                           self.history_bytes, lanes=self.lanes)
+                           self.history_bytes, lanes=self.lanes, max_chunks=self.max_chunks)
 
     def validate(self, world_size: int) -> None:
         if world_size != self.code.n + 1:
@@ -109,6 +110,7 @@ class Star:
     """Uncoded gather to rank 0 and broadcast back: the simplest baseline."""
 
     chunk_bytes: int = 1 << 20
+    max_chunks: int = MAX_CHUNKS  # a message's chunks at most (see MAX_CHUNKS)
     deadline: float = 300.0
     history_bytes: int = 256 << 20
     # Chunks over lanes to and from the parent and children (off the event loop; the comm
@@ -128,5 +130,5 @@ class Star:
         fam = Family(None, list(range(1, world)), None) if rank == 0 else Family(0, [], None,
                                                                               depth=1)
         opts = StepOptions(self.deadline, "raise", self.chunk_bytes, self.history_bytes,
-                           lanes=self.lanes)
+                           lanes=self.lanes, max_chunks=self.max_chunks)
         return ReduceSession(comm, fam, opts)

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..codes import CodedTreePlan, GradientCode, TreeTopology, coded_tree_plan, coded_tree_unit
 from ..topology import heap_children, heap_parent
-from .base import Comm, OnInsufficient, StepOptions
+from .base import MAX_CHUNKS, Comm, OnInsufficient, StepOptions
 from .reduce import Family, ReduceSession
 
 _PLANS_KEPT = 4  # data-set sizes whose plan a CodedTree keeps (a train and a test set, say)
@@ -33,6 +33,7 @@ class CodedTree:
     deadline: float = 30.0
     on_insufficient: OnInsufficient = "raise"
     chunk_bytes: int = 1 << 20
+    max_chunks: int = MAX_CHUNKS  # a message's chunks at most (see MAX_CHUNKS)
     history_bytes: int = 256 << 20  # results a parent keeps for ranks that fell behind
     # Chunks over lanes to and from the parent and children (off the event loop; the comm
     # must offer bulk links, else the event loop's frames): see ReduceSession. None: for a
@@ -47,7 +48,7 @@ class CodedTree:
     @cached_property
     def options(self) -> StepOptions:
         return StepOptions(self.deadline, self.on_insufficient, self.chunk_bytes,
-                           self.history_bytes, lanes=self.lanes)
+                           self.history_bytes, lanes=self.lanes, max_chunks=self.max_chunks)
 
     def validate(self, world_size: int) -> None:
         if world_size != self.topology.size:
@@ -121,6 +122,7 @@ class Tree:
 
     fanout: int = 2
     chunk_bytes: int = 1 << 20
+    max_chunks: int = MAX_CHUNKS  # a message's chunks at most (see MAX_CHUNKS)
     deadline: float = 300.0
     history_bytes: int = 256 << 20
     # Chunks over lanes to and from the parent and children (off the event loop; the comm
@@ -142,5 +144,5 @@ class Tree:
 
     def open(self, comm: Comm) -> ReduceSession:
         opts = StepOptions(self.deadline, "raise", self.chunk_bytes, self.history_bytes,
-                           lanes=self.lanes)
+                           lanes=self.lanes, max_chunks=self.max_chunks)
         return ReduceSession(comm, self.family(comm.rank, comm.world_size), opts)

@@ -449,6 +449,24 @@ async def test_a_leaf_paces_its_chunks_by_the_result_and_sums_stay_exact(
     await job.close()
 
 
+@pytest.mark.parametrize("max_chunks, sent", [(None, 16), (64, 40), (8, 8)])
+async def test_max_chunks_sets_how_many_chunks_a_message_travels_in(
+        max_chunks: int | None, sent: int) -> None:
+    """A vector of 40 chunks' worth goes up in at most ``max_chunks`` chunks (16 unless
+    said), larger ones where it caps them; the sums stay exact."""
+    extra = {} if max_chunks is None else {"max_chunks": max_chunks}
+    world, leaf = 7, 5
+    net = MemoryNetwork(world)
+    order = _Order(net.comms[leaf], 2)
+    job = Job(ar.Tree(2, deadline=NO_WAIT, chunk_bytes=64, **extra), world, net,
+              [order if r == leaf else c for r, c in enumerate(net.comms)], dim=40 * 8)
+    job.assert_exact(0, await job.run(0))
+    assert [c for kind, c in order.events if kind == "up"] == list(range(sent))
+    await job.close()
+    with pytest.raises(ValueError, match="max_chunks"):
+        ar.Tree(2, max_chunks=0).open(net.comms[0])
+
+
 @pytest.mark.parametrize("when", ["running", "before"])
 async def test_a_ring_step_one_rank_fails_without_running_it_fails_on_every_rank(
         when: str) -> None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...wire import Header
-from ..base import FellBehind, StragglerError, chunk_bounds
+from ..base import MAX_CHUNKS, FellBehind, StragglerError, chunk_bounds
 from ..deadline import Deadline
 from ..waiting import first_done
 from .failover import Ask, Link, ParentFailover
@@ -43,16 +43,17 @@ class Layout:
     own_bounds: tuple[tuple[int, int], ...]
 
     @classmethod
-    def of(cls, like: np.ndarray, family: Family, chunk_bytes: int) -> Layout:
+    def of(cls, like: np.ndarray, family: Family, chunk_bytes: int,
+           max_chunks: int = MAX_CHUNKS) -> Layout:
         flat = like.reshape(-1)
         length, dtype = flat.size, flat.dtype
-        bounds = tuple(chunk_bounds(length, dtype.itemsize, chunk_bytes))
+        bounds = tuple(chunk_bounds(length, dtype.itemsize, chunk_bytes, max_chunks))
         m = family.code.m if family.code is not None else 1
         msg_len = math.ceil(length / m)
-        msg_bounds = (tuple(chunk_bounds(msg_len, dtype.itemsize, chunk_bytes)) if m > 1
-                      else bounds)
+        msg_bounds = (tuple(chunk_bounds(msg_len, dtype.itemsize, chunk_bytes, max_chunks))
+                      if m > 1 else bounds)
         own_len = math.ceil(length / family.parent_m)
-        own_bounds = (tuple(chunk_bounds(own_len, dtype.itemsize, chunk_bytes))
+        own_bounds = (tuple(chunk_bounds(own_len, dtype.itemsize, chunk_bytes, max_chunks))
                       if family.parent_m > 1 else bounds)
         return cls(length, dtype, bounds, msg_len, msg_bounds, own_len, own_bounds)
 

@@ -92,7 +92,7 @@ class ReduceSession:
             self._want_lanes = False  # decided at the first step, alike on every rank
             if self.opts.lanes or like.nbytes >= LANES_FROM:
                 await self._open_lanes(step)
-        lay = Layout.of(like, fam, self.opts.chunk_bytes)
+        lay = Layout.of(like, fam, self.opts.chunk_bytes, self.opts.max_chunks)
         self._end_probe()
         up = UpPath(self, step, lay) if fam.children else None
         down = (DownPath(self, step, lay, self.failover) if self.failover is not None

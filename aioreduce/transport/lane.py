@@ -19,7 +19,9 @@ rank can send segment *i* while it receives segment *i - 1*, as the event-loop p
 a small message (up to :data:`INLINE_BYTES`) on an idle lane goes to the kernel from the
 caller's thread instead, without blocking: waking the sender thread cost a small transpose
 step more than the copy (4 ranks x 160 KB on 2 cores: 6.6 ms a step, 12 steps cut in 100;
-inline, 4.5 ms and none; the ring over lanes 2.9 -> 2.1 ms).
+inline, 4.5 ms and none; the ring over lanes 2.9 -> 2.1 ms). A payload may be *lent*
+(:meth:`Lane.send`): its array may change once :meth:`Lane.release` has copied what of it
+is not in the kernel yet, so a sender need not copy a vector for a peer that may be slow.
 
 Opening one, on the event loop (:func:`open_lanes`): the receiving rank listens on a fresh
 port and tells the sender, over the authenticated mesh, the port and a random nonce; the
@@ -76,8 +78,8 @@ HEAD_ROOM = 512
 # payload each: under the kernel's IOV_MAX of 1024 buffers) or bytes.
 SEND_BATCH = 64
 SEND_BATCH_BYTES = 8 << 20
-# A blocking send gives up after this long without room in the socket (and is made again):
-# :meth:`Lane.release` waits at most this for a send in progress, even to a peer not reading.
+# A blocking send gives up after this long without room in the socket (and is made again), so
+# a send call to a peer that stopped reading returns this soon (see Lane.release).
 SEND_TIMEOUT_S = 0.005
 # A lane's abstract Unix name: this prefix and a random nonce in hex, so that nobody can take
 # the name before us, and a peer's offer can be checked for its shape before we connect.
@@ -189,9 +191,10 @@ class Lane:
 
     def release(self) -> None:
         """Copy what lent messages (see :meth:`send`) still hold of their payloads, so that
-        the arrays they came from may change; waits for a send in progress to return (at
-        most :data:`SEND_TIMEOUT_S`, the peer reading or not). Nothing to do, in a calm
-        step: what a peer received is in the kernel already."""
+        the arrays they came from may change. Waits for the send call in progress, if any, to
+        return: while the peer takes its bytes, that is until they are in (a batch, at most
+        :data:`SEND_BATCH_BYTES`); once the peer stops reading, :data:`SEND_TIMEOUT_S` at
+        most. Nothing to do once what was lent is in the kernel."""
         with self._idle:
             if not self._lent:
                 return

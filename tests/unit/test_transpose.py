@@ -186,13 +186,15 @@ async def test_exact_sums_with_and_without_hadamard(world: int, in_place: bool, 
 
 @pytest.mark.parametrize("missing", ["zero", "rescale"])
 @pytest.mark.parametrize("hadamard", [False, True])
+@pytest.mark.parametrize("in_place", [True, False], ids=["into-own-vector", "result"])
 @pytest.mark.parametrize("lends", [False, True], ids=["copied", "lent"])
-async def test_a_missed_reduced_shard_written_into_the_vector_gets_its_own_values(
-        hadamard: bool, missing: str, lends: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The stand-in is this rank's own contribution (N times it with ``rescale``) even though
+async def test_a_missed_reduced_shard_gets_this_ranks_own_values(
+        hadamard: bool, missing: str, in_place: bool, lends: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stand-in is this rank's own contribution (N times it with ``rescale``): also when
     the vector it came from is where the result lands (with the rotation: rotated back from
-    what the rank sent). Links that lend are lent nothing here: in place, what the stand-in
-    needs is copied."""
+    what the rank sent), and when the vector went out lent, not copied (over links that
+    lend, without the rotation, the result apart from the vector)."""
     lending = Lending(monkeypatch) if lends else None
     net = MemoryNetwork(3)
     sessions = [Transpose(hadamard=hadamard, deadline=D, max_loss=1.0,
@@ -200,37 +202,19 @@ async def test_a_missed_reduced_shard_written_into_the_vector_gets_its_own_value
                 for c in net.comms]
     xs = [X0.copy(), 10 * X0, 100 * X0]
     net.lose(2, 0, PHASE2_TAG)  # owner 2's reduced shard never reaches rank 0
-    r0, r1, r2 = await run_step_to(net, sessions, 0, xs)
-    for res in (r1, r2):
-        assert isinstance(res, Result) and res.exact
-        assert res.value.tolist() == pytest.approx([111, 222, 333, 444, 555, 666])
-    assert isinstance(r0, Result) and r0.stand_in == [2] and np.shares_memory(r0.value, xs[0])
-    weight = 3 if missing == "rescale" else 1
-    assert xs[0].tolist() == pytest.approx([111, 222, 333, 444, 5 * weight, 6 * weight])
-    assert lending is None or not lending.sent
-
-
-@pytest.mark.parametrize("missing", ["zero", "rescale"])
-async def test_a_missed_reduced_shard_gets_the_values_that_were_lent(
-        missing: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Not in place, over links that lend: the vector went out as it is (not copied), and the
-    stand-in for a reduced shard that did not come is taken from it."""
-    lending = Lending(monkeypatch)
-    net = MemoryNetwork(3)
-    sessions = [Transpose(hadamard=False, deadline=D, max_loss=1.0,
-                          missing=missing).open(c)  # type: ignore[arg-type]
-                for c in net.comms]
-    xs = [X0.copy(), 10 * X0, 100 * X0]
-    net.lose(2, 0, PHASE2_TAG)  # owner 2's reduced shard never reaches rank 0
-    r0, r1, r2 = await run_step(net, sessions, 0, xs)
-    assert lending.sent and lending.released == 3  # the path under test
+    r0, r1, r2 = await (run_step_to if in_place else run_step)(net, sessions, 0, xs)
     for res in (r1, r2):
         assert isinstance(res, Result) and res.exact
         assert res.value.tolist() == pytest.approx([111, 222, 333, 444, 555, 666])
     assert isinstance(r0, Result) and r0.stand_in == [2]
+    assert np.shares_memory(r0.value, xs[0]) == in_place
     weight = 3 if missing == "rescale" else 1
     assert r0.value.tolist() == pytest.approx([111, 222, 333, 444, 5 * weight, 6 * weight])
-    assert xs[0].tolist() == X0.tolist()  # the caller's vector as it was
+    if not in_place:
+        assert xs[0].tolist() == X0.tolist()  # the caller's vector as it was
+    if lending is not None:  # the path under test: lent only without the rotation, apart
+        lent = not hadamard and not in_place
+        assert bool(lending.sent) == lent and lending.released == (3 if lent else 0)
 
 
 @pytest.mark.parametrize("missing", ["zero", "rescale"])

@@ -43,8 +43,9 @@ class Links(Protocol):
         unchanged only until :meth:`release`, not until it is sent."""
 
     def release(self, peers: Iterable[int]) -> None:
-        """What was lent to ``peers`` and is not sent yet is copied: the arrays may change
-        (waits a few milliseconds at most, the peers reading or not)."""
+        """What was lent to ``peers`` and is not sent yet is copied: the arrays may change.
+        Waits for a send in progress (while its peer reads, until it is in; a few
+        milliseconds once the peer stops reading)."""
 
     def discard_before(self, step: int, tag: int = 0) -> None:
         """Drop slices below ``(step, tag)`` on arrival; a posted receive below it is

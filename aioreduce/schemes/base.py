@@ -43,6 +43,9 @@ class BulkLink(Protocol):
         """Queue one message (the sender thread writes it; a small one may go at once);
         ``lent``: ``payload`` may change once :meth:`release` returned."""
 
+    def allow_lending(self) -> None:
+        """Let sends be ``lent`` from now on (before the first send)."""
+
     def release(self) -> None:
         """Copy what is still queued of lent payloads (see :meth:`send`)."""
 

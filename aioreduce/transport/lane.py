@@ -78,9 +78,11 @@ HEAD_ROOM = 512
 # payload each: under the kernel's IOV_MAX of 1024 buffers) or bytes.
 SEND_BATCH = 64
 SEND_BATCH_BYTES = 8 << 20
-# A blocking send gives up after this long without room in the socket (and is made again), so
-# a send call to a peer that stopped reading returns this soon (see Lane.release).
-SEND_TIMEOUT_S = 0.005
+# On a lane that lends (Lane.allow_lending), a blocking send gives up after this long without
+# room in the socket (and is made again), so a send call to a peer that stopped reading returns
+# this soon (see Lane.release). Not on the others, which need no such bound: over TCP the wait
+# is counted per call, so on a slow link every call would return after it and be made again.
+SEND_TIMEOUT_S = 0.02
 # A lane's abstract Unix name: this prefix and a random nonce in hex, so that nobody can take
 # the name before us, and a peer's offer can be checked for its shape before we connect.
 LOCAL_PREFIX = "aioreduce-lane-"
@@ -116,10 +118,8 @@ class Lane:
 
     def __init__(self, sock: socket.socket, peer: int, latency: float = 0.0) -> None:
         sock.setblocking(True)
-        # (blocking all the same: a send that times out is made again, see _send_all)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                        struct.pack("ll", 0, int(SEND_TIMEOUT_S * 1e6)))
         self.sock, self.peer = sock, peer
+        self._lends = False  # allow_lending() was called: sends time out (SEND_TIMEOUT_S)
         # Emulated one-way latency (MeshOptions.latency): a message counts as arrived this
         # long after its last byte did, as on the mesh's connections.
         self.latency = latency
@@ -170,6 +170,8 @@ class Lane:
         self._raise_if_failed()
         if len(meta) > MAX_META:
             raise ValueError(f"lane meta of {len(meta)} bytes, at most {MAX_META}")
+        if lent and not self._lends:
+            raise ValueError(f"lane to rank {self.peer}: a lent send before allow_lending()")
         head = HEADER.pack(step, index, payload.nbytes, len(meta)) + meta
         with self._idle_lock:
             if (not self._pending and self._error is None
@@ -188,6 +190,15 @@ class Lane:
                                             name=f"aioreduce-lane-to-{self.peer}")
             self._sender.start()
         self._queue.put(message)
+
+    def allow_lending(self) -> None:
+        """Let sends be lent from now on (before the first send: a send call in progress
+        when this is called would not time out): every send call gives up after
+        :data:`SEND_TIMEOUT_S` without room, so :meth:`release` never waits long."""
+        if not self._lends:
+            self._lends = True
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                 struct.pack("ll", 0, int(SEND_TIMEOUT_S * 1e6)))
 
     def release(self) -> None:
         """Copy what lent messages (see :meth:`send`) still hold of their payloads, so that

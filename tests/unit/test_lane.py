@@ -8,6 +8,7 @@ import socket
 import threading
 
 import numpy as np
+import pytest
 
 from aioreduce.transport.lane import Lane
 
@@ -87,6 +88,9 @@ def test_release_copies_what_a_peer_not_reading_has_not_taken_yet() -> None:
     vector = np.arange(4 << 20, dtype=np.uint8)  # far more than the socket holds
     want = vector.copy()
     try:
+        with pytest.raises(ValueError, match="allow_lending"):
+            sender.send(3, 0, vector[:8].data, lent=True)
+        sender.allow_lending()
         for i in range(4):
             sender.send(3, i, vector[i << 20:(i + 1) << 20].data, lent=True)
         assert sender.unsent > 0  # the peer reads nothing: most of it is still ours

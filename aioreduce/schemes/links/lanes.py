@@ -78,7 +78,9 @@ class Withdrawn(Exception):
 class LaneLinks:
     """:class:`~.links.Links` over lanes ``outs`` (to each peer) and ``ins`` (from each), which
     this object owns from now on (see the module docstring); ``opened_by``, the comm's bulk
-    links they came from, is told what each step moved over them (step telemetry)."""
+    links they came from, is told what each step moved over them (step telemetry).
+    ``lending``: sends may be lent (:meth:`lends`, :meth:`release`; the lanes' sends then
+    time out now and then, see ``Lane.allow_lending``)."""
 
     def __init__(self, comm: Comm, outs: Mapping[int, BulkLink], ins: Mapping[int, BulkLink],
                  backlog_steps: int | None, newest: int = -1, *,
@@ -87,8 +89,14 @@ class LaneLinks:
                  early: Callable[[int, int, int], bool] | None = None,
                  on_early: Callable[[int, Header, memoryview], None] | None = None,
                  stage_bytes: int = 0, hear_comm: bool = True,
-                 lost: Mapping[int, PeerLost] | None = None, readers: bool = True) -> None:
+                 lost: Mapping[int, PeerLost] | None = None, readers: bool = True,
+                 lending: bool = False) -> None:
         self.comm = comm
+        # Sends may be lent (see Links.lends): the lanes' sends then time out, see Lane.
+        self._lending = lending
+        if lending:
+            for lane in outs.values():
+                lane.allow_lending()
         self._opened_by = opened_by
         self._notice_tag = notice_tag
         # (peer, first, last): a peer we skipped reads again; steps first..last were skipped.
@@ -280,7 +288,7 @@ class LaneLinks:
         return True
 
     def lends(self, peer: int) -> bool:
-        return peer in self._outs
+        return self._lending and peer in self._outs
 
     def release(self, peers: Iterable[int]) -> None:
         for peer in peers:

@@ -115,7 +115,7 @@ class TransposeSession:
         self.links = SplitLinks(
             LaneLinks(self.comm, outs, ins, self.opts.backlog_steps, old.newest,
                       opened_by=links, notice_tag=NOTICE_TAG,
-                      lost=unopened(peers, outs, ins, step)), old, self.comm)
+                      lost=unopened(peers, outs, ins, step), lending=True), old, self.comm)
 
     def _rotation_for(self, length: int, dtype: np.dtype | None = None) -> Rotation:
         n = self.comm.world_size

@@ -38,9 +38,9 @@ class Transpose:
     * ``missing``: ``"rescale"`` (the default; unbiased: each reduced slice is scaled by N /
       contributions received; a missing reduced slice is N × this rank's own contribution)
       or ``"zero"`` (OptiReduce: a missing contribution adds nothing; a reduced slice that did
-      not arrive keeps this rank's own contribution). Under DDP with cut steps (8 emulated
-      hosts, rare 200 ms spikes, see docs/transpose.md) ``"zero"`` ended training 8-52 %
-      above the exact run's loss, ``"rescale"`` within -4 to +2 %.
+      not arrive keeps this rank's own contribution). Under DDP with cut steps, ``"zero"``
+      ended training well above the exact run's loss and ``"rescale"`` close to it
+      (docs/transpose.md has the runs).
     * ``deadline``: a fixed bound for the whole step in seconds (half per stage); by default
       each stage's bound adapts: ``warmup`` steps wait for everything and set a ceiling of
       ``headroom`` × their P95; then each rank proposes its EWMA completion estimate plus

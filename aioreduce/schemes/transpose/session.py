@@ -192,8 +192,8 @@ class TransposeSession:
             # cut reduced slice, partly written over our own values, would leave its stand-in
             # nothing to take them from; and our reduced shard is sent from a copy, as the
             # caller's array would have to be released at the end of the step, which waits
-            # for a send in progress (3-13 ms a step on 4 ranks here, phase 2 to the slowest
-            # peer often still going when we have everything).
+            # for a send in progress: phase 2 to the slowest peer is often still going when
+            # we have everything (docs/transpose.md has what that cost).
             apart = rot is None and not np.may_share_memory(mine, out)
             acc = out if apart and hi <= like.size else y  # where our shard is summed
             send_from = mine if apart and all(links.lends(k) for k in peers) else None

@@ -35,6 +35,10 @@ class BulkLink(Protocol):
     latency: float  # emulated one-way latency of every message received (0: none)
 
     @property
+    def local(self) -> bool:
+        """Whether the peer is on this host (a Unix socket: no network link in between)."""
+
+    @property
     def buffered(self) -> int:
         """Bytes read ahead: a read of at most this many returns at once."""
 

@@ -290,6 +290,12 @@ class LaneLinks:
     def lends(self, peer: int) -> bool:
         return self._lending and peer in self._outs
 
+    def on_host(self, peer: int) -> bool:
+        """Whether the lane to ``peer`` stays on this host (a Unix socket): no network link
+        that other flows share lies between us."""
+        lane = self._outs.get(peer)
+        return lane is not None and lane.local
+
     def release(self, peers: Iterable[int]) -> None:
         for peer in peers:
             lane = self._outs.get(peer)

@@ -215,8 +215,13 @@ class ReduceSession:
         # ended the step alone where links bind (docs/status.md has the fractions of bound).
         # The result's chunk c - window needs nothing of ours past chunk c - window, so this
         # never waits for itself; a result that fails or is dropped ends the wait. (Not
-        # where up and down chunks differ: a star master with m > 1 sends only at the end.)
-        paced = source is not None and bounds == lay.bounds
+        # where up and down chunks differ: a star master with m > 1 sends only at the end.
+        # Nor where the parent is on this host: no link is shared there, each direction has
+        # its own socket, and the waits only stall the leaf.)
+        parent = self.family.parent
+        paced = (source is not None and bounds == lay.bounds
+                 and not (parent is not None and self.lanes is not None
+                          and self.lanes.on_host(parent)))
         first = min(window, len(bounds)) if paced else len(bounds)
         for c in range(first):
             self._send_chunk(step, mine, bounds, c)

@@ -81,7 +81,7 @@ class Transpose:
     flowing_grace: float = 0.25  # past its bound, a stage whose senders deliver waits this x more
     max_loss: float = 0.05
     on_excess_loss: OnExcessLoss = "raise"
-    slice_bytes: int = 1 << 20  # 256 KiB slices cost 1.7x ring at 16 MiB (per-frame work)
+    slice_bytes: int = 4 << 20  # each message costs CPU; docs/transpose.md "Slice size"
     resync_every: int = 0
     behind_steps: int = 2
     backlog_steps: int = 8

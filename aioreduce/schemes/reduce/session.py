@@ -208,7 +208,8 @@ class ReduceSession:
         ``window`` paced (a task, returned), the rest at once."""
         bounds = lay.own_bounds
         window = 2 * self.family.depth
-        source = down.sources.get(self.family.parent) if self.family.parent is not None else None
+        parent = self.family.parent
+        source = down.sources.get(parent) if parent is not None else None
         # Paced by the result: chunk c goes once result chunk c - window is here, window
         # being the chunks a round trip to the root and back holds. Sent at once, a leaf's
         # chunks took its parent's link from the result coming down, which then lagged and
@@ -218,10 +219,8 @@ class ReduceSession:
         # where up and down chunks differ: a star master with m > 1 sends only at the end.
         # Nor where the parent is on this host: no link is shared there, each direction has
         # its own socket, and the waits only stall the leaf.)
-        parent = self.family.parent
-        paced = (source is not None and bounds == lay.bounds
-                 and not (parent is not None and self.lanes is not None
-                          and self.lanes.on_host(parent)))
+        on_host = parent is not None and self.lanes is not None and self.lanes.on_host(parent)
+        paced = source is not None and bounds == lay.bounds and not on_host
         first = min(window, len(bounds)) if paced else len(bounds)
         for c in range(first):
             self._send_chunk(step, mine, bounds, c)

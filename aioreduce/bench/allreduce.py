@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import cProfile
 import json
+import math
 import os
 import queue
 import resource
@@ -44,7 +45,8 @@ import numpy as np
 from ..codes.model import ComputeModel, LinkModel, predict_ring, predict_star, predict_tree
 from ..node import Node
 from ..schemes import CodedTree, GradientCoding, Scheme, StragglerError, names
-from ..sim.config import Config, build_scheme, load_fraction, variant, warmup_iterations
+from ..schemes.base import chunk_step
+from ..sim.config import Config, build_scheme, chunking, load_fraction, variant, warmup_iterations
 from ..straggle import StraggleModel, parse_seeded, parse_straggle
 from ..transport.loop import run
 from .bound import bound
@@ -290,6 +292,12 @@ def _report(cfg: Config, name: str, scheme: Scheme | None, t: np.ndarray, err: f
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def _chunks(cfg: Config) -> int:
+    """Chunks of a tree's message in this run, as the runtime cuts them."""
+    chunk, most = chunking(cfg)
+    return math.ceil(cfg.size_bytes / chunk_step(cfg.size_bytes, 1, chunk, most))
+
+
 def _predict(cfg: Config, name: str, scheme: Scheme | None, world: int) -> float | None:
     """The cost model's median for this configuration (None where it has no model)."""
     link = LinkModel(cfg.model_alpha, cfg.model_bandwidth)
@@ -301,8 +309,7 @@ def _predict(cfg: Config, name: str, scheme: Scheme | None, world: int) -> float
     vb = float(cfg.size_bytes)
     if isinstance(scheme, CodedTree):
         return predict_tree(cfg.fanout, cfg.levels, cfg.stragglers, vector_bytes=vb, link=link,
-                            compute=comp, slow=slow, chunks=max(1, cfg.size_bytes
-                                                                // cfg.chunk_bytes)).median
+                            compute=comp, slow=slow, chunks=_chunks(cfg)).median
     if isinstance(scheme, GradientCoding):
         return predict_star(world - 1, scheme.code.s, vector_bytes=vb, link=link, compute=comp,
                             m=scheme.code.m, slow=slow).median

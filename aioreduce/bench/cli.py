@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--straggle", default="", metavar="SPEC",
                     help="e.g. 'rank=4:delay=0.5', 'rank=4:slow=3', "
                          "'all:shifted-exp=0.01,20' (';' separates several)")
-    ar.add_argument("--chunk", type=parse_size, default=parse_size("1M"),
-                    help="pipelining chunk for tree schemes (default 1M)")
+    ar.add_argument("--chunk", type=parse_size, default=None,
+                    help="pipelining chunk for tree schemes (default: 1M on one host, "
+                         "256K with --netns, as the runtime chooses)")
     ar.add_argument("--verify", action="store_true", help="check every result (rank 0)")
     ar.add_argument("--vs-gloo", action="store_true",
                     help="also run torch.distributed Gloo all_reduce in the same run")

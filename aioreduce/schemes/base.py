@@ -100,6 +100,11 @@ class BulkLinks(Protocol):
         nothing (if one fails, the others are closed and its error raised), or with
         ``partial`` those that opened (a peer lost or not answering is left out of both)."""
 
+    @property
+    def spans_hosts(self) -> bool:
+        """Whether the job's ranks were on more than one host when it started (alike on every
+        rank, and on a replacement: it chooses the trees' chunking)."""
+
     def count_moved(self, step: int, sent: int, src: int, received: int, frames: int) -> None:
         """What a step moved over links (they bypass the comm): ``sent`` bytes, and
         ``received`` bytes in ``frames`` from ``src``, for step telemetry."""
@@ -383,14 +388,18 @@ class FellBehind(AioreduceError):
                          f"peers; the job is at step {current_step}")
 
 
+CHUNK_BYTES = 1 << 20
 MAX_CHUNKS = 16
-"""By default (``max_chunks``) a step's vector travels in at most this many chunks per
-message: larger vectors get larger chunks than ``chunk_bytes``. Every chunk costs a frame (a
-fraction of a millisecond of Python on each side): where the CPU binds, pipelining gains
-little beyond a few chunks per level (a 64 MiB tree on 7 ranks of a 2-core host took 1.21x the
-ring's time with 64 chunks of 1 MiB, 1.01x with 16). Where links bind instead, more chunks
-fill and drain a tree's levels faster, e.g. ``chunk_bytes=256 << 10, max_chunks=64``
-(docs/schemes.md has the fractions of bound)."""
+"""Chunking when every rank is on one host (``chunk_bytes`` and ``max_chunks`` left None): a
+step's vector travels in chunks of ``CHUNK_BYTES``, at most ``MAX_CHUNKS`` per message (a
+larger vector gets larger chunks). Every chunk costs a frame (a fraction of a millisecond of
+Python on each side) and no network link binds there: a few chunks per level pipeline enough
+(docs/schemes.md, "Pipelining")."""
+
+HOSTS_CHUNK_BYTES = 256 << 10
+HOSTS_MAX_CHUNKS = 64
+"""Chunking when the job spans hosts (left None): finer chunks, so that a tree's levels fill
+and drain sooner where links bind (docs/schemes.md has the fractions of bound)."""
 
 MAX_CHUNKS_LIMIT = 1024  # what ``max_chunks`` may be at most (a frame per chunk)
 
@@ -401,25 +410,39 @@ class StepOptions:
 
     deadline: float = 30.0  # seconds a parent waits for a sufficient set of children
     on_insufficient: OnInsufficient = "raise"
-    chunk_bytes: int = 1 << 20  # pipelining granularity (at most max_chunks per message)
+    # Pipelining granularity, and a message's chunks at most (None: by whether the job spans
+    # hosts, see chunking()).
+    chunk_bytes: int | None = None
     history_bytes: int = 256 << 20  # results kept for ranks that fell behind (at least 2)
     backlog_steps: int = 8  # a peer with this many steps unsent is not reading
     # Chunks to and from the parent and children over the comm's bulk links (lanes, off the
     # event loop) instead of the event loop's frames; see ReduceSession. None: when the
     # session's first vector has at least LANES_FROM bytes (every rank's is the same size).
     lanes: bool | None = None
-    max_chunks: int = MAX_CHUNKS  # a message's chunks at most (see MAX_CHUNKS)
+    max_chunks: int | None = None
 
     def __post_init__(self) -> None:
         if self.deadline <= 0:
             raise ValueError("deadline must be positive")
         if self.on_insufficient not in ("raise", "approximate"):
             raise ValueError("on_insufficient must be 'raise' or 'approximate'")
-        if self.chunk_bytes < 1 or not 1 <= self.max_chunks <= MAX_CHUNKS_LIMIT:
+        if ((self.chunk_bytes is not None and self.chunk_bytes < 1)
+                or (self.max_chunks is not None
+                    and not 1 <= self.max_chunks <= MAX_CHUNKS_LIMIT)):
             raise ValueError(f"chunk_bytes must be positive and max_chunks in [1, "
                              f"{MAX_CHUNKS_LIMIT}]")
         if self.history_bytes < 0 or self.backlog_steps < 1:
             raise ValueError("history_bytes must be >= 0 and backlog_steps >= 1")
+
+
+    def chunking(self, spans_hosts: bool) -> tuple[int, int]:
+        """``(chunk_bytes, max_chunks)`` for a job on one host or across hosts (what was
+        left None takes that case's default). Every rank must pass the same ``spans_hosts``
+        (:attr:`BulkLinks.spans_hosts`): parents and children cut at the same bounds."""
+        chunk, most = ((HOSTS_CHUNK_BYTES, HOSTS_MAX_CHUNKS) if spans_hosts
+                       else (CHUNK_BYTES, MAX_CHUNKS))
+        return (chunk if self.chunk_bytes is None else self.chunk_bytes,
+                most if self.max_chunks is None else self.max_chunks)
 
 
 LANES_FROM = 1 << 20

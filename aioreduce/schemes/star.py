@@ -9,7 +9,7 @@ from functools import cached_property
 import numpy as np
 
 from ..codes import GradientCode
-from .base import MAX_CHUNKS, Comm, OnInsufficient, StepOptions
+from .base import Comm, OnInsufficient, StepOptions
 from .reduce import Family, ReduceSession
 
 
@@ -26,8 +26,10 @@ class GradientCoding:
     code: GradientCode
     deadline: float = 30.0
     on_insufficient: OnInsufficient = "raise"
-    chunk_bytes: int = 1 << 20
-    max_chunks: int = MAX_CHUNKS  # a message's chunks at most (see MAX_CHUNKS)
+    # Pipelining chunks, and a message's chunks at most (None: by whether the job spans
+    # hosts, see StepOptions.chunking).
+    chunk_bytes: int | None = None
+    max_chunks: int | None = None
     history_bytes: int = 256 << 20  # results the master keeps for workers that fell behind
     # Chunks over lanes to and from the parent and children (off the event loop; the comm
     # must offer bulk links, else the event loop's frames): see ReduceSession. None: for a
@@ -109,8 +111,10 @@ def _grouped(code: GradientCode) -> bool:
 class Star:
     """Uncoded gather to rank 0 and broadcast back: the simplest baseline."""
 
-    chunk_bytes: int = 1 << 20
-    max_chunks: int = MAX_CHUNKS  # a message's chunks at most (see MAX_CHUNKS)
+    # Pipelining chunks, and a message's chunks at most (None: by whether the job spans
+    # hosts, see StepOptions.chunking).
+    chunk_bytes: int | None = None
+    max_chunks: int | None = None
     deadline: float = 300.0
     history_bytes: int = 256 << 20
     # Chunks over lanes to and from the parent and children (off the event loop; the comm

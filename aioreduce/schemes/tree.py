@@ -10,7 +10,7 @@ import numpy as np
 
 from ..codes import CodedTreePlan, GradientCode, TreeTopology, coded_tree_plan, coded_tree_unit
 from ..topology import heap_children, heap_parent
-from .base import MAX_CHUNKS, Comm, OnInsufficient, StepOptions
+from .base import Comm, OnInsufficient, StepOptions
 from .reduce import Family, ReduceSession
 
 _PLANS_KEPT = 4  # data-set sizes whose plan a CodedTree keeps (a train and a test set, say)
@@ -32,8 +32,10 @@ class CodedTree:
     code: GradientCode | Sequence[GradientCode] | None = None
     deadline: float = 30.0
     on_insufficient: OnInsufficient = "raise"
-    chunk_bytes: int = 1 << 20
-    max_chunks: int = MAX_CHUNKS  # a message's chunks at most (see MAX_CHUNKS)
+    # Pipelining chunks, and a message's chunks at most (None: by whether the job spans
+    # hosts, see StepOptions.chunking).
+    chunk_bytes: int | None = None
+    max_chunks: int | None = None
     history_bytes: int = 256 << 20  # results a parent keeps for ranks that fell behind
     # Chunks over lanes to and from the parent and children (off the event loop; the comm
     # must offer bulk links, else the event loop's frames): see ReduceSession. None: for a
@@ -121,8 +123,10 @@ class Tree:
     pipelined in chunks so the levels overlap."""
 
     fanout: int = 2
-    chunk_bytes: int = 1 << 20
-    max_chunks: int = MAX_CHUNKS  # a message's chunks at most (see MAX_CHUNKS)
+    # Pipelining chunks, and a message's chunks at most (None: by whether the job spans
+    # hosts, see StepOptions.chunking).
+    chunk_bytes: int | None = None
+    max_chunks: int | None = None
     deadline: float = 300.0
     history_bytes: int = 256 << 20
     # Chunks over lanes to and from the parent and children (off the event loop; the comm

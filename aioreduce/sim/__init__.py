@@ -20,7 +20,7 @@ from ..codes import TreeTopology
 from ..schemes import CodedTree, GradientCoding, Scheme
 from ..straggle import parse_straggle
 from ..topology import heap_children
-from .config import Config, build_scheme, load_fraction, warmup_iterations
+from .config import Config, build_scheme, chunking, load_fraction, warmup_iterations
 from .engine import run
 from .steps import Costs, ring, tree
 
@@ -73,8 +73,9 @@ def simulate(name: str, cfg: Config, platform: Platform, steps: int | None = Non
     # Latency the run injected into our transport (not Gloo's) is wire latency on top of what
     # the fit found.
     ours = platform.ring if name == "ring" else platform.ours
+    chunk, most = chunking(cfg)
     costs = platform.gloo if name == "gloo" else replace(
-        ours, chunk_bytes=cfg.chunk_bytes, alpha=ours.alpha + cfg.latency)
+        ours, chunk_bytes=chunk, max_chunks=most, alpha=ours.alpha + cfg.latency)
     share = load * cfg.compute
     model = parse_straggle(cfg.straggle)
     first = warmup_iterations(cfg)

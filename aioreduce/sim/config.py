@@ -10,6 +10,7 @@ from typing import Any
 
 from ..codes import cyclic_mds, default_code, frc, gaussian_mds, random_cyclic
 from ..schemes import CodedTree, GradientCoding, Scheme, by_name
+from ..schemes.base import StepOptions
 
 
 @dataclass
@@ -30,7 +31,7 @@ class Config:
     straggle: str = ""
     verify: bool = False
     vs_gloo: bool = False
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int | None = None  # None: by whether the ranks span hosts (netns)
     deadline: float = 60.0
     model_alpha: float = 200e-6
     model_bandwidth: float = 1e9
@@ -74,6 +75,14 @@ def build_scheme(name: str, cfg: Config) -> Scheme:
                "deadline": None if name == "transpose" else cfg.deadline,
                "chunk_bytes": cfg.chunk_bytes, "code": code, **cfg.options, **extra}
     return by_name(name, strict=False, **options)
+
+
+def chunking(cfg: Config) -> tuple[int, int]:
+    """``(chunk_bytes, max_chunks)`` the trees take in this run (as ``StepOptions.chunking``:
+    every rank on its own emulated host spans hosts)."""
+    most = cfg.options.get("max_chunks")
+    return StepOptions(chunk_bytes=cfg.options.get("chunk_bytes", cfg.chunk_bytes),
+                       max_chunks=most if isinstance(most, int) else None).chunking(cfg.netns)
 
 
 def warmup_iterations(cfg: Config) -> int:

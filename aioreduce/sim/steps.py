@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..schemes.base import chunk_step
+from ..schemes.base import CHUNK_BYTES, MAX_CHUNKS, chunk_step
 from .engine import Graph, Op
 
 
@@ -52,14 +52,15 @@ class Costs:
     decode_cpu: float = 0.0  # a coded parent's decode, per chunk and child (the solve)
     step_cpu: float = 0.0  # a rank's fixed CPU per step, before it computes
     cores: int | None = None
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = CHUNK_BYTES
+    max_chunks: int = MAX_CHUNKS
     shared_port: float = 1.0
 
 
-def _frames(nbytes: float, chunk: int) -> int:
+def _frames(nbytes: float, c: Costs) -> int:
     """Frames of a message of ``nbytes``, chunked as the runtime does (``chunk_bounds``)."""
     whole = math.ceil(nbytes)
-    return max(1, math.ceil(whole / chunk_step(whole, 1, chunk)))
+    return max(1, math.ceil(whole / chunk_step(whole, 1, c.chunk_bytes, c.max_chunks)))
 
 
 class _Builder:
@@ -79,7 +80,7 @@ class _Builder:
         """Send ``nbytes`` from ``src`` to ``dst`` once ``after`` are done; returns the op
         after which ``dst`` has used them."""
         c = self.c
-        n = frames if frames is not None else _frames(nbytes, c.chunk_bytes)
+        n = frames if frames is not None else _frames(nbytes, c)
         send = self.g.add("cpu", src, n * c.msg_cpu, after=after)
         wire = self.g.add("wire", src, nbytes / c.bandwidth, dst=dst, latency=c.alpha,
                           after=[send])
@@ -118,7 +119,7 @@ def tree(costs: Costs, compute: Sequence[float], vector_bytes: float,
     (communication-efficient codes)."""
     n = len(children)
     b = _Builder(costs)
-    chunks = _frames(vector_bytes, costs.chunk_bytes)
+    chunks = _frames(vector_bytes, costs)
     piece = vector_bytes / chunks
     own = [b.compute(r, compute[r] if (r or root_computes) else 0.0) for r in range(n)]
     # up[r][c]: rank r has its partial sum of chunk c (its own and its children's); children

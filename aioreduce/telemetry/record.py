@@ -220,6 +220,10 @@ class _CountedLinks:
                          ) -> tuple[Mapping[int, BulkLink], Mapping[int, BulkLink]]:
         return await self.inner.open_links(send_to, recv_from, step, partial=partial)
 
+    @property
+    def spans_hosts(self) -> bool:
+        return self.inner.spans_hosts
+
     def count_moved(self, step: int, sent: int, src: int, received: int, frames: int) -> None:
         self.tracer.sent(step, sent)
         self.tracer.received(src, step, received, frames)

@@ -107,6 +107,9 @@ class Mesh:
         self._secret = secret
         self.addresses: dict[int, tuple[str, int]] = {}
         self.host = "127.0.0.1"  # where we listen (set by listen); lanes listen there too
+        # How many hosts the ranks were on when the job started (rank 0's first table says;
+        # a replacement learns it from its table, so a move changes no rank's chunking).
+        self.hosts = 1
         self._lost_listeners: list[Callable[[int], None]] = []
         self._inbox = {r: Inbox(r, self.options.stage_limit, self._peer_lost,
                                 self.options.peer_budget, self.options.latency,
@@ -601,6 +604,11 @@ class Mesh:
     def bulk_links(self) -> Mesh:
         """This mesh offers its lanes as the schemes' bulk links (``Comm.bulk_links``)."""
         return self
+
+    @property
+    def spans_hosts(self) -> bool:
+        """Whether the job started on more than one host (``Mesh.hosts``)."""
+        return self.hosts > 1
 
     def count_moved(self, step: int, sent: int, src: int, received: int, frames: int) -> None:
         """Nothing to count: the mesh keeps no step telemetry (a tracing comm does)."""

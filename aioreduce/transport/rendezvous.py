@@ -104,6 +104,7 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
         if problem:
             await _abort(mesh, others, problem, [])
             raise RendezvousError(f"rank 0: {problem}")
+        mesh.hosts = len({host for host, _ in mesh.addresses.values()})
         table = _table(mesh)
         await asyncio.gather(*(mesh.send_control(r, table) for r in others))
         mesh.incarnations.running = True
@@ -152,6 +153,7 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
         raise RendezvousError("rank 0 sent a malformed address table")
     for r, address in enumerate(msg.addresses):
         mesh.addresses[r] = address
+    mesh.hosts = msg.hosts or len(set(host for host, _ in msg.addresses))
     mesh.incarnations.learn(msg.incarnations or (0,) * mesh.world_size)
     if mesh.incarnations.rejoined:
         log.warning("rank %d rejoined the running job as incarnation %d", mesh.rank,
@@ -182,7 +184,8 @@ async def _serve_rejoin(mesh: Mesh, rank: int, timeout: float) -> None:
 
 def _table(mesh: Mesh, incarnations: tuple[int, ...] = ()) -> Table:
     """Rank 0's address table as it stands (with every rank's incarnation, for a rejoin)."""
-    return Table(tuple(mesh.addresses[r] for r in range(mesh.world_size)), incarnations)
+    return Table(tuple(mesh.addresses[r] for r in range(mesh.world_size)), incarnations,
+                 mesh.hosts)
 
 
 def _check_registrations(mesh: Mesh, regs: dict[int, Control]) -> str:

@@ -41,11 +41,13 @@ class Register:
 @dataclass(frozen=True)
 class Table:
     """Rank 0 to every rank: every rank's (host, port) and incarnation, by rank (a table
-    without incarnations: every rank's is 0)."""
+    without incarnations: every rank's is 0), and on how many hosts the job started (0: as
+    many as the addresses name)."""
 
     op: ClassVar[str] = "table"
     addresses: tuple[tuple[str, int], ...]
     incarnations: tuple[int, ...] = ()
+    hosts: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,7 @@ def encode(event: Control) -> dict[str, object]:
         return {"op": event.op, "host": event.host, "port": event.port, "world": event.world}
     if isinstance(event, Table):
         return {"op": event.op, "table": [list(a) for a in event.addresses],
-                "inc": list(event.incarnations)}
+                "inc": list(event.incarnations), "hosts": event.hosts}
     if isinstance(event, Moved):
         return {"op": event.op, "rank": event.rank, "host": event.host, "port": event.port,
                 "inc": event.incarnation}
@@ -172,7 +174,10 @@ def decode(meta: dict[str, Any]) -> Control:
         incs = meta.get("inc", [])
         if not isinstance(incs, list) or not all(type(i) is int and i >= 0 for i in incs):
             raise MalformedControl("an address table's incarnations are integers >= 0")
-        return Table(tuple((e[0], e[1]) for e in table), tuple(incs))
+        hosts = meta.get("hosts", 0)
+        if type(hosts) is not int or hosts < 0:
+            raise MalformedControl("an address table's host count is an integer >= 0")
+        return Table(tuple((e[0], e[1]) for e in table), tuple(incs), hosts)
     if op == Moved.op:
         rank, host, port, inc = (meta.get(k) for k in ("rank", "host", "port", "inc"))
         if (type(rank) is not int or type(host) is not str or type(port) is not int

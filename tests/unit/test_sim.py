@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from aioreduce.codes import TreeTopology
-from aioreduce.schemes.base import MAX_CHUNKS, chunk_bounds
+from aioreduce.schemes.base import HOSTS_MAX_CHUNKS, MAX_CHUNKS, StepOptions, chunk_bounds
 from aioreduce.sim import Costs, Platform, simulate
 from aioreduce.sim.calibrate import Measured, compare, emulation_start, fit
-from aioreduce.sim.config import Config
+from aioreduce.sim.config import Config, chunking
 from aioreduce.sim.engine import Graph, run
 from aioreduce.sim.steps import _frames, ring, tree
 from aioreduce.topology import heap_children
@@ -144,15 +144,30 @@ def test_coded_tree_does_not_wait_for_one_slow_child_per_family() -> None:
     assert min(d.done or 0.0 for d in done) > 100.0
 
 
-@pytest.mark.parametrize("nbytes, chunks", [(40_000, 1), (4 << 20, 4), (16 << 20, 16),
-                                            (64 << 20, 16), ((64 << 20) + 4, 16)])
+@pytest.mark.parametrize("spans_hosts, nbytes, chunks", [
+    (False, 40_000, 1), (False, 4 << 20, 4), (False, 16 << 20, 16), (False, 64 << 20, 16),
+    (False, (64 << 20) + 4, 16),
+    (True, 40_000, 1), (True, 4 << 20, 16), (True, 16 << 20, 64), (True, 64 << 20, 64)])
 def test_messages_travel_in_at_most_max_chunks_in_the_runtime_and_the_simulator(
-        nbytes: int, chunks: int) -> None:
-    bounds = chunk_bounds(nbytes // 4, 4, 1 << 20)  # float32
-    assert len(bounds) == chunks <= MAX_CHUNKS
+        spans_hosts: bool, nbytes: int, chunks: int) -> None:
+    chunk, most = StepOptions().chunking(spans_hosts)
+    assert most == (HOSTS_MAX_CHUNKS if spans_hosts else MAX_CHUNKS)
+    bounds = chunk_bounds(nbytes // 4, 4, chunk, most)  # float32
+    assert len(bounds) == chunks <= most
     assert bounds[0][0] == 0 and bounds[-1][1] == nbytes // 4
     assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))  # contiguous, no gap
-    assert _frames(nbytes, 1 << 20) == len(bounds)
+    costs = Costs(chunk_bytes=chunk, max_chunks=most)
+    assert _frames(nbytes, costs) == len(bounds)
+
+
+def test_chunking_follows_the_hosts_unless_the_caller_chose() -> None:
+    assert StepOptions().chunking(False) == (1 << 20, MAX_CHUNKS)
+    assert StepOptions().chunking(True) == (256 << 10, HOSTS_MAX_CHUNKS)
+    assert StepOptions(chunk_bytes=4096).chunking(True) == (4096, HOSTS_MAX_CHUNKS)
+    assert StepOptions(max_chunks=8).chunking(False) == (1 << 20, 8)
+    # The simulator cuts as the runtime would: emulated hosts span hosts.
+    assert chunking(Config(["tree"], 7, 1 << 20, netns=True)) == (256 << 10, HOSTS_MAX_CHUNKS)
+    assert chunking(Config(["tree"], 7, 1 << 20, options={"max_chunks": 4})) == (1 << 20, 4)
 
 
 def test_tree_chunks_overlap_the_levels() -> None:

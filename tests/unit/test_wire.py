@@ -444,6 +444,7 @@ def test_control_events_round_trip_and_malformed_ones_are_named() -> None:
 
     events: list[c.Control] = [c.Register("10.0.0.1", 4000, 13),
                                c.Table((("10.0.0.1", 4000), ("10.0.0.2", 4001))),
+                               c.Table((("10.0.0.1", 4000),), (2,), 3),
                                c.Abort("ranks missing", (3, 4)), c.Arrive(), c.Release(),
                                c.Abort("barrier failed", (2,), 7), c.Arrive(3), c.Release(5),
                                c.Notice("rank 2 failed")]
@@ -453,6 +454,7 @@ def test_control_events_round_trip_and_malformed_ones_are_named() -> None:
     for bad in ({"op": "register", "host": "h", "port": "80", "world": 2},
                 {"op": "register", "host": "h", "port": True, "world": 2},
                 {"op": "table", "table": [["h", 1], ["h"]]},
+                {"op": "table", "table": [["h", 1]], "hosts": -1},
                 {"op": "abort", "missing": ["3"]}, {"op": "barrier", "barrier": "1"},
                 {"op": "release", "barrier": 1.5}, {"op": "junk"}, {}):
         with pytest.raises(c.MalformedControl):

@@ -65,6 +65,8 @@ class ReduceSession:
         self._removers: list[Callable[[], None]] = []
         self._known_up_to = -1  # the latest step whose outcome arrived before we asked
         self._decode = (-1, 0.0)  # (step, seconds this rank spent decoding it), for telemetry
+        links = comm.bulk_links()
+        self._chunking = opts.chunking(links is not None and links.spans_hosts)
         # Lanes (opts.lanes, opened at the first step if the comm has bulk links): the chunks
         # to and from the parent and the children travel on them; verdicts, requests and
         # whatever involves the grandparent or grandchildren stay on the comm. A peer whose
@@ -92,7 +94,7 @@ class ReduceSession:
             self._want_lanes = False  # decided at the first step, alike on every rank
             if self.opts.lanes or like.nbytes >= LANES_FROM:
                 await self._open_lanes(step)
-        lay = Layout.of(like, fam, self.opts.chunk_bytes, self.opts.max_chunks)
+        lay = Layout.of(like, fam, *self._chunking)
         self._end_probe()
         up = UpPath(self, step, lay) if fam.children else None
         down = (DownPath(self, step, lay, self.failover) if self.failover is not None

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from ..codes import TreeTopology
-from ..sim.config import Config, fmt_size
+from ..schemes.base import CHUNK_BYTES, MAX_CHUNKS
+from ..sim.config import Config, chunking, fmt_size
 from .allreduce import run_allreduce
 from .sizes import parse_size
 
@@ -143,8 +144,10 @@ def done_keys(out: Path) -> set[str]:
 
 
 def cell_config(cell: Cell, schemes: list[str], *, iters: int, compute: float, netns: bool,
-                link_mbit: float | None, vs_gloo: bool, latency: float = 0.0) -> Config:
-    """The allreduce run of ``cell``: every scheme that fits ``cell.nodes`` (and Gloo)."""
+                link_mbit: float | None, vs_gloo: bool, latency: float = 0.0,
+                chunks: tuple[int, int] | None = None) -> Config:
+    """The allreduce run of ``cell``: every scheme that fits ``cell.nodes`` (and Gloo); the
+    trees' ``(chunk_bytes, max_chunks)`` as given, else the runtime's choice."""
     shape = tree_shape(cell.nodes)
     names = [s for s in schemes if s != "coded-tree" or shape is not None]
     fanout, levels = shape if shape is not None else (3, 2)
@@ -152,7 +155,9 @@ def cell_config(cell: Cell, schemes: list[str], *, iters: int, compute: float, n
                   fanout=fanout, levels=levels, compute=compute,
                   straggle=cell.straggle_spec(), vs_gloo=vs_gloo, netns=netns,
                   link_mbit=link_mbit, latency=latency,
-                  dtype="float64" if cell.size_bytes < 1 << 20 else "float32")
+                  dtype="float64" if cell.size_bytes < 1 << 20 else "float32",
+                  chunk_bytes=None if chunks is None else chunks[0],
+                  options={} if chunks is None else {"max_chunks": chunks[1]})
 
 
 def row_config(row: dict[str, Any]) -> Config:
@@ -160,7 +165,10 @@ def row_config(row: dict[str, Any]) -> Config:
     return cell_config(Cell(row["nodes"], row["size_bytes"], row["straggler"]), [row["scheme"]],
                        iters=row["iters"], compute=row["compute_s"], netns=row["netns"],
                        link_mbit=row["link_mbit"], vs_gloo=False,
-                       latency=row.get("latency_s", 0.0))
+                       latency=row.get("latency_s", 0.0),
+                       # (rows from before the chunking followed the hosts: one host's)
+                       chunks=(row.get("chunk_bytes", CHUNK_BYTES),
+                               row.get("max_chunks", MAX_CHUNKS)))
 
 
 def memory_bytes() -> int:
@@ -185,9 +193,10 @@ def run_cell(cell: Cell, schemes: list[str], *, iters: Iterations, vs_gloo: bool
     for names, gloo in launches(cell, schemes, vs_gloo):
         cfg = cell_config(cell, names, iters=iters.for_size(cell.size_bytes), vs_gloo=gloo,
                           **kw)
+        chunk, most = chunking(cfg)
         rows += [{**row, "cell": cell.key, "straggler": cell.straggler,
                   "compute_s": cfg.compute, "link_mbit": cfg.link_mbit, "netns": cfg.netns,
-                  "latency_s": cfg.latency}
+                  "latency_s": cfg.latency, "chunk_bytes": chunk, "max_chunks": most}
                  for row in run_allreduce(cfg)]
     return rows
 

@@ -402,3 +402,14 @@ def test_a_bench_variant_adds_its_options_to_that_scheme_only() -> None:
     assert (one.code.n, one.code.m) == (12, 1) and (two.code.n, two.code.m) == (12, 2)
     with pytest.raises(ValueError, match="unknown code"):
         build_scheme('gc+code="lt"', cfg)
+
+
+def test_a_sweep_row_is_simulated_with_the_chunks_it_was_measured_with() -> None:
+    from aioreduce.bench.sweep import row_config
+
+    row = {"scheme": "tree", "nodes": 13, "size_bytes": 64 << 20, "iters": 5,
+           "straggler": "none", "compute_s": 0.0, "link_mbit": 1000.0, "netns": True}
+    # Rows from before the chunking followed the hosts were cut as on one host.
+    assert chunking(row_config(row)) == (1 << 20, MAX_CHUNKS)
+    assert chunking(row_config({**row, "chunk_bytes": 256 << 10, "max_chunks": 64})) == (
+        256 << 10, 64)

@@ -245,8 +245,9 @@ def _in_place(cfg: Config, scheme: Scheme | None) -> bool:
 def makespans(straggle: str, t: np.ndarray, first_iter: int = 0) -> np.ndarray:
     """Per iteration, seconds from the common start until the last rank that is not an
     injected straggler at that iteration (a rank a rule names, or the one a pause rule
-    picked) was done; ``t[rank, i]`` (iteration ``first_iter + i``) starts with (start, end)."""
-    model = parse_straggle(straggle)
+    picked) was done; ``t[rank, i]`` (iteration ``first_iter + i``) starts with (start, end).
+    The draws are the run's (``AIOREDUCE_STRAGGLE_SEED``, as its ranks read it)."""
+    model = parse_seeded(straggle)
     ranks = t.shape[0]
     spans = np.empty(t.shape[1])
     for i in range(t.shape[1]):

@@ -17,7 +17,10 @@ Straggler models (``--stragglers``, by name): ``none``; ``slow3`` (the last rank
 the tree, computes 3x slower); ``pause`` (each step one random rank pauses 100-500 ms, as a GC
 pause or a preempted VM); ``shifted-exp`` (every rank, every step: 5 ms + Exp with mean 20 ms,
 the model of the gradient-coding papers); ``heavy-tail`` (every rank, every step: 2 % chance of
-300 ms more). A cell's makespan leaves out that step's injected stragglers (see
+300 ms more); and, outside the default grid, the same kinds with other parameters: ``slow2``
+(2x), ``pause-b`` (50 ms to 1 s), ``shifted-exp-b`` (10 ms + Exp with mean 50 ms),
+``heavy-tail-b`` (5 % chance of 150 ms). Draws follow ``AIOREDUCE_STRAGGLE_SEED`` (0 where it
+is not set; each row records it). A cell's makespan leaves out that step's injected stragglers (see
 :func:`~.allreduce.makespans`).
 
 The default grid is what fits in an hour on a 2-core machine: 64 MiB cells time 10 steps
@@ -52,6 +55,12 @@ STRAGGLERS = {
     "pause": "all:pause=0.1,0.5",
     "shifted-exp": "all:shifted-exp=0.005,50",
     "heavy-tail": "all:spike=0.02,0.3",
+    # The same kinds with other parameters, never in the default grid: cells to check the
+    # simulator on after its models were tuned on the five above (docs/sweep/heldout-params).
+    "slow2": "rank={last}:slow=2",
+    "pause-b": "all:pause=0.05,1.0",
+    "shifted-exp-b": "all:shifted-exp=0.01,20",
+    "heavy-tail-b": "all:spike=0.05,0.15",
 }
 RESULTS = "results.jsonl"
 DEFAULT_ITERS = "20,64M=10"
@@ -161,14 +170,17 @@ def cell_config(cell: Cell, schemes: list[str], *, iters: int, compute: float, n
 
 
 def row_config(row: dict[str, Any]) -> Config:
-    """The configuration a row of ``results.jsonl`` was measured with."""
-    return cell_config(Cell(row["nodes"], row["size_bytes"], row["straggler"]), [row["scheme"]],
+    """The configuration a row of ``results.jsonl`` was measured with (its straggler draws
+    too, so the simulator replays them)."""
+    cfg = cell_config(Cell(row["nodes"], row["size_bytes"], row["straggler"]), [row["scheme"]],
                        iters=row["iters"], compute=row["compute_s"], netns=row["netns"],
                        link_mbit=row["link_mbit"], vs_gloo=False,
                        latency=row.get("latency_s", 0.0),
                        # (rows from before the chunking followed the hosts: one host's)
                        chunks=(row.get("chunk_bytes", CHUNK_BYTES),
                                row.get("max_chunks", MAX_CHUNKS)))
+    cfg.straggle_seed = row.get("seed", 0)
+    return cfg
 
 
 def memory_bytes() -> int:
@@ -196,7 +208,8 @@ def run_cell(cell: Cell, schemes: list[str], *, iters: Iterations, vs_gloo: bool
         chunk, most = chunking(cfg)
         rows += [{**row, "cell": cell.key, "straggler": cell.straggler,
                   "compute_s": cfg.compute, "link_mbit": cfg.link_mbit, "netns": cfg.netns,
-                  "latency_s": cfg.latency, "chunk_bytes": chunk, "max_chunks": most}
+                  "latency_s": cfg.latency, "chunk_bytes": chunk, "max_chunks": most,
+                  "seed": int(os.environ.get("AIOREDUCE_STRAGGLE_SEED", 0))}
                  for row in run_allreduce(cfg)]
     return rows
 

@@ -434,7 +434,6 @@ class StepOptions:
         if self.history_bytes < 0 or self.backlog_steps < 1:
             raise ValueError("history_bytes must be >= 0 and backlog_steps >= 1")
 
-
     def chunking(self, spans_hosts: bool) -> tuple[int, int]:
         """``(chunk_bytes, max_chunks)`` for a job on one host or across hosts (what was
         left None takes that case's default). Every rank must pass the same ``spans_hosts``

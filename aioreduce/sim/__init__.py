@@ -77,7 +77,7 @@ def simulate(name: str, cfg: Config, platform: Platform, steps: int | None = Non
     costs = platform.gloo if name == "gloo" else replace(
         ours, chunk_bytes=chunk, max_chunks=most, alpha=ours.alpha + cfg.latency)
     share = load * cfg.compute
-    model = parse_straggle(cfg.straggle)
+    model = parse_straggle(cfg.straggle, cfg.straggle_seed)
     first = warmup_iterations(cfg)
     count = cfg.iters if steps is None else steps
     if not any(r.rate or r.spike_prob or r.pause for r in model.rules):

@@ -43,6 +43,8 @@ class Config:
     in_place: bool = False  # uncoded schemes sum in place into a fresh copy, as Gloo does
     gc_every: int = 0  # Python's collector after every N-th step on every rank (0: its own)
     seed: int = field(default=0)
+    # The run's straggler draws (AIOREDUCE_STRAGGLE_SEED): the simulator replays them.
+    straggle_seed: int = 0
     options: dict[str, Any] = field(default_factory=dict)  # more scheme options (by name)
 
 

@@ -56,3 +56,24 @@ async def test_every_rank_cuts_at_the_bounds_its_hosts_choose(
         assert (seen, spans) == (hosts, hosts > 1)
         for step, value in enumerate(got):
             np.testing.assert_array_equal(value, np.full(DIM, sum(range(N)) + 70.0 * step))
+
+
+@pytest.mark.parametrize("hosts", [1, 2])
+async def test_the_transpose_slices_by_its_hosts_alike_on_every_rank(hosts: int) -> None:
+    port = free_port()
+    n, dim = 4, 1 << 18  # 1 MiB of float32: one slice per shard either way
+
+    async def rank(r: int) -> tuple[int, np.ndarray]:
+        addr = "127.0.0.1" if r < 2 or hosts == 1 else "127.0.0.2"
+        env = NodeEnv(r, n, "127.0.0.1", port, b"k" * 32, advertise_addr=addr, bind_addr=addr)
+        async with Node(env, scheme=ar.Transpose(deadline=30.0)) as node:
+            res = await node.allreduce(np.full(dim, r + 1.0, np.float32))
+            assert res.exact
+            return node.session._slice_bytes, np.array(res.value)  # type: ignore[attr-defined]
+
+    results = await asyncio.wait_for(asyncio.gather(*[rank(r) for r in range(n)]), 120)
+    want = ar.Transpose().slices(hosts > 1)
+    assert want == (1 << 20 if hosts > 1 else 4 << 20)
+    for got, value in results:
+        assert got == want
+        np.testing.assert_array_equal(value, np.full(dim, 10.0, np.float32))

@@ -611,3 +611,13 @@ async def test_a_reduced_slice_goes_out_as_soon_as_every_copy_of_it_is_in() -> N
     for res in await step:
         assert isinstance(res, Result)
         assert res.value[:2].tolist() == (111 * x0[:2]).tolist()  # the early slice, exact
+
+
+def test_slices_follow_the_hosts_unless_chosen() -> None:
+    from aioreduce.schemes.transpose import HOSTS_SLICE_BYTES, SLICE_BYTES
+
+    assert Transpose().slices(False) == SLICE_BYTES == 4 << 20
+    assert Transpose().slices(True) == HOSTS_SLICE_BYTES == 1 << 20
+    assert Transpose(slice_bytes=4096).slices(True) == 4096
+    with pytest.raises(ValueError, match="slice_bytes"):
+        Transpose(slice_bytes=0)

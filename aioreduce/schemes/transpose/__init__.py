@@ -12,6 +12,10 @@ Missing = Literal["zero", "rescale"]
 OnExcessLoss = Literal["raise", "wait"]
 
 
+SLICE_BYTES = 4 << 20
+HOSTS_SLICE_BYTES = 1 << 20
+
+
 @dataclass(frozen=True)
 class Transpose:
     """All-to-all shards to their owners, reduce what arrived by a deadline, send the reduced
@@ -81,7 +85,10 @@ class Transpose:
     flowing_grace: float = 0.25  # past its bound, a stage whose senders deliver waits this x more
     max_loss: float = 0.05
     on_excess_loss: OnExcessLoss = "raise"
-    slice_bytes: int = 4 << 20  # each message costs CPU; docs/transpose.md "Slice size"
+    # Bytes per message; None: SLICE_BYTES on one host (each message costs CPU), and
+    # HOSTS_SLICE_BYTES when the job spans hosts (an owner forwards a reduced slice while the
+    # next comes in); docs/transpose.md "Slice size".
+    slice_bytes: int | None = None
     resync_every: int = 0
     behind_steps: int = 2
     backlog_steps: int = 8
@@ -105,11 +112,19 @@ class Transpose:
             raise ValueError("flowing_grace must be in [0, 10]")
         if not 0 <= self.max_loss <= 1 or not 0 <= self.inject_loss < 1:
             raise ValueError("max_loss must be in [0, 1] and inject_loss in [0, 1)")
-        if min(self.warmup, self.slack, self.headroom, self.slice_bytes, self.behind_steps) <= 0:
+        if min(self.warmup, self.slack, self.headroom, self.behind_steps,
+               1 if self.slice_bytes is None else self.slice_bytes) <= 0:
             raise ValueError("warmup, slack, headroom, slice_bytes and behind_steps must be "
                              "positive")
         if self.resync_every < 0 or self.backlog_steps < 1:
             raise ValueError("resync_every must be >= 0 and backlog_steps >= 1")
+
+    def slices(self, spans_hosts: bool) -> int:
+        """Bytes per slice for a job on one host or across hosts (every rank passes the same
+        ``spans_hosts``, :attr:`BulkLinks.spans_hosts`: they cut the same slices)."""
+        if self.slice_bytes is not None:
+            return self.slice_bytes
+        return HOSTS_SLICE_BYTES if spans_hosts else SLICE_BYTES
 
     def validate(self, world_size: int) -> None:
         pass

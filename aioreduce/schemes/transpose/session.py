@@ -60,6 +60,8 @@ class TransposeSession:
         # them: not the in-memory network); see links.py and lanes.py.
         self.links: Links = CommLinks(comm, opts.backlog_steps)
         self._want_lanes = opts.lanes and comm.world_size > 1
+        bulk = comm.bulk_links()
+        self._slice_bytes = opts.slices(bulk is not None and bulk.spans_hosts)
         # A step's rotated vector, phase-1 scratch and result: reused once nothing holds them
         # (a send still queued for a slow peer, a result the caller kept), as fresh 16 MiB
         # arrays cost page faults every step.
@@ -160,7 +162,7 @@ class TransposeSession:
                  else None)
         rot = shape if shape is not None and self._rotates(step) else None
         length = shape.padded if shape is not None else like.size
-        layout = Layout(length, n, max(1, opts.slice_bytes // like.dtype.itemsize))
+        layout = Layout(length, n, max(1, self._slice_bytes // like.dtype.itemsize))
         lo, hi = layout.shards[me]
         # Row j: sender j's copy of our shard.
         scratch = self.pool.take(n * (hi - lo), like.dtype).reshape(n, hi - lo)

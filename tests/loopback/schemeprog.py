@@ -146,7 +146,8 @@ async def main(args: argparse.Namespace) -> None:
         if args.state:
             digest = hashlib.sha256(model.tobytes()).hexdigest()
             print("FINAL " + json.dumps({"rank": me, "digest": digest,
-                                         "incarnation": node.mesh.incarnations.mine}),
+                                         "incarnation": node.mesh.incarnations.mine,
+                                         "hosts": node.mesh.hosts}),
                   flush=True)
 
 

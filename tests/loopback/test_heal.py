@@ -73,6 +73,37 @@ def _stale_claim(job: Ranks, rank: int) -> str:
     return asyncio.run(dial())
 
 
+def test_a_replacement_on_another_host_cuts_chunks_as_the_job_began(ranks) -> None:
+    """Leaf 9 alone on a second "host" (127.0.0.2); it dies and its replacement comes up on
+    the first (127.0.0.1), as on a spare: counting hosts anew would say one host and cut 16
+    chunks where its parent cuts 64. It takes the job's count from rank 0's table, and its
+    contributions are in the root's sums again."""
+    job: Ranks = ranks(13)
+    victim = 9
+    steps = 40
+    args = ("coded-tree", "--state", "--steps", str(steps), "--pace", "0.05", "--deadline", "2",
+            "--dim", "50000", "--chunk-bytes", "4096")  # 16 chunks on one host, 64 across
+    lines: dict[int, Lines] = {}
+    for r in range(13):
+        die = ["--die", str(r), "--die-step", str(DIE_AT)] if r == victim else []
+        addr = "127.0.0.2" if r == victim else "127.0.0.1"
+        lines[r] = Lines(job.start(r, *args, *die, prog=SCHEMEPROG, AIOREDUCE_ADDR=addr))
+    assert job.procs[victim].wait(60) == -9
+    lines[victim] = Lines(job.start(victim, *args, prog=SCHEMEPROG, AIOREDUCE_ADDR="127.0.0.1"))
+    codes = {r: p.wait(120) for r, p in job.procs.items()}
+    for r in lines:
+        lines[r].join()
+    assert codes == dict.fromkeys(range(13), 0), {r: lines[r].err[-5:] for r in codes}
+    assert {lines[r].tagged("FINAL")[0]["hosts"] for r in range(13)} == {2}
+    assert lines[victim].tagged("FINAL")[0]["incarnation"] == 1
+    root = {s["step"]: s for s in lines[0].tagged("STEP")}
+    first = lines[victim].tagged("STEP")[0]["step"]
+    assert any(victim in root[s]["used"] for s in range(first, steps))
+    for r in range(13):
+        assert all(s.get("exact") for s in lines[r].tagged("STEP")), r
+    assert len({lines[r].tagged("FINAL")[0]["digest"] for r in range(13)}) == 1
+
+
 @pytest.mark.parametrize("extra", [[], ["--options", '{"lanes": true}']],
                          ids=["event-loop", "lanes"])
 def test_killed_ranks_rejoin_heal_and_contribute_again_and_impostors_are_named(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from ..errors import AuthError, PeerLost, RendezvousError
 from ..wire.control import (
@@ -104,7 +104,7 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
         if problem:
             await _abort(mesh, others, problem, [])
             raise RendezvousError(f"rank 0: {problem}")
-        mesh.hosts = len({host for host, _ in mesh.addresses.values()})
+        mesh.hosts = count_hosts(host for host, _ in mesh.addresses.values())
         table = _table(mesh)
         await asyncio.gather(*(mesh.send_control(r, table) for r in others))
         mesh.incarnations.running = True
@@ -153,7 +153,7 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
         raise RendezvousError("rank 0 sent a malformed address table")
     for r, address in enumerate(msg.addresses):
         mesh.addresses[r] = address
-    mesh.hosts = msg.hosts or len(set(host for host, _ in msg.addresses))
+    mesh.hosts = msg.hosts or count_hosts(host for host, _ in msg.addresses)
     mesh.incarnations.learn(msg.incarnations or (0,) * mesh.world_size)
     if mesh.incarnations.rejoined:
         log.warning("rank %d rejoined the running job as incarnation %d", mesh.rank,
@@ -180,6 +180,18 @@ async def _serve_rejoin(mesh: Mesh, rank: int, timeout: float) -> None:
                 msg.port)
     await asyncio.gather(*(mesh.send_control(r, moved) for r in range(1, mesh.world_size)
                            if r != rank), return_exceptions=True)
+
+
+def count_hosts(hosts: Iterable[str]) -> int:
+    """How many hosts the ranks' addresses name: as written, but ``localhost``, ``::1`` and
+    ``127.0.0.1`` count as one (rank 0 may be named ``localhost`` while the others see
+    ``127.0.0.1``). No name is resolved, and other loopback addresses stay apart (tests use
+    127.0.0.2 as a second host): a host named two ways counts twice, and the trees then cut
+    finer chunks than one host needs (every rank still cuts alike)."""
+    return len({"127.0.0.1" if h in _LOOPBACK else h for h in hosts})
+
+
+_LOOPBACK = frozenset({"localhost", "::1", "127.0.0.1"})
 
 
 def _table(mesh: Mesh, incarnations: tuple[int, ...] = ()) -> Table:

@@ -123,3 +123,11 @@ def test_staleness_is_checked_without_changing_anything() -> None:
     assert inc.stale(3, 1) == Stale(3, 1, 2) and inc.stale(3, 0) == Stale(3, 0, 2)
     assert inc.stale(3, 2) is None and inc.stale(3, 5) is None and inc.stale(3, JOINING) is None
     assert inc.known[3] == 2
+
+
+def test_hosts_are_counted_as_named_with_localhost_as_127_0_0_1() -> None:
+    from aioreduce.transport.rendezvous import count_hosts
+
+    assert count_hosts(["localhost", "127.0.0.1", "::1"]) == 1
+    assert count_hosts(["10.0.0.1", "10.0.0.1", "10.0.0.2"]) == 2
+    assert count_hosts(["127.0.0.1", "127.0.0.2"]) == 2  # a test's second "host"

@@ -3,6 +3,7 @@
 Each host is a network namespace with one interface ``eth0`` (address ``10.213.<net>.<i+1>``,
 chosen per cluster), connected by a veth pair to a bridge that lives in a namespace of its own
 (the "switch"), so nothing in the machine's own namespace can route to the test subnet.
+Each host's TCP runs cubic (``congestion``), whatever this machine's default is.
 With ``rate_mbit``, each link is shaped with ``tbf`` in **both** directions (egress of the
 host's ``eth0`` and egress of the switch-side end), like a real NIC: shaping only egress lets a
 master receive from many peers at once and flatters star topologies.
@@ -116,6 +117,10 @@ class Cluster:
 
     hosts: int
     rate_mbit: float | None = None
+    # Each host's TCP congestion control: Linux's default, not this machine's setting (a
+    # namespace inherits the machine's, and BBR's estimates with a dozen flows through a
+    # shaped link swing widely: docs/schemes.md). None: the machine's.
+    congestion: str | None = "cubic"
     net: int = field(default_factory=lambda: 1 + os.getpid() % 250)
     tag: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}-{os.urandom(2).hex()}")
     names: list[str] = field(default_factory=list, init=False)
@@ -177,6 +182,9 @@ class Cluster:
             _run("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
             _run("ip", "-n", ns, "link", "set", "eth0", "up")
             _run("ip", "-n", ns, "link", "set", "lo", "up")
+            if self.congestion:
+                _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                     f"net.ipv4.tcp_congestion_control={self.congestion}")
             if self.rate_mbit:
                 self._shape(ns, "eth0")
                 self._shape(sw, f"p{i}")

@@ -80,7 +80,6 @@ def main() -> None:
     opts = ap.parse_args()
     rows = [json.loads(line) for line in (opts.sweep / "results.jsonl").open()]
     measured = from_sweep(rows, row_config)
-    seeds = {r["cell"]: r.get("seed", 0) for r in rows}
     link = next((r["link_mbit"] for r in rows if r.get("link_mbit")), 1000.0)
 
     def cells(nodes: int, sizes: set[int] | None = None, calm: bool = False) -> list[Measured]:
@@ -105,7 +104,7 @@ def main() -> None:
     # Straggler cells the simulator's models were never tuned on: other parameters of the same
     # kinds, or other seeds (docs/sweep/heldout-params).
     fresh = [m for m in cells(base) if m.straggler != "none" and (
-        m.straggler not in TUNED or seeds.get(m.cell, 0) != 0)]
+        m.straggler not in TUNED or m.cfg.straggle_seed != 0)]
     if fresh:
         # Once replaying the run's draws (as every split does), once with other draws of the
         # same models (seed + 1000): the median of 10-20 steps is itself a draw.

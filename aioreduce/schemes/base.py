@@ -444,6 +444,13 @@ class StepOptions:
                 most if self.max_chunks is None else self.max_chunks)
 
 
+def spans_hosts(comm: Comm) -> bool:
+    """Whether ``comm``'s job spans hosts (:attr:`BulkLinks.spans_hosts`; a comm without bulk
+    links, the in-memory network, is one host): alike on every rank."""
+    links = comm.bulk_links()
+    return links is not None and links.spans_hosts
+
+
 LANES_FROM = 1 << 20
 """From what size of vector (bytes) the trees take lanes (``StepOptions.lanes=None``): where
 each rank has a core, lanes win for large vectors and lose for the papers' small ones

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 
 from ...wire import Header, tags
-from ..base import LANES_FROM, Comm, Result, StepOptions
+from ..base import LANES_FROM, Comm, Result, StepOptions, spans_hosts
 from ..links import LaneLinks, unopened
 from ..outbox import Outbox
 from ..pool import BufferPool
@@ -65,8 +65,7 @@ class ReduceSession:
         self._removers: list[Callable[[], None]] = []
         self._known_up_to = -1  # the latest step whose outcome arrived before we asked
         self._decode = (-1, 0.0)  # (step, seconds this rank spent decoding it), for telemetry
-        links = comm.bulk_links()
-        self._chunking = opts.chunking(links is not None and links.spans_hosts)
+        self._chunking = opts.chunking(spans_hosts(comm))
         # Lanes (opts.lanes, opened at the first step if the comm has bulk links): the chunks
         # to and from the parent and the children travel on them; verdicts, requests and
         # whatever involves the grandparent or grandchildren stay on the comm. A peer whose

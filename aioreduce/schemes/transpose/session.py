@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...codes.hadamard import Rotation
-from ..base import Comm, FellBehind, Result, StragglerError
+from ..base import Comm, FellBehind, Result, StragglerError, spans_hosts
 from ..links import CommLinks, LaneLinks, Links, SplitLinks, unopened
 from ..pool import BufferPool
 from .clock import StageClock
@@ -60,8 +60,7 @@ class TransposeSession:
         # them: not the in-memory network); see links.py and lanes.py.
         self.links: Links = CommLinks(comm, opts.backlog_steps)
         self._want_lanes = opts.lanes and comm.world_size > 1
-        bulk = comm.bulk_links()
-        self._slice_bytes = opts.slices(bulk is not None and bulk.spans_hosts)
+        self._slice_bytes = opts.slices(spans_hosts(comm))
         # A step's rotated vector, phase-1 scratch and result: reused once nothing holds them
         # (a send still queued for a slow peer, a result the caller kept), as fresh 16 MiB
         # arrays cost page faults every step.

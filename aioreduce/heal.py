@@ -23,6 +23,7 @@ what the step waits for.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -32,9 +33,9 @@ import numpy as np
 
 from .errors import GroupMismatch, PeerLost
 from .schemes import FellBehind, Result, Session, StragglerError
-from .schemes.base import TellsFailure
+from .schemes.base import Reforms, TellsFailure
 from .wire import tags
-from .wire.control import HealAsk
+from .wire.control import HealAsk, Reform
 
 if TYPE_CHECKING:
     from .stepper import Stepper
@@ -65,7 +66,8 @@ class Healer:
     docstring)."""
 
     def __init__(self, mesh: Mesh, hooks: StateHooks | None, timeout: float,
-                 neighbours: Callable[[], list[int]], rejoin_wait: float = 0.0) -> None:
+                 neighbours: Callable[[], list[int]], rejoin_wait: float = 0.0,
+                 members: Callable[[], tuple[int, ...] | None] = lambda: None) -> None:
         if rejoin_wait < 0:
             raise ValueError(f"rank {mesh.rank}: rejoin_wait must be >= 0, not {rejoin_wait}")
         self.mesh, self.hooks, self.timeout = mesh, hooks, timeout
@@ -91,13 +93,38 @@ class Healer:
         # where the group runs again from a later step.
         self._group_for: dict[int, int] = {}
         self._serve_only: dict[int, int] | None = None  # while answering inside a group
+        # A ring that left a rank out (see reformed): replacements that asked its lowest
+        # member to be taken back; the change announced to the members, from its step on;
+        # and the members this process healed into (a replacement's first session).
+        self._joins: dict[int, HealAsk] = {}
+        self._reform: Reform | None = None
+        self.healed_members: tuple[int, ...] | None = None
+        self._members = members  # the running session's, if it is a ring that can re-form
         mesh.on_heal = self._ask
+        mesh.on_reform = self._reformed
 
     def _ask(self, rank: int, ask: HealAsk) -> None:
-        if ask.incarnation == self.mesh.incarnations.known[rank]:  # not a replaced process's
+        if ask.incarnation != self.mesh.incarnations.known[rank]:
+            return  # a replaced process's
+        if ask.join:
+            self._joins[rank] = ask  # taken back at this rank's next step boundary
+        else:
             self._asked[rank] = ask
             if self._serving_at is not None:
                 self.serve(self._serving_at)
+
+    def _reformed(self, rank: int, event: Reform) -> None:
+        """The ring's lowest member re-forms it from ``event.start`` on: note it, and say so
+        at once (it waits for every member before it runs the step before that one)."""
+        members = self._members()
+        if members is None or rank != min(members) or self.mesh.rank not in event.members:
+            return
+        self._reform = event
+        self.mesh.spawn(self._quiet_send(rank, event.start, tags.MEMBERS + 2, {}))
+
+    async def _quiet_send(self, rank: int, step: int, tag: int, meta: dict[str, Any]) -> None:
+        with contextlib.suppress(PeerLost):  # gone: the step that needs it fails, and says so
+            await self.mesh.send(rank, EMPTY, step=step, tag=tag, meta=meta)
 
     async def step(self, steps: Stepper, run: Callable[[], Awaitable[Result]],
                    into: np.ndarray | None, *, rerun: bool = True,
@@ -118,6 +145,9 @@ class Healer:
         again from the same step as every rank."""
         if not rerun:
             return await self._group_step(steps, run, session)
+        reforms = session if isinstance(session, Reforms) else None
+        if reforms is not None and (self._reform is not None or self._joins):
+            await self._boundary(reforms, steps.step)
         self._serving_at = steps.step
         self.serve(steps.step)
         try:
@@ -132,20 +162,116 @@ class Healer:
                     lost = self._dead(exc, known)
                     if not lost:
                         raise
-                    self._serving_at = steps.step  # the number the step runs again as
+                    # The number the step runs again as. A ring answers heals once its
+                    # members are agreed: a replacement heals into the ring it will run in.
+                    self._serving_at = None if reforms is not None else steps.step
+                    missing: list[int] = []
                     for rank in lost:
                         # (A peer that took this process for its dead predecessor runs again
                         # at once: so do we.)
                         if rank != self.mesh.rank and not await self._replaced(rank,
                                                                                known[rank]):
-                            raise
-                log.warning("rank %d: ranks %s were replaced; the failed step runs again as "
-                            "step %d", self.mesh.rank, lost, steps.step)
+                            if reforms is None:
+                                raise
+                            missing.append(rank)
+                    if reforms is not None:
+                        await self._agree(reforms, lost, missing, steps.step, exc)
+                        self._serving_at = steps.step
+                        self.serve(steps.step)
+                back = [r for r in lost if r not in missing]
+                if back:
+                    log.warning("rank %d: ranks %s were replaced; the failed step runs again "
+                                "as step %d", self.mesh.rank, back, steps.step)
                 if into is not None and saved is not None:
                     np.copyto(into, saved)
             return await self._healing(steps, run)
         finally:
             self._serving_at = None
+
+    async def _agree(self, session: Reforms, lost: list[int], missing: list[int], at: int,
+                     exc: PeerLost | StragglerError) -> None:
+        """After a ring step failed because ``lost`` died and ``missing`` of them were not
+        replaced here within ``rejoin_wait``: the live members agree, through the lowest of
+        them, on the ring the step runs again over, and this rank re-forms its session to it.
+        A rank is left out only if no live member saw its replacement (one that did will
+        run with it, and the others then find it too). Raises ``exc`` if a member does not
+        answer within ``rejoin_wait`` (it died too), :class:`GroupMismatch` if the members
+        would run it again at different steps."""
+        mesh, wait = self.mesh, self.rejoin_wait
+        members = session.members
+        live = [r for r in members if r not in lost or r == mesh.rank]
+        coordinator = min(live)
+        try:
+            if mesh.rank != coordinator:
+                await mesh.send(coordinator, EMPTY, step=at, tag=tags.MEMBERS,
+                                meta={"at": at, "missing": missing})
+                decision = (await mesh.recv_into(coordinator, EMPTY, step=at,
+                                                 tag=tags.MEMBERS + 1, timeout=2 * wait)).meta
+            else:
+                others = [r for r in live if r != mesh.rank]
+                heads = await asyncio.gather(*(
+                    mesh.recv_into(r, EMPTY, step=at, tag=tags.MEMBERS, timeout=wait)
+                    for r in others))
+                theirs = {r: h.meta for r, h in zip(others, heads, strict=True)}
+                decision = _decide(members, mesh.rank, missing, at, theirs)
+                await asyncio.gather(*(mesh.send(r, EMPTY, step=at, tag=tags.MEMBERS + 1,
+                                                 meta=decision) for r in others))
+        except (PeerLost, TimeoutError):
+            raise exc from None
+        ring = decision.get("members")
+        if not isinstance(ring, list) or mesh.rank not in ring:
+            at_of = decision.get("at")
+            if isinstance(at_of, dict):
+                raise GroupMismatch(mesh.rank, sorted(lost), {
+                    int(r): s for r, s in at_of.items() if str(r).isdigit() and type(s) is int})
+            raise exc
+        if tuple(ring) != members:
+            out = sorted(set(members) - set(ring))
+            log.warning("rank %d: ranks %s did not come back within %g s; the ring runs over "
+                        "the %d others from step %d", mesh.rank, out, wait, len(ring), at)
+            session.reform(ring)
+
+    async def _boundary(self, session: Reforms, step: int) -> None:
+        """A re-formed ring's step boundary: apply a change announced for this step; on the
+        lowest member, take back the replacements that asked: announce the ring with them
+        from the next step on, wait until every member has heard it (none can start that
+        step before this rank has run this one), and heal them at that step."""
+        reform, members = self._reform, session.members
+        if reform is not None and step >= reform.start:
+            self._reform = None
+            if tuple(reform.members) != members:
+                log.warning("rank %d: the ring runs over ranks %s from step %d",
+                            self.mesh.rank, list(reform.members), step)
+                session.reform(reform.members)
+                members = session.members
+            joins = {r: a for r, a in self._joins.items() if r in members}
+            for rank, ask in joins.items():  # the lowest member: heal them into this step
+                del self._joins[rank]
+                self._send_state(rank, ask, step, members)
+            return
+        if not self._joins or self.mesh.rank != min(members) or self._reform is not None:
+            return
+        joiners = [r for r in self._joins if r not in members]
+        for r in [r for r in self._joins if r in members]:
+            del self._joins[r]  # (already back)
+        if not joiners:
+            return
+        event = Reform(tuple(sorted({*members, *joiners})), step + 1)
+        others = [r for r in members if r != self.mesh.rank]
+        acks = [asyncio.ensure_future(self.mesh.recv_into(
+            r, EMPTY, step=event.start, tag=tags.MEMBERS + 2, timeout=self.timeout))
+            for r in others]
+        await asyncio.gather(*(self._quiet_control(r, event) for r in others))
+        # A member that does not answer is dead: the step fails without it and the ring
+        # re-forms from there; the change stands for every member that heard it.
+        await asyncio.gather(*acks, return_exceptions=True)
+        self._reform = event
+        log.warning("rank %d: ranks %s healed; the ring takes them back at step %d",
+                    self.mesh.rank, joiners, event.start)
+
+    async def _quiet_control(self, rank: int, event: Reform) -> None:
+        with contextlib.suppress(PeerLost):
+            await self.mesh.send_control(rank, event)
 
     async def _group_step(self, steps: Stepper, run: Callable[[], Awaitable[Result]],
                           session: Session | None) -> Result:
@@ -276,11 +402,26 @@ class Healer:
             del self._asked[rank]
         blob = self._blob()
         self._sending = len(asked)
-        meta = {"step": step, "nbytes": blob.nbytes, "barriers": self.mesh.barriers}
+        meta: dict[str, Any] = {"step": step, "nbytes": blob.nbytes,
+                                "barriers": self.mesh.barriers}
+        members = self._members()
+        if members is not None:  # a ring: the replacement runs in it only if it is a member
+            meta["members"] = list(members)
         for rank, ask in asked.items():
             log.info("rank %d: healing rank %d (incarnation %d) at step %d, %d bytes",
                      self.mesh.rank, rank, ask.incarnation, step, blob.nbytes)
             self.mesh.spawn(self._send(rank, ask.ticket, meta, blob))
+
+    def _send_state(self, rank: int, ask: HealAsk, step: int, members: tuple[int, ...]
+                    ) -> None:
+        """Heal ``rank`` into ``step`` of a ring over ``members`` (it is taken back)."""
+        blob = self._blob()
+        self._sending += 1
+        meta = {"step": step, "nbytes": blob.nbytes, "barriers": self.mesh.barriers,
+                "members": list(members)}
+        log.info("rank %d: healing rank %d (incarnation %d) into the ring at step %d",
+                 self.mesh.rank, rank, ask.incarnation, step)
+        self.mesh.spawn(self._send(rank, ask.ticket, meta, blob))
 
     def _blob(self) -> np.ndarray:
         if self.hooks is None:
@@ -308,35 +449,70 @@ class Healer:
 
     async def heal(self) -> int:
         """Ask the first peer that answers (see :func:`sources`) for the job's step and state,
-        each within the timeout; load the state (and the barrier count) and return the step."""
-        mesh, timeout = self.mesh, self.timeout
+        each within the timeout; load the state (and the barrier count) and return the step.
+        If the answer is a ring that runs without this rank (it was not back in time), ask
+        the ring's lowest member to take it back, and heal from its answer instead."""
+        mesh = self.mesh
         failures = []
         for source in sources(mesh.rank, mesh.world_size, self._neighbours()):
-            ticket = self._tickets
-            self._tickets += 1
             try:
-                await mesh.send_control(source, HealAsk(mesh.incarnations.mine, ticket))
-                head = await mesh.recv_into(source, EMPTY, step=ticket, tag=tags.HEAL,
-                                            timeout=timeout)
-                step, nbytes, barriers = (head.meta.get(k) for k in ("step", "nbytes",
-                                                                     "barriers"))
-                if type(step) is not int or type(nbytes) is not int or nbytes < 0:
-                    raise PeerLost(source, "sent a malformed heal")
-                blob = np.empty(nbytes, np.uint8)
-                for i, lo in enumerate(range(0, nbytes, PIECE)):
-                    await mesh.recv_into(source, blob[lo:lo + PIECE], step=ticket,
-                                         tag=tags.HEAL + 1 + i, timeout=timeout)
+                got = await self._fetch(source, join=False)
+                while got[3] is not None and mesh.rank not in got[3]:
+                    source = min(got[3])
+                    log.warning("rank %d: the ring left this rank out while it was away; "
+                                "asking rank %d to take it back", mesh.rank, source)
+                    got = await self._fetch(source, join=True)
             except (PeerLost, TimeoutError) as exc:
                 failures.append(f"rank {source}: {exc}")
                 continue
+            step, blob, barriers, self.healed_members = got
             if self.hooks is not None:
                 self.hooks.load_state(blob.data)
             if type(barriers) is int:
                 mesh.barriers = barriers
             log.warning("rank %d (incarnation %d) healed from rank %d at step %d, %d bytes",
-                        mesh.rank, mesh.incarnations.mine, source, step, nbytes)
+                        mesh.rank, mesh.incarnations.mine, source, step, blob.nbytes)
             return step
         raise PeerLost(mesh.rank, "no live peer healed this rank: " + "; ".join(failures))
+
+    async def _fetch(self, source: int, *, join: bool
+                     ) -> tuple[int, np.ndarray, object, tuple[int, ...] | None]:
+        """One heal from ``source``: the step, the state, the barrier count and the ring's
+        members (None for a scheme that does not re-form). ``join``: wait until ``source``,
+        a ring's lowest member, takes this rank back (its next two step boundaries)."""
+        mesh, timeout = self.mesh, self.timeout
+        ticket = self._tickets
+        self._tickets += 1
+        await mesh.send_control(source, HealAsk(mesh.incarnations.mine, ticket, join))
+        head = await mesh.recv_into(source, EMPTY, step=ticket, tag=tags.HEAL,
+                                    timeout=timeout)
+        step, nbytes, barriers, ring = (head.meta.get(k) for k in ("step", "nbytes",
+                                                                   "barriers", "members"))
+        if type(step) is not int or type(nbytes) is not int or nbytes < 0 or not (
+                ring is None or (isinstance(ring, list) and ring
+                                 and all(type(r) is int for r in ring))):
+            raise PeerLost(source, "sent a malformed heal")
+        blob = np.empty(nbytes, np.uint8)
+        for i, lo in enumerate(range(0, nbytes, PIECE)):
+            await mesh.recv_into(source, blob[lo:lo + PIECE], step=ticket,
+                                 tag=tags.HEAL + 1 + i, timeout=timeout)
+        return step, blob, barriers, None if ring is None else tuple(ring)
+
+
+def _decide(members: tuple[int, ...], me: int, missing: list[int], at: int,
+            theirs: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The lowest live member's decision (a frame's meta) from every live member's proposal:
+    the ring without the ranks that no member saw replaced, or, if the members would run the
+    step again at different steps, each one's step."""
+    ats = {r: m.get("at") for r, m in theirs.items()}
+    if any(a != at for a in ats.values()):
+        ats[me] = at
+        return {"at": {str(r): a if type(a) is int else -1 for r, a in ats.items()}}
+    out = set(missing)
+    for proposal in theirs.values():
+        said = proposal.get("missing")
+        out &= {r for r in said if type(r) is int} if isinstance(said, list) else set()
+    return {"members": [r for r in members if r not in out]}
 
 
 def sources(rank: int, world_size: int, neighbours: list[int]) -> list[int]:

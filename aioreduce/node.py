@@ -68,11 +68,10 @@ class Node(Peers):
         mesh = Mesh(env.rank, env.world_size, env.secret, env.job, options)
         # send/recv outside the collective steps (torch's point-to-point calls)
         self.p2p = PointToPoint(mesh)
-        # state: how a replacement of a dead rank gets the program's state; rejoin_wait: how
-        # long a step that lost a rank waits for its replacement (see aioreduce.heal)
+        # how a replacement of a dead rank heals, and how long a step waits for one
         self.healer = Healer(mesh, state, env.rendezvous_timeout, lambda: (
             self.scheme.neighbours(self.rank, self.world_size) if self.scheme else []),
-            rejoin_wait)
+            rejoin_wait, self._sessions.members)
         self.close_timeout = close_timeout
         self._started = False
         steps = Stepper.configured(env.rank, env.world_size, straggle, trace, gc_every)
@@ -134,7 +133,7 @@ class Node(Peers):
         if self.scheme is not None:
             self._sessions.open(self.scheme, self._steps.step)
             if self.mesh.incarnations.rejoined:
-                self._sessions.rejoined(self._steps.step)
+                self._sessions.rejoined(self._steps.step, self.healer.healed_members)
         if self.stepgc is not None:  # last: nothing after it can fail and leave it on
             self.stepgc.start()
         log.debug("rank %d joined job %s (%d ranks)", env.rank, env.job, env.world_size)
@@ -192,8 +191,7 @@ class Node(Peers):
     @property
     def sums_in_place(self) -> bool:
         """Does the current scheme sum straight into the caller's array with
-        ``allreduce(in_place=True)`` (every rank in every sum, so ``op="mean"`` divides by the
-        world size), rather than copying its result in?"""
+        ``allreduce(in_place=True)`` (the ring), rather than copying its result in?"""
         return isinstance(self._sessions.current, SumsInPlace)
 
     @property
@@ -279,6 +277,8 @@ class Node(Peers):
                                  divisor=self.world_size if folded else 1, rerun=rerun)
         if op == "mean" and not folded:
             np.divide(array, mean_divisor(res, self.world_size), out=array)
+        elif folded and len(res.used) != self.world_size:  # a ring re-formed without some
+            np.multiply(array, self.world_size / max(len(res.used), 1), out=array)
         return self._inputs.in_place_result(target, array, res)
 
     async def _reduce(self, vector: Reducible, op: str, *, any_shape: bool,

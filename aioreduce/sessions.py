@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 
 from .schemes import CodedScheme, Scheme, Session
-from .schemes.base import Comm, Rejoins
+from .schemes.base import Comm, Reforms, Rejoins
 from .schemes.dormant import GatedComm
 from .transport import Mesh
 
@@ -75,10 +75,19 @@ class Sessions:
                             f"{what}")
         return self.scheme
 
-    def rejoined(self, step: int) -> None:
-        """This process replaced a dead rank and starts at ``step``: tell the session."""
+    def rejoined(self, step: int, members: tuple[int, ...] | None = None) -> None:
+        """This process replaced a dead rank and starts at ``step``, in a ring over
+        ``members`` if it healed into one: tell the session."""
         if isinstance(self.current, Rejoins):
             self.current.rejoined(step)
+        if members is not None and isinstance(self.current, Reforms):
+            self.current.reform(members)
+
+    def members(self) -> tuple[int, ...] | None:
+        """The ranks the running session's steps run over, for a session that can re-form
+        (a ring); None for any other."""
+        current = self.current
+        return current.members if isinstance(current, Reforms) else None
 
     async def leave(self, step: int, *, keep: bool, timeout: float) -> None:
         """Stop running the current session at ``step``: keep it (asleep) or close it."""

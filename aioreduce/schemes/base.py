@@ -324,6 +324,20 @@ class TellsFailure(Protocol):
 
 
 @runtime_checkable
+class Reforms(Protocol):
+    """A session whose every step needs every member (the ring) that can run over fewer
+    ranks: a lost rank whose replacement does not come in time is left out, and one that
+    healed is taken back at a step boundary (see :mod:`aioreduce.heal`)."""
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The ranks the steps run over now, ascending."""
+
+    def reform(self, members: Sequence[int]) -> None:
+        """Run the steps from the next one over ``members`` (this rank among them)."""
+
+
+@runtime_checkable
 class DecodeTimed(Protocol):
     """A session that can tell how long this rank spent decoding a step (for telemetry)."""
 

@@ -45,7 +45,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,10 +79,12 @@ def _segments(length: int, n: int) -> tuple[tuple[int, int], ...]:
 
 
 async def _ring(comm: Comm, mine: np.ndarray, acc: np.ndarray, pool: BufferPool, send_to: int,
-                recv_from: int, pos: int, step: int, tag: int, divisor: float = 1) -> None:
+                recv_from: int, pos: int, n: int, step: int, tag: int, divisor: float = 1
+                ) -> None:
     """One directional ring: ``acc`` (a view, uninitialised) becomes the sum over the ring of
     ``mine`` (a view of the same size), divided by ``divisor``; this rank is at position
-    ``pos``. ``acc`` may be ``mine`` itself (an in-place sum); otherwise ``mine`` is only read.
+    ``pos`` of a ring of ``n`` ranks. ``acc`` may be ``mine`` itself (an in-place sum);
+    otherwise ``mine`` is only read.
     The division costs a pass over 1/N of the vector: each rank divides the segment it
     reduced, before the all-gather spreads it.
 
@@ -101,7 +103,6 @@ async def _ring(comm: Comm, mine: np.ndarray, acc: np.ndarray, pool: BufferPool,
     an early arrival never overwrites what is still to be sent). On 13 ranks of one 2-core
     host with 8 MiB, one frame in five was staged when only the next receive was posted.
     """
-    n = comm.world_size
     seg = _segments(acc.size, n)
     width = max(hi - lo for lo, hi in seg)
     depth = _depth(n, width * acc.itemsize)
@@ -236,7 +237,8 @@ class RingSession:
         self.comm, self.bidirectional = comm, bidirectional
         # Lanes: wanted (and not refused by the comm), the open pair (to the successor, from
         # the predecessor), and the thread the steps run on.
-        self._want_lanes = lanes and not bidirectional and comm.world_size > 1
+        self._lanes = lanes and not bidirectional
+        self._want_lanes = self._lanes and comm.world_size > 1
         self._links: LaneLinks | None = None  # to the successor and from the predecessor
         self._reopen = False  # a step failed: every rank opens new lanes at the next one
         self._thread: ThreadPoolExecutor | None = None
@@ -253,6 +255,25 @@ class RingSession:
         self._removers: list[Callable[[], None]] = [
             comm.on_early(peer, ABORT_TAG, functools.partial(self._abort_heard, peer))
             for peer in range(comm.world_size) if peer != comm.rank]
+        # The ranks the ring runs over, in ring order: every rank, until a lost one that was
+        # not replaced in time is left out (see reform and aioreduce.heal).
+        self.members: tuple[int, ...] = tuple(range(comm.world_size))
+
+    def reform(self, members: Sequence[int]) -> None:
+        """See :class:`~.base.Reforms`: the steps from the next one run over ``members``
+        (this rank among them), on new lanes."""
+        if self.comm.rank not in members:
+            raise ValueError(f"rank {self.comm.rank}: a ring re-formed without this rank")
+        self.members = tuple(sorted(set(members)))
+        self._want_lanes = self._lanes and len(self.members) > 1
+        self._reopen = True
+
+    def _place(self) -> tuple[int, int, int, int]:
+        """This rank's position in the ring, the ring's size, its predecessor and successor."""
+        members = self.members
+        n = len(members)
+        pos = members.index(self.comm.rank)
+        return pos, n, members[(pos - 1) % n], members[(pos + 1) % n]
 
     async def close(self, timeout: float) -> None:
         for remove in self._removers:
@@ -338,9 +359,10 @@ class RingSession:
 
     def read_order(self, size: int) -> tuple[tuple[int, int], ...]:
         """See :class:`~.base.ReadsInOrder`: segment by segment over lanes, else at once."""
-        if not self._want_lanes or size < self.comm.world_size:
+        pos, n, _prev, _nxt = self._place()
+        if not self._want_lanes or size < n:
             return ((0, size),)
-        return read_order(size, self.comm.rank, self.comm.world_size)
+        return read_order(size, pos, n)
 
     async def _run_step(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray],
                         into: np.ndarray | None, divisor: float, arrival: Arrival | None
@@ -355,7 +377,7 @@ class RingSession:
         if early is not None:
             self._adopt(step, *early)
         mine = (await own).reshape(-1)
-        if comm.world_size > 1:
+        if len(self.members) > 1:
             acc = (self.pool.take(mine.size, mine.dtype) if into is None
                    else into.reshape(-1))
             work = asyncio.ensure_future(self._exchange(mine, acc, step, divisor, arrival))
@@ -393,14 +415,15 @@ class RingSession:
         value = acc.reshape(like.shape)
         if into is None:  # ours, and reused by the pool: the caller must not write to it
             value.setflags(write=False)
-        return Result(value, step, list(range(comm.world_size)), [], True, 0.0,
+        members = self.members
+        late = [r for r in range(comm.world_size) if r not in members]
+        return Result(value, step, list(members), late, True, 0.0,
                       time.perf_counter() - t0)
 
     async def _exchange(self, mine: np.ndarray, acc: np.ndarray, step: int, divisor: float,
                         arrival: Arrival | None) -> None:
         comm = self.comm
-        n, rank = comm.world_size, comm.rank
-        prev, nxt = ring_neighbours(rank, n)
+        rank, n, prev, nxt = self._place()  # (rank: the position in the ring)
         if self._want_lanes:
             if self._reopen and self._links is not None:
                 await self._links.close(0.0)  # (what a failed step left in them is stale)
@@ -433,12 +456,12 @@ class RingSession:
             half = acc.size // 2
             # Position on the reversed ring (0 -> N-1 -> ... -> 1 -> 0) is -rank mod n.
             await asyncio.gather(
-                _ring(comm, mine[:half], acc[:half], self.pool, nxt, prev, rank, step, 0,
+                _ring(comm, mine[:half], acc[:half], self.pool, nxt, prev, rank, n, step, 0,
                       divisor),
-                _ring(comm, mine[half:], acc[half:], self.pool, prev, nxt, (-rank) % n, step,
-                      tags.SECOND, divisor))
+                _ring(comm, mine[half:], acc[half:], self.pool, prev, nxt, (-rank) % n, n,
+                      step, tags.SECOND, divisor))
         else:
-            await _ring(comm, mine, acc, self.pool, nxt, prev, rank, step, 0, divisor)
+            await _ring(comm, mine, acc, self.pool, nxt, prev, rank, n, step, 0, divisor)
 
     async def _lane_exchange(self, links: LaneLinks, mine: np.ndarray, acc: np.ndarray,
                              step: int, divisor: float, arrival: Arrival | None) -> None:
@@ -447,8 +470,7 @@ class RingSession:
         of the vectors when this returns. Cancelled, the step's receives are withdrawn, which
         releases the thread at its next wait."""
         comm = self.comm
-        n, rank = comm.world_size, comm.rank
-        prev, nxt = ring_neighbours(rank, n)
+        rank, n, prev, nxt = self._place()  # (rank: the position in the ring)
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="aioreduce-ring")
         seg = _segments(acc.size, n)

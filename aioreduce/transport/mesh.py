@@ -123,6 +123,8 @@ class Mesh:
         self._replacements: dict[int, list[asyncio.Future[None]]] = {}  # see replaced()
         # A rank that rejoined or fell behind asks for the job's state (see aioreduce.heal).
         self.on_heal: Callable[[int, control.HealAsk], None] | None = None
+        # A ring's lowest member re-forms it (see aioreduce.heal).
+        self.on_reform: Callable[[int, control.Reform], None] | None = None
         self._dial_locks: dict[int, asyncio.Lock] = {}
         self._floor: tuple[int, int] = (NO_FLOOR, 0)  # what discard_before set last
         self._server: asyncio.Server | None = None
@@ -364,6 +366,8 @@ class Mesh:
                 self._judge(event.rank, event.incarnation, "rank 0's table")
         elif isinstance(event, control.HealAsk) and self.on_heal is not None:
             self.on_heal(rank, event)
+        elif isinstance(event, control.Reform) and self.on_reform is not None:
+            self.on_reform(rank, event)
 
     def _wrong_job(self, event: WrongJob) -> None:
         """A process of ours (it knows the secret) was started with another job id."""

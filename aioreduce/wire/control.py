@@ -10,7 +10,8 @@ Carried in CONTROL frames (:meth:`aioreduce.transport.Mesh.send_control`): the r
 (:class:`Register`, :class:`Table`, :class:`Abort`), the barrier (:class:`Arrive`,
 :class:`Release`), and out of band (handled as they arrive, never queued for a receiver):
 :class:`Notice` (a line for the peers' logs), :class:`Moved` (a rank rejoined with a new
-incarnation) and :class:`HealAsk` (a newcomer asks for the job's state). Carried as the meta of a
+incarnation), :class:`HealAsk` (a newcomer asks for the job's state) and :class:`Reform` (a
+ring takes a healed rank back). Carried as the meta of a
 data frame on a tag of its own: :class:`LaneOffer` (:data:`~aioreduce.wire.tags.LANE_OFFER`).
 """
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 MAX_TEXT = 1000  # characters of a reason or notice kept: a message, bounded for a log line
+MAX_MEMBERS = 1 << 16  # ranks a re-formed ring may list (a bound on what a peer makes us read)
 _NONCE = re.compile(r"[0-9a-f]{32}")
 
 
@@ -131,10 +133,26 @@ class HealAsk:
     op: ClassVar[str] = "heal"
     incarnation: int
     ticket: int = 0
+    # A replacement of a rank that a ring left out (it was not back in time), to the ring's
+    # lowest member: take me back, and send my state at the step I am taken back at.
+    join: bool = False
 
 
-Control = Register | Table | Abort | Arrive | Release | Notice | Moved | HealAsk
-OUT_OF_BAND = frozenset({Notice.op, Moved.op, HealAsk.op})  # handled on arrival, never queued
+@dataclass(frozen=True)
+class Reform:
+    """A ring's lowest member to every other member: from step ``start`` on, the ring runs
+    over ``members`` (a healed replacement is taken back). Answered at once, on the
+    :data:`~aioreduce.wire.tags.MEMBERS` ack tag, so that no member starts that step
+    without knowing (see :mod:`aioreduce.heal`)."""
+
+    op: ClassVar[str] = "reform"
+    members: tuple[int, ...]
+    start: int
+
+
+Control = Register | Table | Abort | Arrive | Release | Notice | Moved | HealAsk | Reform
+# handled on arrival, never queued
+OUT_OF_BAND = frozenset({Notice.op, Moved.op, HealAsk.op, Reform.op})
 
 
 def encode(event: Control) -> dict[str, object]:
@@ -148,7 +166,13 @@ def encode(event: Control) -> dict[str, object]:
         return {"op": event.op, "rank": event.rank, "host": event.host, "port": event.port,
                 "inc": event.incarnation}
     if isinstance(event, HealAsk):
-        return {"op": event.op, "inc": event.incarnation, "ticket": event.ticket}
+        out: dict[str, object] = {"op": event.op, "inc": event.incarnation,
+                                  "ticket": event.ticket}
+        if event.join:
+            out["join"] = True
+        return out
+    if isinstance(event, Reform):
+        return {"op": event.op, "members": list(event.members), "start": event.start}
     if isinstance(event, Abort):
         return {"op": event.op, "reason": event.reason[:MAX_TEXT],
                 "missing": list(event.missing), "barrier": event.barrier}
@@ -188,7 +212,15 @@ def decode(meta: dict[str, Any]) -> Control:
         inc, ticket = meta.get("inc"), meta.get("ticket")
         if type(inc) is not int or inc < 0 or type(ticket) is not int or ticket < 0:
             raise MalformedControl("a heal request needs the asker's incarnation and a ticket")
-        return HealAsk(inc, ticket)
+        return HealAsk(inc, ticket, meta.get("join") is True)
+    if op == Reform.op:
+        members, start = meta.get("members"), meta.get("start")
+        if (not isinstance(members, list) or not members or len(members) > MAX_MEMBERS
+                or not all(type(r) is int and r >= 0 for r in members)
+                or type(start) is not int or start < 0):
+            raise MalformedControl("a re-formed ring needs its members and the step it "
+                                   "starts at")
+        return Reform(tuple(members), start)
     if op == Abort.op:
         missing = meta.get("missing", [])
         if not isinstance(missing, list) or not all(type(r) is int for r in missing):

@@ -51,6 +51,12 @@ GROUP = HEAL + (1 << 24)
 rank's next step, to every other live rank (meta), keyed by the deaths (the frame's step), so
 the ranks check that they all run the group again from the same step."""
 
+MEMBERS = GROUP + 1
+"""A ring whose lost rank was not replaced in time (see :mod:`aioreduce.heal`): each live
+member's proposal to the lowest one on ``MEMBERS``, its decision on ``MEMBERS + 1`` (meta),
+the frame's step the one the ring runs again at; a member's ack of a :class:`~aioreduce.wire.
+control.Reform` on ``MEMBERS + 2``, the frame's step the one the change starts at."""
+
 # (first tag, end) of every use above, for the overlap check and for readers.
 RANGES: dict[str, tuple[int, int]] = {
     "DATA": (DATA, SECOND),
@@ -65,4 +71,5 @@ RANGES: dict[str, tuple[int, int]] = {
     "P2P": (P2P, HEAL),
     "HEAL": (HEAL, HEAL + (1 << 24)),
     "GROUP": (GROUP, GROUP + 1),
+    "MEMBERS": (MEMBERS, MEMBERS + 3),
 }

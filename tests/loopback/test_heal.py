@@ -234,3 +234,53 @@ def test_ranks_that_left_a_group_at_different_steps_are_named_on_every_rank() ->
         assert (f"[{rank}] MISMATCH rank {rank}: ranks [3] died while some ranks had finished "
                 "a step of the group that others had not (rank 0 at step 4, rank 1 at step 5, "
                 "rank 2 at step 4)") in res.stdout, res.stdout + res.stderr[-2000:]
+
+
+def test_a_ring_goes_on_without_a_rank_that_does_not_come_back_and_takes_it_back(
+        ranks) -> None:
+    """Ring, 4 ranks, ``rejoin_wait`` 1 s: rank 2 dies and nothing restarts it, so the step
+    it failed runs again over ranks 0, 1 and 3 (the live members agree on that through rank
+    0) and the job goes on with them; a replacement started later heals, is left out by its
+    neighbour's answer, asks rank 0 to take it back, and the ring runs over all four again
+    from a step boundary. Every step exact over the ranks it used, every model the same."""
+    job: Ranks = ranks(4)
+    args = ("ring", "--state", "--steps", "90", "--pace", "0.03", "--dim", "20000")
+    wait = {"AIOREDUCE_REJOIN_WAIT": "1"}
+    lines = {r: Lines(job.start(r, *args, *(["--die", "2", "--die-step", "8"] if r == 2
+                                            else []), prog=SCHEMEPROG, **wait))
+             for r in range(4)}
+    assert job.procs[2].wait(60) == -9
+    old = lines[2]
+    end = time.monotonic() + 60
+    while (not any(s.get("used") == [0, 1, 3] for s in lines[0].tagged("STEP"))
+           and time.monotonic() < end):
+        time.sleep(0.02)  # polling the job's progress: it goes on without rank 2
+    left_at = len(lines[0].tagged("STEP"))
+    lines[2] = Lines(job.start(2, *args, prog=SCHEMEPROG, **wait))  # the same rank, anew
+    codes = {r: p.wait(120) for r, p in job.procs.items()}
+    for r in lines:
+        lines[r].join()
+    assert codes == dict.fromkeys(range(4), 0), {r: lines[r].err[-8:] for r in codes}
+
+    assert [s["step"] for s in old.tagged("STEP")] == list(range(8))
+    root = lines[0].tagged("STEP")
+    without = [s["step"] for s in root if s["used"] == [0, 1, 3]]
+    back = lines[2].tagged("STEP")
+    assert without and back, (root[-3:], lines[2].err[-8:])
+    assert back[0]["step"] > max(without) >= left_at - 1
+    # The step rank 2 failed ran again without it, as the next step; from the first step of
+    # its replacement every step uses all four again.
+    failed = next(s for s in root if s["step"] == 8)
+    assert failed["retried"] and failed["used"] == [0, 1, 3], failed
+    assert all(s["used"] == [0, 1, 2, 3] for s in root if s["step"] >= back[0]["step"])
+    assert all(s["used"] == [0, 1, 2, 3] for s in root if s["step"] < 8)
+    for r in range(4):
+        got = lines[r].tagged("STEP")
+        assert got and all("error" not in s and s["rel_err"] < 1e-9 for s in got), (r, got[-1])
+    errs = "".join(lines[0].err)
+    assert "ranks [2] did not come back within 1 s; the ring runs over the 3 others" in errs
+    assert "ranks [2] healed; the ring takes them back at step" in errs
+    assert any("asking rank 0 to take it back" in e for e in lines[2].err)
+    assert lines[2].tagged("FINAL")[0]["incarnation"] == 1
+    digests = {lines[r].tagged("FINAL")[0]["digest"] for r in range(4)}
+    assert len(digests) == 1  # every rank's model the same, the one taken back included

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aioreduce.heal import Healer, StateHooks, sources
+from aioreduce.heal import Healer, StateHooks, _decide, sources
 from aioreduce.wire import tags
 from aioreduce.wire.control import HealAsk
 from aioreduce.wire.incarnation import Incarnations
@@ -209,5 +209,44 @@ def test_a_groups_later_steps_fail_at_once_and_tell_the_peers() -> None:
             assert raised.value is death
         assert ran == [7] and told == [(8, death), (9, death)]
         assert steps.step == 10  # numbered as the ranks that ran them
+
+    asyncio.run(body())
+
+
+def test_a_ring_leaves_out_only_the_ranks_no_member_saw_replaced() -> None:
+    members = (0, 1, 2, 3, 4)
+    # Rank 0 decides: 2 and 4 missing here; rank 1 saw 4's replacement, rank 3 did not.
+    theirs = {1: {"at": 9, "missing": [2]}, 3: {"at": 9, "missing": [2, 4]}}
+    assert _decide(members, 0, [2, 4], 9, theirs) == {"members": [0, 1, 3, 4]}
+    # A malformed proposal leaves nobody out; members at different steps are named.
+    assert _decide(members, 0, [2], 9, {1: {"at": 9, "missing": "x"}}) == {
+        "members": list(members)}
+    assert _decide(members, 0, [2], 9, {1: {"at": 10, "missing": [2]}}) == {
+        "at": {"1": 10, "0": 9}}
+
+
+def test_a_reformed_ring_sums_its_members_exactly_and_takes_a_rank_back() -> None:
+    from aioreduce.schemes import Ring
+    from aioreduce.schemes.base import Reforms
+
+    from .memjob import Job
+
+    async def body() -> None:
+        job = Job(Ring(), 4)
+        for s in job.sessions:
+            assert isinstance(s, Reforms) and s.members == (0, 1, 2, 3)
+        for r in (0, 1, 3):
+            job.sessions[r].reform([0, 1, 3])  # type: ignore[attr-defined]
+        got = await job.run(0, [0, 1, 3])
+        want = sum(job.vector(r, 0) for r in (0, 1, 3))
+        for r, res in got.items():
+            assert not isinstance(res, BaseException), (r, res)
+            assert res.used == [0, 1, 3] and res.late == [2]
+            np.testing.assert_allclose(res.value, want, rtol=1e-12)
+        for r in range(4):
+            job.sessions[r].reform([0, 1, 2, 3])  # type: ignore[attr-defined]
+        job.assert_exact(1, await job.run(1))
+        with pytest.raises(ValueError, match="rank 2: a ring re-formed without this rank"):
+            job.sessions[2].reform([0, 1, 3])  # type: ignore[attr-defined]
 
     asyncio.run(body())

@@ -4,7 +4,10 @@ about every ``--every`` steps (intermediate ranks included; the next kill waits 
 victim's replacement is back in the job, so two ranks of one family are never away at once).
 ``--scheme ring --ranks 8`` and ``--scheme transpose --ranks 4``: the same for the ring and the
 transpose, whose step that lost a rank waits for the replacement and runs again
-(``AIOREDUCE_REJOIN_WAIT``, which the launcher sets).
+(``AIOREDUCE_REJOIN_WAIT``, which the launcher sets). ``--rejoin-wait S`` sets it shorter
+than a replacement takes to start: the ring then runs again without the victim, re-formed over
+the live ranks, and takes the replacement back once it healed (checked: every kill left the
+victim out of at least one root step, and it was used again).
 
 Checked: the launcher exits 0; every step every rank returned is exact (a ring step run again
 sums the replacement's vector of the next step with the others' of this one: those steps are
@@ -54,6 +57,7 @@ class HealSoak:
     seed: int = 0
     scheme: str = "coded-tree"
     ranks: int = 13
+    rejoin_wait: float | None = None  # None: the launcher's (60 s)
     steps_of: dict[int, list[dict]] = field(default_factory=dict)
     finals: dict[int, dict] = field(default_factory=dict)
     err: list[str] = field(default_factory=list)
@@ -104,8 +108,11 @@ class HealSoak:
                "--restart", "50", "--", sys.executable, SCHEMEPROG, self.scheme, "--state",
                "--steps",
                str(self.steps), "--pace", str(self.pace), "--deadline", "2", "--dim", "1000"]
+        env = dict(os.environ)
+        if self.rejoin_wait is not None:
+            env["AIOREDUCE_REJOIN_WAIT"] = str(self.rejoin_wait)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
         readers = [threading.Thread(target=f, args=(p,), daemon=True)
                    for f, p in ((self._read, proc.stdout), (self._read_err, proc.stderr))]
         for t in readers:
@@ -156,6 +163,9 @@ class HealSoak:
         used = [k.used_again for k in self.kills if k.used_again is not None]
         restarts = sum("restarting it" in line for line in self.err)
         healed = sum("healed from rank" in line for line in self.err)
+        root = self.steps_of.get(0, [])
+        left_out = sum(any(s.get("t1", 0) > k.wall and k.rank in (s.get("late") or [])
+                           for s in root) for k in self.kills)
         return {
             "launcher_exit": code, "steps": self.steps, "kills": len(self.kills),
             "killed": [k.rank for k in self.kills], "restarts": restarts, "healed": healed,
@@ -170,6 +180,11 @@ class HealSoak:
                                               if "result_step" in s),
             "kill_to_first_step_s": _stats(back), "kill_to_used_again_s": _stats(used),
             "incarnations": {r: f.get("incarnation") for r, f in sorted(self.finals.items())},
+            "rejoin_wait": self.rejoin_wait,
+            # kills after which the root ran steps without the victim (a re-formed ring)
+            "kills_left_out": left_out,
+            "root_steps_without_a_rank": sum(bool(s.get("late")) for s in root
+                                             if "error" not in s),
         }
 
 
@@ -193,6 +208,9 @@ def check(rep: dict) -> list[str]:
         bad.append("final models differ (or a rank printed none)")
     if rep["restarts"] != rep["kills"] or rep["healed"] != rep["kills"]:
         bad.append(f"{rep['kills']} kills, {rep['restarts']} restarts, {rep['healed']} heals")
+    if rep["rejoin_wait"] is not None and rep["kills_left_out"] != rep["kills"]:
+        bad.append(f"{rep['kills']} kills, the ring left the victim out after "
+                   f"{rep['kills_left_out']}")
     if rep["root_steps"] != rep["steps"] - rep["root_steps_taken_by_reruns"]:
         bad.append(f"the root did {rep['root_steps']} of {rep['steps']} steps "
                    f"({rep['root_steps_taken_by_reruns']} step numbers taken by reruns)")
@@ -207,8 +225,12 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scheme", default="coded-tree", choices=["coded-tree", "ring", "transpose"])
     p.add_argument("--ranks", type=int, default=13)
+    p.add_argument("--rejoin-wait", type=float, default=None,
+                   help="seconds a failed ring step waits for a replacement (default: the "
+                        "launcher's 60); shorter than a restart: the ring re-forms")
     args = p.parse_args()
-    soak = HealSoak(args.steps, args.every, args.pace, args.seed, args.scheme, args.ranks)
+    soak = HealSoak(args.steps, args.every, args.pace, args.seed, args.scheme, args.ranks,
+                    rejoin_wait=args.rejoin_wait)
     rep = soak.report(soak.run())
     print(json.dumps(rep, indent=1))
     bad = check(rep)

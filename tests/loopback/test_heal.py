@@ -221,6 +221,19 @@ def test_chaos_soak_short_ring_and_transpose(scheme: str, n: int) -> None:
     assert check(rep) == [], (rep, soak.err[-40:])
 
 
+def test_chaos_soak_short_ring_that_goes_on_without_the_victims() -> None:
+    """The ring's short soak with a rejoin wait shorter than a restart: after every kill the
+    ring runs without the victim (re-formed) until its replacement healed and was taken back;
+    every step exact over the ranks it used, identical models."""
+    from .heal_soak import HealSoak, check
+
+    soak = HealSoak(steps=250, every=40, pace=0.02, seed=3, scheme="ring", ranks=8,
+                    rejoin_wait=0.2)
+    rep = soak.report(soak.run())
+    assert rep["kills"] >= 2 and rep["kills_left_out"] == rep["kills"], rep
+    assert check(rep) == [], (rep, soak.err[-40:])
+
+
 def test_ranks_that_left_a_group_at_different_steps_are_named_on_every_rank() -> None:
     # groupprog.py: rank 3 dies in a group of steps; rank 1 runs one step more of it (as a
     # rank does that finished the step the others failed) before replace_lost(). Running

@@ -30,6 +30,7 @@ from .spares import Spares
 from .supervise import RankHandle, Supervisor
 
 REJOIN_WAIT_S = 60.0  # --restart: how long a failed step waits for a replacement
+TOLERATE_WAIT_S = 1.0  # --tolerate alone: none comes; the ring goes on without the dead rank
 
 
 class UsageError(Exception):
@@ -54,8 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between SIGTERM and SIGKILL when stopping ranks (default 10)")
     p.add_argument("--tolerate", type=int, default=0, metavar="K",
                    help="up to K ranks may die without stopping the job, for schemes that "
-                        "finish without them (coded-tree, gc); the summary names them "
-                        "(default 0: the first death stops the job)")
+                        "finish without them (coded-tree, gc; the ring after "
+                        "AIOREDUCE_REJOIN_WAIT seconds, default 1, re-formed over the live "
+                        "ranks); the summary names them (default 0: the first death stops the "
+                        "job)")
     p.add_argument("--restart", type=int, default=0, metavar="N",
                    help="restart a rank that dies, up to N times in all, on its host; the new "
                         "process rejoins the running job and heals its state from a live "
@@ -181,9 +184,11 @@ async def launch(opts: argparse.Namespace, command: list[str]) -> int:
     job = JobConfig(master_addr=entries[0].data_addr, master_port=master_port,
                     rendezvous_port=rendezvous_port,
                     user_env=user_env(opts.export, opts.env_file))
-    if opts.restart and "AIOREDUCE_REJOIN_WAIT" not in os.environ:
-        # a step that lost a rank waits this long for the replacement (see aioreduce.heal)
-        job.user_env.setdefault("AIOREDUCE_REJOIN_WAIT", str(REJOIN_WAIT_S))
+    if (opts.restart or opts.tolerate) and "AIOREDUCE_REJOIN_WAIT" not in os.environ:
+        # a step that lost a rank waits this long for the replacement, and a ring then goes
+        # on without it (see aioreduce.heal)
+        job.user_env.setdefault("AIOREDUCE_REJOIN_WAIT",
+                                str(REJOIN_WAIT_S if opts.restart else TOLERATE_WAIT_S))
     if "OMP_NUM_THREADS" in os.environ:  # the user's own setting reaches the ranks as is
         job.user_env.setdefault("OMP_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
     spare_entries = [e for e in entries if e.spare]

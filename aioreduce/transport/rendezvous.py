@@ -254,7 +254,10 @@ async def barrier(mesh: Mesh, timeout: float, *, closing: bool = False) -> None:
                       mesh.rank, msg.op, msg.barrier, n, rank)
 
     if mesh.rank == 0:
-        others = list(range(1, mesh.world_size))
+        # The job's last barrier does not wait for a rank whose process is gone (its
+        # connection broke and no replacement came): the ranks that finished without it (a
+        # ring re-formed over them, a coded tree's sums) end without it too.
+        others = [r for r in range(1, mesh.world_size) if not (closing and mesh.is_lost(r))]
         try:
             got = await _gather_from(mesh, others, Arrive, deadline, recv=this_barrier)
             missing: list[int] = sorted(r for r, m in got.items() if isinstance(m, Arrive)

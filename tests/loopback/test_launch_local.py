@@ -130,15 +130,29 @@ def test_tolerate_keeps_a_coded_job_alive_when_a_rank_is_killed(dead: int) -> No
 
 
 def test_beyond_the_tolerance_the_culprit_is_the_rank_that_died_first() -> None:
-    # Under the ring a lost rank stops its neighbours (PeerLost): the second death stops the
-    # job, and the culprit named is the killed rank, not the neighbour reporting it.
-    res = _launch_logreg(4, ["--tolerate", "1", "-x", "AIOREDUCE_STRAGGLE=rank=2:kill=5"],
+    # Under a ring that does not wait for a lost rank (rejoin wait 0: it does not re-form), a
+    # lost rank stops its neighbours (PeerLost): the second death stops the job, and the
+    # culprit named is the killed rank, not the neighbour reporting it.
+    res = _launch_logreg(4, ["--tolerate", "1", "-x", "AIOREDUCE_STRAGGLE=rank=2:kill=5",
+                             "-x", "AIOREDUCE_REJOIN_WAIT=0"],
                          "--scheme", "ring", "--steps", "20")
     assert res.returncode == 128 + signal.SIGKILL, res.stderr[-3000:]
     assert "the job was stopped" in res.stderr
     assert "(after another rank was lost)" in res.stderr
     assert "culprit: rank 2 on localhost killed by SIGKILL" in res.stderr
     assert "[2] total" not in res.stderr
+
+
+def test_under_tolerate_the_ring_goes_on_without_a_dead_rank() -> None:
+    # --tolerate sets a rejoin wait (1 s): the ring's step that lost rank 2 runs again over
+    # the others, and the job ends as a coded tree's would, the death named.
+    res = _launch_logreg(4, ["--tolerate", "1", "-x", "AIOREDUCE_STRAGGLE=rank=2:kill=5"],
+                         "--scheme", "ring", "--steps", "20")
+    assert res.returncode == 0, res.stderr[-3000:]
+    for rank in (0, 1, 3):
+        assert f"[{rank}] rank {rank}: ranks [2] did not come back within 1 s" in res.stderr
+        assert f"[{rank}] total" in res.stderr
+    assert "1 rank(s) died, tolerated (1 of at most 1)" in res.stderr
 
 
 def test_trace_of_the_readme_job_names_the_slow_rank(tmp_path) -> None:

@@ -276,6 +276,8 @@ async def barrier(mesh: Mesh, timeout: float, *, closing: bool = False) -> None:
         if why:
             raise RendezvousError(f"rank 0: {why}", missing=missing)
         return
+    if closing and mesh.is_lost(0):
+        return  # rank 0 is gone (the ring went on without it): nobody gathers this barrier
     await mesh.send_control(0, Arrive(n))
     # Rank 0 gives up at the same deadline and then says who is missing: allow for that.
     msg = (await _gather_from(mesh, [0], Release, deadline + ABORT_GRACE_S,

@@ -228,7 +228,7 @@ class Healer:
             raise exc
         if tuple(ring) != members:
             out = sorted(set(members) - set(ring))
-            log.warning("rank %d: ranks %s did not come back within %g s; the ring runs over "
+            log.warning("rank %d: ranks %s did not come back within %g s; the steps run over "
                         "the %d others from step %d", mesh.rank, out, wait, len(ring), at)
             session.reform(ring)
 
@@ -241,8 +241,12 @@ class Healer:
         if reform is not None and step >= reform.start:
             self._reform = None
             if tuple(reform.members) != members:
-                log.warning("rank %d: the ring runs over ranks %s from step %d",
+                log.warning("rank %d: the steps run over ranks %s from step %d",
                             self.mesh.rank, list(reform.members), step)
+                # Connected first: a step takes a peer whose connection broke and did not
+                # come back for lost (the transpose would not wait for its slices).
+                await asyncio.gather(*(self._connect(r) for r in reform.members
+                                       if r not in members and r != self.mesh.rank))
                 session.reform(reform.members)
                 members = session.members
             joins = {r: a for r, a in self._joins.items() if r in members}
@@ -267,8 +271,12 @@ class Healer:
         # re-forms from there; the change stands for every member that heard it.
         await asyncio.gather(*acks, return_exceptions=True)
         self._reform = event
-        log.warning("rank %d: ranks %s healed; the ring takes them back at step %d",
+        log.warning("rank %d: ranks %s healed; the steps take them back at step %d",
                     self.mesh.rank, joiners, event.start)
+
+    async def _connect(self, rank: int) -> None:
+        with contextlib.suppress(PeerLost, TimeoutError):  # the step then finds it lost
+            await asyncio.wait_for(self.mesh.connect(rank), self.timeout)
 
     async def _quiet_control(self, rank: int, event: Reform) -> None:
         with contextlib.suppress(PeerLost):
@@ -460,8 +468,8 @@ class Healer:
                 got = await self._fetch(source, join=False)
                 while got[3] is not None and mesh.rank not in got[3]:
                     source = min(got[3])
-                    log.warning("rank %d: the ring left this rank out while it was away; "
-                                "asking rank %d to take it back", mesh.rank, source)
+                    log.warning("rank %d: the job's steps left this rank out while it was "
+                                "away; asking rank %d to take it back", mesh.rank, source)
                     got = await self._fetch(source, join=True)
             except (PeerLost, TimeoutError) as exc:
                 failures.append(f"rank {source}: {exc}")

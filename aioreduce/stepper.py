@@ -180,8 +180,8 @@ class Stepper:
 def mean_divisor(res: Result, world_size: int) -> float:
     """How many contributions ``res.value`` sums: every rank it used, or for a bounded-time
     result the fraction that arrived of all ranks' contributions."""
-    if res.received < 1.0:
-        return max(world_size * res.received, 1.0)
+    if res.received < 1.0:  # (of the ranks in the step: a re-formed one has fewer)
+        return max(min(world_size, len(res.used) + len(res.late)) * res.received, 1.0)
     return float(max(len(res.used), 1))
 
 

@@ -7,7 +7,8 @@ transpose, whose step that lost a rank waits for the replacement and runs again
 (``AIOREDUCE_REJOIN_WAIT``, which the launcher sets). ``--rejoin-wait S`` sets it shorter
 than a replacement takes to start: the ring then runs again without the victim, re-formed over
 the live ranks, and takes the replacement back once it healed (checked: every kill left the
-victim out of at least one root step, and it was used again).
+victim out of at least one root step, and it was used again). The same for the transpose,
+whose dead rank's shard is then cut over the others.
 
 Checked: the launcher exits 0; every step every rank returned is exact (a ring step run again
 sums the replacement's vector of the next step with the others' of this one: those steps are
@@ -164,7 +165,7 @@ class HealSoak:
         restarts = sum("restarting it" in line for line in self.err)
         healed = sum("healed from rank" in line for line in self.err)
         root = self.steps_of.get(0, [])
-        left_out = sum(any(s.get("t1", 0) > k.wall and k.rank in (s.get("late") or [])
+        left_out = sum(any(s.get("t1", 0) > k.wall and "used" in s and k.rank not in s["used"]
                            for s in root) for k in self.kills)
         return {
             "launcher_exit": code, "steps": self.steps, "kills": len(self.kills),
@@ -183,8 +184,8 @@ class HealSoak:
             "rejoin_wait": self.rejoin_wait,
             # kills after which the root ran steps without the victim (a re-formed ring)
             "kills_left_out": left_out,
-            "root_steps_without_a_rank": sum(bool(s.get("late")) for s in root
-                                             if "error" not in s),
+            "root_steps_without_a_rank": sum(len(s["used"]) < self.ranks for s in root
+                                             if "used" in s),
         }
 
 

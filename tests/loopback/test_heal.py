@@ -221,13 +221,14 @@ def test_chaos_soak_short_ring_and_transpose(scheme: str, n: int) -> None:
     assert check(rep) == [], (rep, soak.err[-40:])
 
 
-def test_chaos_soak_short_ring_that_goes_on_without_the_victims() -> None:
-    """The ring's short soak with a rejoin wait shorter than a restart: after every kill the
-    ring runs without the victim (re-formed) until its replacement healed and was taken back;
+@pytest.mark.parametrize("scheme, n", [("ring", 8), ("transpose", 4)])
+def test_chaos_soak_short_that_goes_on_without_the_victims(scheme: str, n: int) -> None:
+    """The short soaks with a rejoin wait shorter than a restart: after every kill the steps
+    run without the victim (re-formed) until its replacement healed and was taken back;
     every step exact over the ranks it used, identical models."""
     from .heal_soak import HealSoak, check
 
-    soak = HealSoak(steps=250, every=40, pace=0.02, seed=3, scheme="ring", ranks=8,
+    soak = HealSoak(steps=250, every=40, pace=0.02, seed=3, scheme=scheme, ranks=n,
                     rejoin_wait=0.2)
     rep = soak.report(soak.run())
     assert rep["kills"] >= 2 and rep["kills_left_out"] == rep["kills"], rep
@@ -249,15 +250,17 @@ def test_ranks_that_left_a_group_at_different_steps_are_named_on_every_rank() ->
                 "rank 2 at step 4)") in res.stdout, res.stdout + res.stderr[-2000:]
 
 
+@pytest.mark.parametrize("scheme", ["ring", "transpose"])
 def test_a_ring_goes_on_without_a_rank_that_does_not_come_back_and_takes_it_back(
-        ranks) -> None:
-    """Ring, 4 ranks, ``rejoin_wait`` 1 s: rank 2 dies and nothing restarts it, so the step
+        ranks, scheme: str) -> None:
+    """Ring (and transpose, its dead rank's shard re-cut over the others), 4 ranks,
+    ``rejoin_wait`` 1 s: rank 2 dies and nothing restarts it, so the step
     it failed runs again over ranks 0, 1 and 3 (the live members agree on that through rank
     0) and the job goes on with them; a replacement started later heals, is left out by its
     neighbour's answer, asks rank 0 to take it back, and the ring runs over all four again
     from a step boundary. Every step exact over the ranks it used, every model the same."""
     job: Ranks = ranks(4)
-    args = ("ring", "--state", "--steps", "90", "--pace", "0.03", "--dim", "20000")
+    args = (scheme, "--state", "--steps", "90", "--pace", "0.03", "--dim", "20000")
     wait = {"AIOREDUCE_REJOIN_WAIT": "1"}
     lines = {r: Lines(job.start(r, *args, *(["--die", "2", "--die-step", "8"] if r == 2
                                             else []), prog=SCHEMEPROG, **wait))
@@ -291,8 +294,8 @@ def test_a_ring_goes_on_without_a_rank_that_does_not_come_back_and_takes_it_back
         got = lines[r].tagged("STEP")
         assert got and all("error" not in s and s["rel_err"] < 1e-9 for s in got), (r, got[-1])
     errs = "".join(lines[0].err)
-    assert "ranks [2] did not come back within 1 s; the ring runs over the 3 others" in errs
-    assert "ranks [2] healed; the ring takes them back at step" in errs
+    assert "ranks [2] did not come back within 1 s; the steps run over the 3 others" in errs
+    assert "ranks [2] healed; the steps take them back at step" in errs
     assert any("asking rank 0 to take it back" in e for e in lines[2].err)
     assert lines[2].tagged("FINAL")[0]["incarnation"] == 1
     digests = {lines[r].tagged("FINAL")[0]["digest"] for r in range(4)}

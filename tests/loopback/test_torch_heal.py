@@ -87,5 +87,5 @@ def test_stock_ddp_goes_on_without_a_rank_killed_under_tolerate(victim: int) -> 
     assert len({f["digest"] for f in finals}) == 1
     for rank in live:
         assert (f"[{rank}] rank {rank}: ranks [{victim}] did not come back within 1 s; the "
-                "ring runs over the 3 others") in out.stdout + out.stderr
+                "steps run over the 3 others") in out.stdout + out.stderr
     assert "closing without a clean barrier" not in out.stdout + out.stderr

@@ -250,3 +250,29 @@ def test_a_reformed_ring_sums_its_members_exactly_and_takes_a_rank_back() -> Non
             job.sessions[2].reform([0, 1, 3])  # type: ignore[attr-defined]
 
     asyncio.run(body())
+
+
+def test_a_reformed_transpose_sums_its_members_and_names_ranks_not_positions() -> None:
+    from aioreduce.schemes import Transpose
+    from aioreduce.schemes.base import Reforms
+
+    from .memjob import Job
+
+    async def body() -> None:
+        job = Job(Transpose(hadamard=False), 4, dim=64)
+        for s in job.sessions:
+            assert isinstance(s, Reforms) and s.members == (0, 1, 2, 3)
+        for step in range(2):  # the second step over lanes-free links of the new ring
+            for r in (0, 1, 3):
+                job.sessions[r].reform([0, 1, 3])  # type: ignore[attr-defined]
+            got = await job.run(step, [0, 1, 3])
+            want = sum(job.vector(r, step) for r in (0, 1, 3))
+            for r, res in got.items():
+                assert not isinstance(res, BaseException), (r, res)
+                assert res.used == [0, 1, 3] and res.late == [] and res.received == 1.0
+                np.testing.assert_allclose(res.value, want, rtol=1e-12)
+        for r in range(4):
+            job.sessions[r].reform([0, 1, 2, 3])  # type: ignore[attr-defined]
+        job.assert_exact(2, await job.run(2))
+
+    asyncio.run(body())

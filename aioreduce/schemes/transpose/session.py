@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,6 +33,7 @@ import numpy as np
 from ...codes.hadamard import Rotation
 from ..base import Comm, FellBehind, Result, StragglerError, spans_hosts
 from ..links import CommLinks, LaneLinks, Links, SplitLinks, unopened
+from ..members import MembersComm, real_error, real_result
 from ..pool import BufferPool
 from .clock import StageClock
 from .layout import NOTICE_TAG, PHASE2_TAG, Layout
@@ -50,6 +51,11 @@ class TransposeSession:
 
     def __init__(self, comm: Comm, opts: Transpose) -> None:
         self.comm, self.opts = comm, opts
+        # The comm of the ranks underneath, and the ranks the steps run over: every rank
+        # until a dead one is left out (see reform; then ``comm`` numbers the members).
+        self._base = comm
+        self.members: tuple[int, ...] = tuple(range(comm.world_size))
+        self._retired: list[Links] = []  # links of the ring before a re-form, to close
         # One clock per stage: stage 1 waits out the ranks' skew, stage 2 only a transfer.
         fixed = None if opts.deadline is None else opts.deadline / 2
         self.clocks = tuple(StageClock(warmup=opts.warmup, slack=opts.slack,
@@ -96,7 +102,30 @@ class TransposeSession:
         self._want_lanes = False
 
     async def close(self, timeout: float) -> None:
-        await self.links.close(timeout)
+        for links in [*self._retired, self.links]:
+            await links.close(timeout)
+        self._retired.clear()
+
+    def reform(self, members: Sequence[int]) -> None:
+        """See :class:`~..base.Reforms`: from the next step on, shard ``k`` is the ``k``-th
+        member's, the members talk over the event loop (no lanes: a replacement taken back
+        has none), and the stage clocks learn again."""
+        members = tuple(sorted(set(members)))
+        if members == self.members:
+            return
+        self.comm = (self._base if len(members) == self._base.world_size
+                     else MembersComm(self._base, members))
+        self.members = members
+        self._retired.append(self.links)
+        self.links = CommLinks(self.comm, self.opts.backlog_steps)
+        self._want_lanes = False
+        self._rotation = None
+        self.drifted.clear()
+        fixed = None if self.opts.deadline is None else self.opts.deadline / 2
+        self.clocks = tuple(StageClock(warmup=self.opts.warmup, slack=self.opts.slack,
+                                       headroom=self.opts.headroom,
+                                       min_deadline=self.opts.min_deadline, fixed=fixed)
+                            for _stage in range(2))
 
     async def _open_lanes(self, step: int) -> None:
         """Lanes to and from every peer, at the first step (every rank's comm is built the
@@ -128,13 +157,26 @@ class TransposeSession:
         return self._rotation
 
     async def step(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray]) -> Result:
-        return await self._run(step, like, own, None)
+        return await self._in_ranks(self._run(step, like, own, None))
 
     async def step_to(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray],
                       into: np.ndarray) -> Result:
         """The step with its result received straight into ``into`` (see
         :class:`~..base.WritesInto`): no result buffer, no copy of it."""
-        return await self._run(step, like, own, into.reshape(-1))
+        return await self._in_ranks(self._run(step, like, own, into.reshape(-1)))
+
+    async def _in_ranks(self, run: Awaitable[Result]) -> Result:
+        """A step's outcome with its ranks named as ranks (a re-formed session's comm
+        numbers the members by position)."""
+        while self._retired:
+            await self._retired.pop().close(0.0)
+        comm = self.comm
+        if not isinstance(comm, MembersComm):
+            return await run
+        try:
+            return real_result(comm, await run)
+        except StragglerError as exc:
+            raise real_error(comm, exc) from None
 
     async def _run(self, step: int, like: np.ndarray, own: Awaitable[np.ndarray],
                    into: np.ndarray | None) -> Result:

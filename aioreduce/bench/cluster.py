@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -25,8 +26,10 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 
+log = logging.getLogger("aioreduce.bench")
 PREFIX = "arx"
 
 
@@ -124,6 +127,9 @@ class Cluster:
     net: int = field(default_factory=lambda: 1 + os.getpid() % 250)
     tag: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}-{os.urandom(2).hex()}")
     names: list[str] = field(default_factory=list, init=False)
+    # The machine's list of algorithms a namespace may choose, if we added ours to it
+    # (restored at teardown).
+    _allowed_before: str | None = field(default=None, init=False)
     sshd: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict, init=False)
     _up: bool = field(default=False, init=False)
 
@@ -161,7 +167,26 @@ class Cluster:
                  tb: TracebackType | None) -> None:
         self.teardown()
 
+    def _allow_congestion(self) -> None:
+        """Let the hosts choose ``congestion``: outside the machine's own namespace, Linux
+        lets a namespace pick only the algorithms in ``tcp_allowed_congestion_control``
+        (the machine's default and the boot one; on a machine booted with BBR, cubic is not
+        there). Added for the cluster's life; if that fails, the hosts keep the machine's."""
+        if not self.congestion:
+            return
+        path = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+        try:
+            allowed = path.read_text().split()
+            if self.congestion not in allowed:
+                path.write_text(" ".join([*allowed, self.congestion]))
+                self._allowed_before = " ".join(allowed)
+        except OSError as exc:
+            log.warning("the emulated hosts keep this machine's TCP congestion control: "
+                        "cannot allow %s in namespaces (%s)", self.congestion, exc)
+            self.congestion = None
+
     def _create(self) -> None:
+        self._allow_congestion()
         sw = self.switch
         _run("ip", "netns", "add", sw)
         self.names.append(sw)
@@ -309,5 +334,10 @@ class Cluster:
             _run("ip", "netns", "del", ns, check=False)
         self.names.clear()
         self._up = False
+        if self._allowed_before is not None:  # (namespaces keep the algorithm they chose)
+            with contextlib.suppress(OSError):
+                Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").write_text(
+                    self._allowed_before)
+            self._allowed_before = None
         with contextlib.suppress(Exception):
             atexit.unregister(self.teardown)

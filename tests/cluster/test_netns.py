@@ -43,9 +43,18 @@ def _namespaces() -> set[str]:
 
 
 def test_hosts_reach_each_other_and_links_are_shaped() -> None:
+    allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+    before = allowed.read_text()
     with Cluster(3, rate_mbit=100) as cl:
         names = set(cl.names)
         assert names <= _namespaces()
+        # Every host runs cubic, whatever this machine's default (BBR here): a namespace
+        # may pick it only once it is allowed, which the cluster does for its life.
+        for i in range(3):
+            got = subprocess.run(cl.exec_argv(i, ["sysctl", "-n",
+                                                  "net.ipv4.tcp_congestion_control"]),
+                                 capture_output=True, text=True, check=True).stdout.strip()
+            assert got == "cubic", (i, got)
         recv = subprocess.Popen(cl.exec_argv(1, [sys.executable, "-c", RECEIVER, cl.addr(1)]),
                                 stdout=subprocess.PIPE, text=True)
         subprocess.run(cl.exec_argv(0, [sys.executable, "-c", SENDER, cl.addr(1)]),
@@ -58,6 +67,7 @@ def test_hosts_reach_each_other_and_links_are_shaped() -> None:
                                text=True)
         assert "dev br0" not in route.stdout
     assert not names & _namespaces()
+    assert allowed.read_text() == before  # the machine's list as it was
 
 
 def test_teardown_kills_what_runs_inside() -> None:

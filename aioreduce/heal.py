@@ -176,7 +176,7 @@ class Healer:
                                 raise
                             missing.append(rank)
                     if reforms is not None:
-                        await self._agree(reforms, lost, missing, steps.step, exc)
+                        await self._agree(reforms, lost, missing, steps.step, exc, known)
                         self._serving_at = steps.step
                         self.serve(steps.step)
                 back = [r for r in lost if r not in missing]
@@ -190,7 +190,7 @@ class Healer:
             self._serving_at = None
 
     async def _agree(self, session: Reforms, lost: list[int], missing: list[int], at: int,
-                     exc: PeerLost | StragglerError) -> None:
+                     exc: PeerLost | StragglerError, known: list[int]) -> None:
         """After a ring step failed because ``lost`` died and ``missing`` of them were not
         replaced here within ``rejoin_wait``: the live members agree, through the lowest of
         them, on the ring the step runs again over, and this rank re-forms its session to it.
@@ -200,7 +200,13 @@ class Healer:
         would run it again at different steps."""
         mesh, wait = self.mesh, self.rejoin_wait
         members = session.members
-        live = [r for r in members if r not in lost or r == mesh.rank]
+        # The members that ran the failed step and live: not a rank another death took
+        # (its connection broke) or that a replacement took over since (``known``: the
+        # incarnations when the step began); such a rank stays a member, and the step run
+        # again fails on it (then it is waited for) or runs with its replacement.
+        incarnations = mesh.incarnations.known
+        live = [r for r in members if r == mesh.rank or (
+            r not in lost and not mesh.is_lost(r) and incarnations[r] == known[r])]
         coordinator = min(live)
         try:
             if mesh.rank != coordinator:

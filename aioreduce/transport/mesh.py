@@ -630,6 +630,7 @@ class Mesh:
             self._check_rank(rank)
         listeners: dict[int, LaneListener] = {}
         lost: dict[int, BaseException] = {}
+        told: dict[int, asyncio.Future[Header]] = {}
         try:
             for src in recv_from:
                 listeners[src] = LaneListener(self.host, src, local=self.options.local_unix)
@@ -687,6 +688,13 @@ class Mesh:
         finally:
             for listener in listeners.values():
                 listener.close()
+            # An offer not waited for (a send or another offer failed first) is withdrawn:
+            # left posted, it would fail when its peer leaves, and nobody would hear it.
+            for fut in told.values():
+                if not fut.done():
+                    fut.cancel()
+                elif not fut.cancelled():
+                    fut.exception()  # (its failure is the step's, or another's: heard)
         outs = dict(zip(dialing, opened[:len(dialing)], strict=True))
         ins = dict(zip(accepting, opened[len(dialing):], strict=True))
         failed = {r: e for r, e in (*outs.items(), *ins.items()) if isinstance(e, BaseException)}

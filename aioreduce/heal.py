@@ -260,7 +260,10 @@ class Healer:
                 del self._joins[rank]
                 self._send_state(rank, ask, step, members)
             return
-        if not self._joins or self.mesh.rank != min(members) or self._reform is not None:
+        if self.mesh.rank != min(members):
+            self._joins.clear()  # asked the wrong rank (it was the lowest): it asks again
+            return
+        if not self._joins or self._reform is not None:
             return
         joiners = [r for r in self._joins if r not in members]
         for r in [r for r in self._joins if r in members]:
@@ -504,8 +507,8 @@ class Healer:
         step, nbytes, barriers, ring = (head.meta.get(k) for k in ("step", "nbytes",
                                                                    "barriers", "members"))
         if type(step) is not int or type(nbytes) is not int or nbytes < 0 or not (
-                ring is None or (isinstance(ring, list) and ring
-                                 and all(type(r) is int for r in ring))):
+                ring is None or (isinstance(ring, list) and ring and all(
+                    type(r) is int and 0 <= r < mesh.world_size for r in ring))):
             raise PeerLost(source, "sent a malformed heal")
         blob = np.empty(nbytes, np.uint8)
         for i, lo in enumerate(range(0, nbytes, PIECE)):

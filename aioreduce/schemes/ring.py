@@ -258,6 +258,7 @@ class RingSession:
         # The ranks the ring runs over, in ring order: every rank, until a lost one that was
         # not replaced in time is left out (see reform and aioreduce.heal).
         self.members: tuple[int, ...] = tuple(range(comm.world_size))
+        self._left_out: list[int] = []  # the others
 
     def reform(self, members: Sequence[int]) -> None:
         """See :class:`~.base.Reforms`: the steps from the next one run over ``members``
@@ -265,6 +266,7 @@ class RingSession:
         if self.comm.rank not in members:
             raise ValueError(f"rank {self.comm.rank}: a ring re-formed without this rank")
         self.members = tuple(sorted(set(members)))
+        self._left_out = [r for r in range(self.comm.world_size) if r not in self.members]
         self._want_lanes = self._lanes and len(self.members) > 1
         self._reopen = True
 
@@ -415,9 +417,7 @@ class RingSession:
         value = acc.reshape(like.shape)
         if into is None:  # ours, and reused by the pool: the caller must not write to it
             value.setflags(write=False)
-        members = self.members
-        late = [r for r in range(comm.world_size) if r not in members]
-        return Result(value, step, list(members), late, True, 0.0,
+        return Result(value, step, list(self.members), list(self._left_out), True, 0.0,
                       time.perf_counter() - t0)
 
     async def _exchange(self, mine: np.ndarray, acc: np.ndarray, step: int, divisor: float,

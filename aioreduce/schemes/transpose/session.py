@@ -56,12 +56,7 @@ class TransposeSession:
         self._base = comm
         self.members: tuple[int, ...] = tuple(range(comm.world_size))
         self._retired: list[Links] = []  # links of the ring before a re-form, to close
-        # One clock per stage: stage 1 waits out the ranks' skew, stage 2 only a transfer.
-        fixed = None if opts.deadline is None else opts.deadline / 2
-        self.clocks = tuple(StageClock(warmup=opts.warmup, slack=opts.slack,
-                                       headroom=opts.headroom,
-                                       min_deadline=opts.min_deadline, fixed=fixed)
-                            for _stage in range(2))
+        self.clocks = self._new_clocks()
         # Through the comm until the first step opens lanes to every peer (if the comm has
         # them: not the in-memory network); see links.py and lanes.py.
         self.links: Links = CommLinks(comm, opts.backlog_steps)
@@ -121,11 +116,15 @@ class TransposeSession:
         self._want_lanes = False
         self._rotation = None
         self.drifted.clear()
-        fixed = None if self.opts.deadline is None else self.opts.deadline / 2
-        self.clocks = tuple(StageClock(warmup=self.opts.warmup, slack=self.opts.slack,
-                                       headroom=self.opts.headroom,
-                                       min_deadline=self.opts.min_deadline, fixed=fixed)
-                            for _stage in range(2))
+        self.clocks = self._new_clocks()
+
+    def _new_clocks(self) -> tuple[StageClock, ...]:
+        """One clock per stage: stage 1 waits out the ranks' skew, stage 2 only a transfer."""
+        opts = self.opts
+        fixed = None if opts.deadline is None else opts.deadline / 2
+        return tuple(StageClock(warmup=opts.warmup, slack=opts.slack, headroom=opts.headroom,
+                                min_deadline=opts.min_deadline, fixed=fixed)
+                     for _stage in range(2))
 
     async def _open_lanes(self, step: int) -> None:
         """Lanes to and from every peer, at the first step (every rank's comm is built the

@@ -157,7 +157,11 @@ def optireduce_row(where: Path) -> str:
             f"{cell('transpose')}, without the rotation {cell('transpose-norot')}, ring "
             f"{cell('ring')}, Gloo {cell('gloo')}; transpose / Gloo {_spread(ratios)} (training "
             f"time {_spread(trains)}); final loss "
-            + ", ".join(f"{k} {v}" for k, v in sorted(losses.items())))
+            + ", ".join(f"{k} {v}" for k, v in sorted(losses.items()))
+            + "; least share of a step's gradient received by the transpose "
+            + _spread([r["least_received"] for r in tta if r["run"].startswith("transpose")],
+                      "{:.3f}")
+            + " (1.000: nothing was cut, and the gain is two rounds against the ring's hops)")
         if ratios:
             gain = 1 - max(ratios)
             verdicts.append(f"time to accuracy {gain:.0%} faster than Gloo at worst "

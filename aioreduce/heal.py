@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("aioreduce")
 
 PIECE = 64 << 20  # bytes of the state per frame
+# How long the live members of a ring that re-forms wait for one another's word: they are
+# all in the same failed step, so they answer at once; a dead one fails the wait sooner.
+AGREE_S = 10.0
 EMPTY = np.empty(0, np.uint8)
 
 
@@ -196,9 +199,9 @@ class Healer:
         them, on the ring the step runs again over, and this rank re-forms its session to it.
         A rank is left out only if no live member saw its replacement (one that did will
         run with it, and the others then find it too). Raises ``exc`` if a member does not
-        answer within ``rejoin_wait`` (it died too), :class:`GroupMismatch` if the members
-        would run it again at different steps."""
-        mesh, wait = self.mesh, self.rejoin_wait
+        answer in time (it died too), :class:`GroupMismatch` if the members would run it
+        again at different steps."""
+        mesh, wait = self.mesh, max(self.rejoin_wait, AGREE_S)
         members = session.members
         # The members that ran the failed step and live: not a rank another death took
         # (its connection broke) or that a replacement took over since (``known``: the
@@ -235,7 +238,8 @@ class Healer:
         if tuple(ring) != members:
             out = sorted(set(members) - set(ring))
             log.warning("rank %d: ranks %s did not come back within %g s; the steps run over "
-                        "the %d others from step %d", mesh.rank, out, wait, len(ring), at)
+                        "the %d others from step %d", mesh.rank, out, self.rejoin_wait,
+                        len(ring), at)
             session.reform(ring)
 
     async def _boundary(self, session: Reforms, step: int) -> None:

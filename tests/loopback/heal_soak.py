@@ -5,10 +5,11 @@ victim's replacement is back in the job, so two ranks of one family are never aw
 ``--scheme ring --ranks 8`` and ``--scheme transpose --ranks 4``: the same for the ring and the
 transpose, whose step that lost a rank waits for the replacement and runs again
 (``AIOREDUCE_REJOIN_WAIT``, which the launcher sets). ``--rejoin-wait S`` sets it shorter
-than a replacement takes to start: the ring then runs again without the victim, re-formed over
-the live ranks, and takes the replacement back once it healed (checked: every kill left the
-victim out of at least one root step, and it was used again). The same for the transpose,
-whose dead rank's shard is then cut over the others.
+than a replacement takes to start (0.05 s is; on an idle machine 0.2 s may not be): the ring
+then runs again without the victim, re-formed over the live ranks, and takes the replacement
+back once it healed (checked: every kill left the victim out of at least one root step, and
+it was used again). The same for the transpose, whose dead rank's shard is then cut over the
+others.
 
 Checked: the launcher exits 0; every step every rank returned is exact (a ring step run again
 sums the replacement's vector of the next step with the others' of this one: those steps are

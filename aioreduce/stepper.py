@@ -111,15 +111,23 @@ class Stepper:
             async def produce() -> np.ndarray:
                 t = time.perf_counter()
                 out = await loop.run_in_executor(None, compute)
-                return await self._straggle(step, out, time.perf_counter() - t)
+                delay = self._injected(step, time.perf_counter() - t)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                return out
 
-            own = asyncio.ensure_future(produce())
+            own: asyncio.Future[np.ndarray] = asyncio.ensure_future(produce())
             assert self.like is not None
             like = self.like
         else:
             vec = np.ascontiguousarray(vector)
             like = self.like = np.empty_like(vec)
-            own = asyncio.ensure_future(self._straggle(step, vec, since_return))
+            delay = self._injected(step, since_return)
+            if delay > 0:
+                own = asyncio.ensure_future(_after(delay, vec))
+            else:  # (a task would cost a turn of the loop and tens of microseconds a step)
+                own = loop.create_future()
+                own.set_result(vec)
         return await self._session_step(session, label, step, like, own, into, divisor,
                                         arrival)
 
@@ -165,16 +173,19 @@ class Stepper:
                 decode = session.decode_seconds(step) if isinstance(session, DecodeTimed) else 0
                 tracer.finish(step, result, error, decode)
 
-    async def _straggle(self, step: int, vec: np.ndarray, compute_seconds: float
-                        ) -> np.ndarray:
-        """Apply injected straggling (a delay model per rank) to this rank's vector."""
+    def _injected(self, step: int, compute_seconds: float) -> float:
+        """Injected straggling (a delay model per rank): the seconds this rank's vector is
+        held back at ``step`` (or the process dies here, if the model says so)."""
         if self.straggle.kills(self.rank, step) and not self.replacement:
             # A real death, as a crashed or preempted machine: no cleanup, no goodbye.
             os.kill(os.getpid(), signal.SIGKILL)
-        delay = self.straggle.extra_delay(self.rank, step, compute_seconds, self.world_size)
-        if delay > 0:
-            await asyncio.sleep(delay)
-        return vec
+        return self.straggle.extra_delay(self.rank, step, compute_seconds, self.world_size)
+
+
+async def _after(delay: float, vec: np.ndarray) -> np.ndarray:
+    """``vec``, ``delay`` seconds from now."""
+    await asyncio.sleep(delay)
+    return vec
 
 
 def mean_divisor(res: Result, world_size: int) -> float:

@@ -230,10 +230,11 @@ class Inbox:
         if floor_tag:  # only a scheme with stages inside a step sets one
             for t in [t for t in self._tags_of.get(floor, ()) if t < floor_tag]:
                 self._unstage((floor, t))
-        for conn, header in list(self._held.items()):
-            if self._stale(header):
-                del self._held[conn]
-                conn.resume_with(None)
+        if self._held:  # (mostly empty: this runs for every peer twice a step)
+            for conn, header in list(self._held.items()):
+                if self._stale(header):
+                    del self._held[conn]
+                    conn.resume_with(None)
 
     @property
     def floor(self) -> int:

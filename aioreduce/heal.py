@@ -250,7 +250,7 @@ class Healer:
         reform, members = self._reform, session.members
         if reform is not None and step >= reform.start:
             self._reform = None
-            if tuple(reform.members) != members:
+            if reform.members != members:
                 log.warning("rank %d: the steps run over ranks %s from step %d",
                             self.mesh.rank, list(reform.members), step)
                 # Connected first: a step takes a peer whose connection broke and did not
@@ -259,13 +259,13 @@ class Healer:
                                        if r not in members and r != self.mesh.rank))
                 session.reform(reform.members)
                 members = session.members
-            joins = {r: a for r, a in self._joins.items() if r in members}
-            for rank, ask in joins.items():  # the lowest member: heal them into this step
-                del self._joins[rank]
-                self._send_state(rank, ask, step, members)
+            # The lowest member: the replacements it took back are healed into this step
+            # like any asker (serve(), right after this boundary, sends the members too).
+            for rank in [r for r in self._joins if r in members]:
+                self._asked[rank] = self._joins.pop(rank)
             return
         if self.mesh.rank != min(members):
-            self._joins.clear()  # asked the wrong rank (it was the lowest): it asks again
+            self._joins.clear()  # asked as the lowest member, which it is not: it asks again
             return
         if not self._joins or self._reform is not None:
             return
@@ -433,17 +433,6 @@ class Healer:
             log.info("rank %d: healing rank %d (incarnation %d) at step %d, %d bytes",
                      self.mesh.rank, rank, ask.incarnation, step, blob.nbytes)
             self.mesh.spawn(self._send(rank, ask.ticket, meta, blob))
-
-    def _send_state(self, rank: int, ask: HealAsk, step: int, members: tuple[int, ...]
-                    ) -> None:
-        """Heal ``rank`` into ``step`` of a ring over ``members`` (it is taken back)."""
-        blob = self._blob()
-        self._sending += 1
-        meta = {"step": step, "nbytes": blob.nbytes, "barriers": self.mesh.barriers,
-                "members": list(members)}
-        log.info("rank %d: healing rank %d (incarnation %d) into the ring at step %d",
-                 self.mesh.rank, rank, ask.incarnation, step)
-        self.mesh.spawn(self._send(rank, ask.ticket, meta, blob))
 
     def _blob(self) -> np.ndarray:
         if self.hooks is None:

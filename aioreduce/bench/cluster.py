@@ -31,6 +31,8 @@ from types import TracebackType
 
 log = logging.getLogger("aioreduce.bench")
 PREFIX = "arx"
+# The TCP congestion controls a namespace may choose (see Cluster._allow_congestion).
+ALLOWED_CONGESTION = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
 
 
 SSHD_CONFIG = """\
@@ -174,11 +176,10 @@ class Cluster:
         there). Added for the cluster's life; if that fails, the hosts keep the machine's."""
         if not self.congestion:
             return
-        path = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
         try:
-            allowed = path.read_text().split()
+            allowed = ALLOWED_CONGESTION.read_text().split()
             if self.congestion not in allowed:
-                path.write_text(" ".join([*allowed, self.congestion]))
+                ALLOWED_CONGESTION.write_text(" ".join([*allowed, self.congestion]))
                 self._allowed_before = " ".join(allowed)
         except OSError as exc:
             log.warning("the emulated hosts keep this machine's TCP congestion control: "
@@ -336,8 +337,7 @@ class Cluster:
         self._up = False
         if self._allowed_before is not None:  # (namespaces keep the algorithm they chose)
             with contextlib.suppress(OSError):
-                Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").write_text(
-                    self._allowed_before)
+                ALLOWED_CONGESTION.write_text(self._allowed_before)
             self._allowed_before = None
         with contextlib.suppress(Exception):
             atexit.unregister(self.teardown)

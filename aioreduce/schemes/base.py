@@ -381,6 +381,7 @@ class StragglerError(AioreduceError):
                  received: float | None = None) -> None:
         self.step = step
         self.missing = sorted(missing)
+        self.detail = detail
         self.received = received  # bounded-time schemes: the fraction that did arrive
         msg = f"step {step}: cannot decode without ranks {self.missing}"
         super().__init__(msg + (f" ({detail})" if detail else ""))

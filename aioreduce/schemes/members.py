@@ -82,7 +82,5 @@ def real_result(comm: MembersComm, res: Result) -> Result:
 def real_error(comm: MembersComm, exc: BaseException) -> BaseException:
     """``exc`` with the ranks it names as ranks (a straggler error's missing ranks)."""
     if isinstance(exc, StragglerError):
-        out = StragglerError(exc.step, comm.real(exc.missing), received=exc.received)
-        out.args = (str(exc).replace(f"ranks {exc.missing}", f"ranks {out.missing}"),)
-        return out
+        return StragglerError(exc.step, comm.real(exc.missing), exc.detail, exc.received)
     return exc

@@ -211,7 +211,7 @@ def check(rep: dict) -> list[str]:
     if rep["restarts"] != rep["kills"] or rep["healed"] != rep["kills"]:
         bad.append(f"{rep['kills']} kills, {rep['restarts']} restarts, {rep['healed']} heals")
     if rep["rejoin_wait"] is not None and rep["kills_left_out"] != rep["kills"]:
-        bad.append(f"{rep['kills']} kills, the ring left the victim out after "
+        bad.append(f"{rep['kills']} kills, the steps left the victim out after "
                    f"{rep['kills_left_out']}")
     if rep["root_steps"] != rep["steps"] - rep["root_steps_taken_by_reruns"]:
         bad.append(f"the root did {rep['root_steps']} of {rep['steps']} steps "

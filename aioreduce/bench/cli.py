@@ -383,7 +383,8 @@ def _print_p2p(results: list[dict[str, Any]]) -> None:
                   f"{r['raw_gbps']:>7.2f}")
         else:
             print(f"round trip of {r['message_bytes']} B: event loop {r['aioreduce_rtt_us']:.0f} "
-                  f"us, blocking {r['lanes_rtt_us']:.0f} us, raw {r['raw_rtt_us']:.0f} us "
+                  f"us, blocking {r['lanes_rtt_us']:.0f} us, raw {r['raw_rtt_us']:.0f} us; "
+                  f"a bare protocol on the event loop {r['loop_floor_rtt_us']:.0f} us "
                   f"(median of {r['rounds']})")
 
 

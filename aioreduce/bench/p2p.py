@@ -10,7 +10,10 @@ order of the three (raw first, then second, then third) so that all see the same
 noise and none always goes first; every trial streams enough messages to move at least
 ``--min-bytes`` and ends with an 8-byte ack, and the receiver lands every message in one
 preallocated array. Reported: medians, GB/s and each driver's ratio to raw; then the
-small-message round trip of all three.
+small-message round trip of all three, and of a bare protocol on the event loop (an 8-byte
+read and write on a connection of the same kind, no framing, no matching): the floor of any
+event-loop driver on this host, so that what aioreduce's own layers add is seen apart from
+what waking through the loop costs.
 """
 
 from __future__ import annotations
@@ -33,6 +36,24 @@ from ..transport.loop import run
 
 ACK = 8
 MODES = ("raw", "aioreduce", "lanes")
+
+
+class _Bare(asyncio.BufferedProtocol):
+    """The event loop's floor: an 8-byte message read into one buffer, a future resolved."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray(ACK)
+        self.got = 0
+        self.arrived: asyncio.Future[None] | None = None
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return memoryview(self.buf)[self.got:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.got += nbytes
+        if self.got == ACK and self.arrived is not None:
+            self.got = 0
+            self.arrived.set_result(None)
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -66,6 +87,7 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
                 where = str(lsock.getsockname()[1])
             await node.send(0, nothing, step=0, tag=1, meta={"where": where})
             raw, _ = await asyncio.get_running_loop().run_in_executor(None, lsock.accept)
+            floor, _ = await asyncio.get_running_loop().run_in_executor(None, lsock.accept)
             lsock.close()
         else:
             where = str((await node.recv_into(1, nothing, step=0, tag=1, timeout=30)
@@ -73,11 +95,19 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
             if unix:
                 raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 raw.connect(where)
+                floor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                floor.connect(where)
             else:
                 raw = socket.create_connection(("127.0.0.1", int(where)))
+                floor = socket.create_connection(("127.0.0.1", int(where)))
         if not unix:
-            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for sock in (raw, floor):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         raw_ack = memoryview(bytearray(ACK))
+        floor.setblocking(False)
+        loop = asyncio.get_running_loop()
+        bare_transport, bare = await (loop.create_unix_connection(_Bare, sock=floor) if unix
+                                      else loop.create_connection(_Bare, sock=floor))
 
         # The blocking driver: a lane each way over the comm's bulk links, read by the
         # thread that waits (no reader thread), as the ring reads its lanes.
@@ -153,13 +183,22 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
                        "raw_gbps": moved / r / 1e9, "ratio": r / a, "lanes_ratio": r / lane})
 
         small = np.zeros(ACK, np.uint8)
-        rtts: dict[str, list[float]] = {m: [] for m in MODES}
-        # Round by round, the three in turn (the order rotating): a round trip's time on
-        # this host swings with where the two processes run, and all three see the same.
-        for i in range(len(MODES) * rtt_rounds):
-            for mode in MODES[i % len(MODES):] + MODES[:i % len(MODES)]:
+        kinds = (*MODES, "loop")
+        rtts: dict[str, list[float]] = {m: [] for m in kinds}
+        # Round by round, the four in turn (the order rotating): a round trip's time on
+        # this host swings with where the two processes run, and all four see the same.
+        for i in range(len(kinds) * rtt_rounds):
+            for mode in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
                 t0 = time.perf_counter()
-                if mode == "lanes":
+                if mode == "loop":
+                    bare.arrived = loop.create_future()
+                    if me == 0:
+                        bare_transport.write(raw_ack)
+                        await bare.arrived
+                    else:
+                        await bare.arrived
+                        bare_transport.write(raw_ack)
+                elif mode == "lanes":
                     if me == 0:
                         links.send(1, small, step, 0, {}, bare=True)
                         links.recv(1, small, step, 0)
@@ -186,10 +225,13 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
         if me == 0:
             r = statistics.median(rtts["raw"])
             a, lane = statistics.median(rtts["aioreduce"]), statistics.median(rtts["lanes"])
+            floor_rtt = statistics.median(rtts["loop"])
             _emit({"kind": "latency", "message_bytes": ACK, "rounds": len(rtts["raw"]),
                    "aioreduce_rtt_us": a * 1e6, "lanes_rtt_us": lane * 1e6,
-                   "raw_rtt_us": r * 1e6, "ratio": r / a, "lanes_ratio": r / lane})
+                   "raw_rtt_us": r * 1e6, "loop_floor_rtt_us": floor_rtt * 1e6,
+                   "ratio": r / a, "lanes_ratio": r / lane})
         await links.close(1.0)
+        bare_transport.close()
         raw.close()
 
 

@@ -115,6 +115,9 @@ class Inbox:
         self._in_flight: set[Key] = set()
         # Waiters for a frame to arrive without taking it (:meth:`probe`), by key.
         self._probes: dict[Key, list[asyncio.Future[None]]] = {}
+        # The loop this inbox serves, found at its first receive: asyncio.get_running_loop()
+        # makes a getpid() system call each time, and a receive took two.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def on_early(self, min_tag: int, handler: EarlyHandler, *,
                  since: int | None = None) -> Callable[[], None]:
@@ -174,7 +177,10 @@ class Inbox:
 
     def post(self, key: Key, view: memoryview, dtype: str) -> asyncio.Future[Header]:
         """Post a receive of ``key`` into ``view``; the future resolves with the frame header."""
-        fut: asyncio.Future[Header] = asyncio.get_running_loop().create_future()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Header] = loop.create_future()
         if key in self._posted:
             raise RuntimeError(f"a receive from rank {self.rank} for step {key[0]} tag {key[1]} "
                                "is already posted")
@@ -187,6 +193,8 @@ class Inbox:
             return fut
         posted = _Posted(view, dtype, fut)
         self._posted[key] = posted
+        if not self._held:  # the usual case: no frame waits in the kernel for its receive
+            return fut
         for conn, header in list(self._held.items()):
             del self._held[conn]
             if (header.step, header.tag) == key and self._posted.get(key) is posted:

@@ -194,7 +194,7 @@ class FrameDecoder:
             return self._frames(self._finish())
         if st is _State.PREFIX or st is _State.HEADER:
             self._hi += nbytes
-            return self._frames(None)
+            return self._parse()  # (no first frame: one generator, not two)
         raise RuntimeError(f"bytes delivered in state {st.name}")
 
     def resume(self, dest: memoryview | None) -> Iterable[Frame]:

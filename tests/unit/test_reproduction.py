@@ -41,3 +41,21 @@ def test_the_optireduce_row_is_made_from_the_files(tmp_path: Path) -> None:
     assert "the tail is flatter than the ring's and Gloo's" in row
     assert "time to accuracy 60% faster than Gloo at worst" in row
     assert "**reproduced in part**" in row
+
+
+def test_the_held_out_cell_is_set_against_the_simulator_from_the_files(tmp_path: Path
+                                                                        ) -> None:
+    # The sentence under the table: the cell the sweep leaves out, from its results file,
+    # against the simulator's prediction with the costs fitted at that cluster size.
+    assert reproduction.heldout_sentence(tmp_path, {}) == ""
+    heldout = ROOT / "docs" / "sweep" / "heldout-40x64m"
+    platforms = reproduction.load_platforms(ROOT / "docs" / "sweep" / "costs.json")
+    rows = [json.loads(x) for x in (heldout / "results.jsonl").read_text().splitlines()]
+    checks = reproduction.compare(reproduction.from_sweep(rows, reproduction.row_config),
+                                  platforms[40])
+    sentence = reproduction.heldout_sentence(heldout, platforms)
+    assert {c.measured.scheme for c in checks} == {"ring", "gloo", "tree"}
+    for c in checks:
+        assert (f"{c.measured.scheme} {c.measured.median:.2f} s against {c.predicted:.2f} s "
+                f"({c.error:+.0%})") in sentence
+    assert "40 ranks at 64 MiB" in sentence and "5 steps" in sentence

@@ -333,7 +333,8 @@ def run_allreduce(cfg: Config, timeout: float = 3600.0) -> list[dict[str, Any]]:
         env["AIOREDUCE_LATENCY"] = repr(cfg.latency)
     env.setdefault("OMP_NUM_THREADS", "1")  # 2 cores shared by many ranks: no thread storms
     if cfg.netns:
-        out = run_on_cluster(cfg.nodes, cfg.link_mbit, cfg.background, worker, env, timeout)
+        out = run_on_cluster(cfg.nodes, cfg.link_mbit, cfg.background, worker, env, timeout,
+                             cpus_per_host=cfg.cpus_per_host)
         tag = "RESULT "
     else:
         cmd = [sys.executable, "-m", "aioreduce_launch.cli", "-n", str(cfg.nodes), "--", *worker]
@@ -345,17 +346,18 @@ def run_allreduce(cfg: Config, timeout: float = 3600.0) -> list[dict[str, Any]]:
 
 
 def run_on_cluster(nodes: int, link_mbit: float | None, background: int, worker: list[str],
-                   env: dict[str, str], timeout: float) -> str:
+                   env: dict[str, str], timeout: float, *,
+                   cpus_per_host: float | None = None) -> str:
     """``worker`` as ``nodes`` ranks, every one in its own network namespace (an emulated
-    host), links shaped to ``link_mbit``, ``background`` bulk flows between the hosts;
-    returns rank 0's stdout.
+    host), links shaped to ``link_mbit``, ``background`` bulk flows between the hosts, each
+    host held to ``cpus_per_host`` CPUs if given; returns rank 0's stdout.
 
     The first rank to fail ends the run: the others are killed and the error names it (a
     rank that died leaves the rest waiting for it, so waiting for rank 0 would hang)."""
     from ..jobplan import HostSlots, JobConfig, plan_ranks
     from .cluster import Cluster
 
-    with Cluster(nodes, rate_mbit=link_mbit) as cluster:
+    with Cluster(nodes, rate_mbit=link_mbit, cpus_per_host=cpus_per_host) as cluster:
         cluster.background(background)
         job = JobConfig(master_addr=cluster.addr(0), master_port=29500, rendezvous_port=29501)
         hosts = [HostSlots(cluster.ns(i), 1, addr=cluster.addr(i)) for i in range(nodes)]
@@ -368,7 +370,7 @@ def run_on_cluster(nodes: int, link_mbit: float | None, background: int, worker:
         try:
             for i, spec in enumerate(plan_ranks(hosts, job)):
                 procs.append(subprocess.Popen(
-                    cluster.exec_argv(i, worker), env={**env, **spec.env,
+                    cluster.rank_argv(i, worker), env={**env, **spec.env,
                                                        "AIOREDUCE_BIND": cluster.addr(i)},
                     stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL,
                     start_new_session=True, text=True))

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(AIOREDUCE_LATENCY; not applied to Gloo)")
     ar.add_argument("--background", type=int, default=0, metavar="FLOWS",
                     help="with --netns: bulk TCP flows between hosts, as other tenants")
+    ar.add_argument("--cpus-per-host", type=float, default=None, metavar="CPUS",
+                    help="with --netns: hold each emulated host to CPUS CPUs (a cgroup "
+                         "quota), equal shares whatever the number of hosts")
     ar.add_argument("--gc-every", type=int, default=0, metavar="N",
                     help="Python's garbage collection after every N-th step, on every rank "
                          "at once (Node(gc_every=N), see aioreduce.stepgc); 0: left alone")
@@ -168,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="shape each emulated host's link (with --netns)")
     do.add_argument("--latency", type=float, default=0.0, metavar="SECONDS",
                     help="emulated one-way latency per frame")
+    do.add_argument("--cpus-per-host", type=float, default=None, metavar="CPUS",
+                    help="with --netns: hold each emulated host to CPUS CPUs (a cgroup "
+                         "quota), the same share at every cluster size")
     do.add_argument("--straggle", default="", metavar="SPEC",
                     help="a straggler model for every cell beside the dose, e.g. "
                          "'all:load-exp=2'")
@@ -310,6 +316,9 @@ def _allreduce(opts: argparse.Namespace) -> list[dict[str, Any]]:
 
     names = [s.strip() for s in opts.scheme.split(",") if s.strip()]
     bases = [variant(name)[0] for name in names]
+    if opts.cpus_per_host is not None and not opts.netns:
+        raise SystemExit("aioreduce-bench: --cpus-per-host holds emulated hosts to a share: "
+                         "it needs --netns")
     for name in bases:
         if name not in SCHEMES:
             raise SystemExit(f"aioreduce-bench: unknown scheme {name!r} "
@@ -328,7 +337,7 @@ def _allreduce(opts: argparse.Namespace) -> list[dict[str, Any]]:
                                   else opts.model_bandwidth),
                  netns=opts.netns, link_mbit=opts.link_mbit, options=opts.options,
                  background=opts.background, latency=opts.latency, in_place=opts.in_place,
-                 gc_every=opts.gc_every)
+                 gc_every=opts.gc_every, cpus_per_host=opts.cpus_per_host)
     results = run_allreduce(cfg)
     gloo = next((r for r in results if r["scheme"] == "gloo"), None)
     rows = [r for r in results if r["scheme"] != "gloo"]
@@ -418,6 +427,8 @@ def _dose(opts: argparse.Namespace) -> int:
 
     from . import dose
 
+    if opts.cpus_per_host is not None and not opts.netns:
+        raise SystemExit("aioreduce-bench dose: --cpus-per-host needs --netns")
     kind, doses = (("slow", opts.slow) if opts.slow
                    else ("delay", opts.delays or [0.0, 0.05, 0.1, 0.2, 0.5]))
     try:
@@ -426,7 +437,7 @@ def _dose(opts: argparse.Namespace) -> int:
                              size_bytes=opts.size, iters=opts.iters, warmup=opts.warmup,
                              compute=opts.compute, netns=opts.netns,
                              link_mbit=opts.link_mbit, latency=opts.latency,
-                             straggle=opts.straggle)
+                             straggle=opts.straggle, cpus_per_host=opts.cpus_per_host)
     except ValueError as exc:
         raise SystemExit(f"aioreduce-bench dose: {exc}") from None
     print(path.read_text(), end="")

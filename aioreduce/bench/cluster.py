@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from .cpushare import CpuShares
+
 log = logging.getLogger("aioreduce.bench")
 PREFIX = "arx"
 # The TCP congestion controls a namespace may choose (see Cluster._allow_congestion).
@@ -126,6 +128,9 @@ class Cluster:
     # namespace inherits the machine's, and BBR's estimates with a dozen flows through a
     # shaped link swing widely: docs/schemes.md). None: the machine's.
     congestion: str | None = "cubic"
+    # CPUs each host may use (a cgroup quota per host, see .cpushare): equal shares, so a
+    # rank's contention for the machine's cores is the same at any cluster size. None: none.
+    cpus_per_host: float | None = None
     net: int = field(default_factory=lambda: 1 + os.getpid() % 250)
     tag: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}-{os.urandom(2).hex()}")
     names: list[str] = field(default_factory=list, init=False)
@@ -133,6 +138,7 @@ class Cluster:
     # (restored at teardown).
     _allowed_before: str | None = field(default=None, init=False)
     sshd: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict, init=False)
+    shares: CpuShares | None = field(default=None, init=False)
     _up: bool = field(default=False, init=False)
 
     @property
@@ -150,6 +156,14 @@ class Cluster:
     def exec_argv(self, i: int, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside host ``i``."""
         return ["ip", "netns", "exec", self.ns(i), *argv]
+
+    def rank_argv(self, i: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside host ``i``, within its CPU share if the cluster has one
+        (the hosts' own work; background flows and sshd are not held to it)."""
+        if self.shares is None:
+            return self.exec_argv(i, argv)
+        # The group first: inside the namespace, /sys is a new sysfs without the cgroups.
+        return self.shares.argv(i, self.exec_argv(i, argv))
 
     def __enter__(self) -> Cluster:
         reason = available()
@@ -215,6 +229,9 @@ class Cluster:
                 self._shape(ns, "eth0")
                 self._shape(sw, f"p{i}")
         self._static_neighbours()
+        if self.cpus_per_host is not None:
+            self.shares = CpuShares(self.tag, self.hosts, self.cpus_per_host)
+            self.shares.create()
         self._up = True
 
     def _static_neighbours(self) -> None:
@@ -331,6 +348,9 @@ class Cluster:
         self.sshd.clear()
         for ns in reversed(self.names):
             kill_namespace_processes(ns)
+        if self.shares is not None:
+            self.shares.remove()
+            self.shares = None
         for ns in reversed(self.names):
             _run("ip", "netns", "del", ns, check=False)
         self.names.clear()

@@ -88,7 +88,8 @@ def straggle_spec(nodes: int, dose: float, kind: str) -> str:
 
 def cell_config(nodes: int, dose: float, kind: str, repeat: int, *, schemes: Sequence[str],
                 size_bytes: int, iters: int, warmup: int, compute: float, netns: bool,
-                link_mbit: float | None, latency: float, straggle: str = "") -> Config:
+                link_mbit: float | None, latency: float, straggle: str = "",
+                cpus_per_host: float | None = None) -> Config:
     """One launch: every scheme of the cell alternated, this repeat's seed; ``straggle``, a
     model for every rank beside the dose (``all:load-exp=2``: compute that grows with the
     load, as in the papers)."""
@@ -100,7 +101,8 @@ def cell_config(nodes: int, dose: float, kind: str, repeat: int, *, schemes: Seq
                   warmup=warmup, fanout=fanout, levels=levels, compute=compute,
                   straggle=";".join(x for x in (straggle_spec(nodes, dose, kind), straggle)
                                     if x), netns=netns,
-                  link_mbit=link_mbit, latency=latency, seed=repeat)
+                  link_mbit=link_mbit, latency=latency, seed=repeat,
+                  cpus_per_host=cpus_per_host)
 
 
 def summarize(rows: Iterable[dict[str, Any]]) -> dict[tuple[int, float, str], Estimate]:
@@ -144,7 +146,8 @@ def run_dose(nodes: Sequence[int], doses: Sequence[float], kind: str, repeats: i
             for dose in doses:
                 cfg = cell_config(n, dose, kind, repeat, **kw)
                 for row in run_allreduce(cfg):
-                    row = {**row, "dose": dose, "kind": kind, "repeat": repeat}
+                    row = {**row, "dose": dose, "kind": kind, "repeat": repeat,
+                           "cpus_per_host": cfg.cpus_per_host}
                     row.pop("steps_s", None)
                     with results.open("a") as f:
                         f.write(json.dumps(row) + "\n")

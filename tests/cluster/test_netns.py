@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from aioreduce.bench import cpushare
 from aioreduce.bench.cluster import Cluster, available
 
 pytestmark = [pytest.mark.cluster,
@@ -154,3 +155,32 @@ def test_sim_fits_the_sweep_and_advise_measures_the_cluster(tmp_path: Path) -> N
                  "--straggle", "rank=3:slow=3", "--iters", "3")
     assert adv.stdout.splitlines()[-1].startswith("advice: ")
     assert set(json.loads(costs.read_text())) == {"4"}
+
+
+BUSY = """
+import time
+print([line for line in open('/proc/self/cgroup').read().splitlines()
+       if line.split(':')[1] in ('cpu', 'cpu,cpuacct', '')][0], flush=True)
+t = time.process_time()
+while time.process_time() - t < 0.2:
+    pass
+"""
+
+
+@pytest.mark.skipif(cpushare.unavailable() is not None,
+                    reason=f"no CPU groups here: {cpushare.unavailable()}")
+def test_each_host_is_held_to_its_cpu_share_and_the_groups_go_at_teardown() -> None:
+    with Cluster(2, cpus_per_host=0.1) as cl:
+        assert cl.shares is not None
+        groups = [cl.shares.group(i) for i in range(2)]
+        out = subprocess.run(cl.rank_argv(1, [sys.executable, "-c", BUSY]),
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        # The process ran in host 1's group (the cgroup as its own /proc names it) ...
+        assert out.stdout.split(":")[-1].strip().endswith(f"{cl.tag}/h1"), out.stdout
+        # ... and 0.2 s of CPU at 0.1 CPU a period ran out of its quota, host 0 never did.
+        assert cl.shares.throttled(1) > 0
+        assert cl.shares.throttled(0) == 0
+        assert all(g.is_dir() for g in groups)
+    assert not any(g.exists() for g in groups)
+    assert not groups[0].parent.exists()

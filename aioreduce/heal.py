@@ -27,15 +27,15 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from .errors import GroupMismatch, PeerLost
+from .errors import GroupMismatch, PeerLost, VectorMismatch
 from .schemes import FellBehind, Result, Session, StragglerError
 from .schemes.base import Reforms, TellsFailure
 from .wire import tags
-from .wire.control import HealAsk, Reform
+from .wire.control import HealAsk, Reform, ResultAsk
 
 if TYPE_CHECKING:
     from .stepper import Stepper
@@ -103,8 +103,16 @@ class Healer:
         self._reform: Reform | None = None
         self.healed_members: tuple[int, ...] | None = None
         self._members = members  # the running session's, if it is a ring that can re-form
+        # A group's last step (``last``) that succeeded here: its number, a copy of its result
+        # and the ranks used and late, kept until a later group step succeeds. A peer whose
+        # same step failed (a rank died after this one had all it needed) takes it from us.
+        self._kept: tuple[int, np.ndarray, list[int], list[int]] | None = None
+        self._ended_at = -1  # the last group step that ended here, run or failed
+        self._result_asks: dict[int, list[int]] = {}  # step -> ranks asking before it ended
+        self.rolled = 0  # group steps this rank took from a peer that finished them
         mesh.on_heal = self._ask
         mesh.on_reform = self._reformed
+        mesh.on_result_ask = self._result_asked
 
     def _ask(self, rank: int, ask: HealAsk) -> None:
         if ask.incarnation != self.mesh.incarnations.known[rank]:
@@ -131,7 +139,7 @@ class Healer:
 
     async def step(self, steps: Stepper, run: Callable[[], Awaitable[Result]],
                    into: np.ndarray | None, *, rerun: bool = True,
-                   session: Session | None = None) -> Result:
+                   session: Session | None = None, last: bool = False) -> Result:
         """Run one step (``run`` takes the next step number) as healing asks: first answer
         the peers that asked; after ``FellBehind``, heal this rank's state too (with state
         hooks); after a step that failed because a rank was lost, wait up to
@@ -145,9 +153,16 @@ class Healer:
         can (:class:`~aioreduce.schemes.base.TellsFailure`) tells the peers that such a step
         failed here, so that a peer which finished the step that failed here (its last parts
         came before the death) and waits in the next one fails it too, and runs the group
-        again from the same step as every rank."""
+        again from the same step as every rank.
+
+        ``last`` (with ``rerun=False``): the group's last step. It may end on some ranks and
+        fail on others (a rank died after its part reached some of them: the ring's last
+        segments); those that finished go on to the next group. So a rank where it failed
+        asks the live ranks for its result and, if one finished it, takes that (written into
+        ``into``) and goes on too, as if its own step had succeeded; every rank keeps its
+        last such result (a copy) until a later group step succeeds."""
         if not rerun:
-            return await self._group_step(steps, run, session)
+            return await self._group_step(steps, run, session, last, into)
         # (A protocol's isinstance costs 10 us: not on every step, only where it may apply.)
         if (self._reform is not None or self._joins) and isinstance(session, Reforms):
             await self._boundary(session, steps.step)
@@ -291,19 +306,22 @@ class Healer:
         with contextlib.suppress(PeerLost, TimeoutError):  # the step then finds it lost
             await asyncio.wait_for(self.mesh.connect(rank), self.timeout)
 
-    async def _quiet_control(self, rank: int, event: Reform) -> None:
+    async def _quiet_control(self, rank: int, event: Reform | ResultAsk) -> None:
         with contextlib.suppress(PeerLost):
             await self.mesh.send_control(rank, event)
 
     async def _group_step(self, steps: Stepper, run: Callable[[], Awaitable[Result]],
-                          session: Session | None) -> Result:
+                          session: Session | None, last: bool, into: np.ndarray | None
+                          ) -> Result:
         if self._group_error is not None:
             step = steps.take()  # every rank numbers the group's steps alike, run or not
+            self._ended(step)
             # (checked here, not per step: a protocol's isinstance costs microseconds)
             if isinstance(session, TellsFailure):  # a peer may be in it, waiting for us
                 session.tell_failed(step, self._group_error)
             raise self._group_error
         known = list(self.mesh.incarnations.known)
+        at = steps.step  # the number this step takes
         self._serving_at, self._serve_only = self._group_at, self._group_for
         if self._group_at is not None:
             self.serve(self._group_at)
@@ -311,6 +329,14 @@ class Healer:
             result = await self._healing(steps, run)
         except (PeerLost, StragglerError) as exc:
             lost = self._dead(exc, known) if self.rejoin_wait else []
+            self._ended(at)
+            if lost and last and into is not None:
+                # (answering the serving side first: a peer may be asking us the same)
+                self._serving_at, self._serve_only = None, None
+                taken = await self._roll_forward(at, into, lost)
+                if taken is not None:
+                    self._group_at, self._group_for = None, {}
+                    return taken
             if lost:
                 log.warning("rank %d: step %d failed (%s); its group runs again once ranks "
                             "%s are replaced", self.mesh.rank, steps.step - 1, exc, lost)
@@ -322,7 +348,85 @@ class Healer:
         finally:
             self._serving_at, self._serve_only = None, None
         self._group_at, self._group_for = None, {}
+        if last:
+            self._kept = (at, np.array(result.value, copy=True).reshape(-1),
+                          list(result.used), list(result.late))
+        elif self._kept is not None and self._kept[0] < at:
+            self._kept = None  # every rank ran a step after it: nobody will ask
+        self._ended(at)
         return result
+
+    def _ended(self, step: int) -> None:
+        """A group step ended here (ran or failed): answer the ranks that asked for it."""
+        self._ended_at = max(self._ended_at, step)
+        for asked in [s for s in self._result_asks if s <= step]:
+            for rank in self._result_asks.pop(asked):
+                self._answer(rank, asked)
+
+    def _result_asked(self, rank: int, ask: ResultAsk) -> None:
+        """``rank``'s group step ``ask.step`` failed: answer once that step ended here. (At
+        most one waiting ask per rank: an honest rank asks for one step at a time.)"""
+        for step, waiting in list(self._result_asks.items()):
+            if rank in waiting:  # an older ask of its: it gave up on that one
+                waiting.remove(rank)
+                if not waiting:
+                    del self._result_asks[step]
+        if ask.step > self._ended_at:
+            self._result_asks.setdefault(ask.step, []).append(rank)
+        else:
+            self._answer(rank, ask.step)
+
+    def _answer(self, rank: int, step: int) -> None:
+        kept = self._kept
+        if kept is None or kept[0] != step:
+            self.mesh.spawn(self._quiet_send(rank, step, tags.ROLL, {"have": False}))
+        else:
+            self.mesh.spawn(self._send_result(rank, *kept))
+
+    async def _send_result(self, rank: int, step: int, value: np.ndarray, used: list[int],
+                           late: list[int]) -> None:
+        with contextlib.suppress(PeerLost):
+            await self.mesh.send(rank, EMPTY, step=step, tag=tags.ROLL,
+                                 meta={"have": True, "used": used, "late": late})
+            await self.mesh.send(rank, value, step=step, tag=tags.ROLL + 1)
+
+    async def _roll_forward(self, at: int, into: np.ndarray, lost: list[int]
+                            ) -> Result | None:
+        """Group step ``at``, the group's last, failed here because ``lost`` died: the
+        result from a live rank that finished it (written into ``into``), or None if none
+        did (each answers once its own step ``at`` is over)."""
+        mesh = self.mesh
+        peers = [r for r in range(mesh.world_size)
+                 if r != mesh.rank and r not in lost and not mesh.is_lost(r)]
+        wait = max(self.rejoin_wait, AGREE_S)
+        heads = [asyncio.ensure_future(mesh.recv_into(r, EMPTY, step=at, tag=tags.ROLL,
+                                                      timeout=wait)) for r in peers]
+        try:
+            await asyncio.gather(*(self._quiet_control(r, ResultAsk(at)) for r in peers))
+            for done in asyncio.as_completed(heads):
+                try:
+                    head = await done
+                except (PeerLost, TimeoutError):
+                    continue
+                used, late = head.meta.get("used"), head.meta.get("late")
+                if (head.meta.get("have") is not True or not _ranks(used, mesh.world_size)
+                        or not _ranks(late, mesh.world_size)):
+                    continue
+                try:
+                    await mesh.recv_into(head.src, into.reshape(-1), step=at,
+                                         tag=tags.ROLL + 1, timeout=self.timeout)
+                except (PeerLost, TimeoutError, VectorMismatch):
+                    continue
+                self.rolled += 1
+                log.warning("rank %d: step %d failed here when ranks %s died, but rank %d had "
+                            "finished it: its result taken, the next steps go on", mesh.rank,
+                            at, lost, head.src)
+                return Result(into, at, cast(list[int], used), cast(list[int], late))
+        finally:
+            for pending in heads:
+                pending.cancel()
+        return None
+
 
     async def replace_lost(self, steps: Stepper) -> bool:
         """After steps run with ``rerun=False`` failed because ranks died: wait up to
@@ -524,6 +628,12 @@ def _decide(members: tuple[int, ...], me: int, missing: list[int], at: int,
         said = proposal.get("missing")
         out &= {r for r in said if type(r) is int} if isinstance(said, list) else set()
     return {"members": [r for r in members if r not in out]}
+
+
+def _ranks(value: object, world_size: int) -> bool:
+    """Is ``value`` a list of ranks (a peer's frame: checked before use)?"""
+    return isinstance(value, list) and all(type(r) is int and 0 <= r < world_size
+                                           for r in value)
 
 
 def sources(rank: int, world_size: int, neighbours: list[int]) -> list[int]:

@@ -230,7 +230,8 @@ class Node(Peers):
 
     async def allreduce(self, array: Reducible, *, op: ReduceOp = "sum",
                         any_shape: bool = False, in_place: bool = False,
-                        arrival: Arrival | None = None, rerun: bool = True) -> Result:
+                        arrival: Arrival | None = None, rerun: bool = True,
+                        last: bool = False) -> Result:
         """One step of an uncoded scheme (Ring, Tree, Star, Transpose): the sum of every
         rank's array, or with ``op="mean"`` the sum divided by the number of contributions
         it holds. A CPU torch tensor works too (the result's ``value`` is then a tensor).
@@ -247,14 +248,17 @@ class Node(Peers):
 
         ``arrival`` (with ``in_place=True``): ``array`` is still being filled, piece by piece
         (see :class:`~aioreduce.schemes.base.Arrival`). ``rerun=False``: one of a group of
-        steps the caller runs again after :meth:`replace_lost` (see ``Healer.step``)."""
+        steps the caller runs again after :meth:`replace_lost` (see ``Healer.step``);
+        ``last=True`` too: the group's last step, which a rank where it failed because a rank
+        died takes from a live rank that finished it (with ``in_place=True`` and no
+        ``arrival``; the others keep a copy of its result until the next group's step)."""
         if self._auto and self.scheme is None:
             from .sim.auto import pick  # the simulator ranks the uncoded schemes
             array = await pick(self, array)
         self._sessions.require(self.rank, coded=False)
         if in_place:
             return await self._reduce_in_place(array, op, any_shape=any_shape, arrival=arrival,
-                                               rerun=rerun)
+                                               rerun=rerun, last=last)
         if arrival is not None:
             raise ValueError(f"rank {self.rank}: arrival= needs in_place=True")
         res = await self._reduce(array, op, any_shape=any_shape, rerun=rerun)
@@ -267,14 +271,16 @@ class Node(Peers):
         return await self.healer.replace_lost(self._steps)
 
     async def _reduce_in_place(self, target: Reducible, op: str, *, any_shape: bool,
-                               arrival: Arrival | None, rerun: bool) -> Result:
+                               arrival: Arrival | None, rerun: bool, last: bool = False
+                               ) -> Result:
         """:meth:`allreduce` with ``in_place=True``."""
         array = self._inputs.in_place(target)
         # A session that sums in place sums every rank: it divides by the world size as it
         # goes. Any other copies its sum in, divided here by the contributions it holds.
         folded = op == "mean" and self.sums_in_place
         res = await self._reduce(array, op, any_shape=any_shape, into=array, arrival=arrival,
-                                 divisor=self.world_size if folded else 1, rerun=rerun)
+                                 divisor=self.world_size if folded else 1, rerun=rerun,
+                                 last=last)
         if op == "mean" and not folded:
             np.divide(array, mean_divisor(res, self.world_size), out=array)
         elif folded and len(res.used) != self.world_size:  # a ring re-formed without some
@@ -283,7 +289,8 @@ class Node(Peers):
 
     async def _reduce(self, vector: Reducible, op: str, *, any_shape: bool,
                       into: np.ndarray | None = None, divisor: float = 1,
-                      arrival: Arrival | None = None, rerun: bool = True) -> Result:
+                      arrival: Arrival | None = None, rerun: bool = True,
+                      last: bool = False) -> Result:
         """One step of the session, tensors to arrays and back."""
         if op not in ("sum", "mean"):
             raise ValueError(f"rank {self.rank}: op must be 'sum' or 'mean', not {op!r} (min, "
@@ -295,5 +302,5 @@ class Node(Peers):
         assert session is not None  # aggregate()/allreduce() checked it
         res = await self.healer.step(self._steps, lambda: self._steps.run(
             session, type(self.scheme).__name__, array, into, divisor, arrival),
-            into if arrival is None else None, rerun=rerun, session=session)
+            into if arrival is None else None, rerun=rerun, session=session, last=last)
         return res if into is not None else self._inputs.result(res, like, callable(array))

@@ -112,7 +112,7 @@ class Iterations:
             inner: torch.futures.Future[Any] = torch.futures.Future()
             inner.set_result(None)
         else:
-            inner = self.pg.future_sum(buf, average=True, rerun=False)
+            inner = self.pg.future_sum(buf, average=True, rerun=False, last=bucket.is_last())
         self._buckets.append((buf, keep, list(bucket.parameters()), inner, out))
         if bucket.is_last():
             buckets, self._buckets = self._buckets, []
@@ -151,7 +151,7 @@ class Iterations:
                 slices = self._slices(buckets)
                 flat = torch.cat([keep[a:b] for keep, a, b, _buf in slices])
                 try:
-                    self.pg.future_sum(flat, average=True, rerun=False).wait()
+                    self.pg.future_sum(flat, average=True, rerun=False, last=True).wait()
                 except Exception as exc:
                     failed, last = True, exc
                     continue

@@ -143,7 +143,8 @@ class DistributedOptimizer:
         # An iteration's buckets are one group: if a rank dies, they all run again with its
         # replacement (see synchronize).
         fut = self._pg.future_sum(flat, average=self.op == "mean",
-                                  on_result=self._step_results.append, rerun=False)
+                                  on_result=self._step_results.append, rerun=False,
+                                  last=i == len(self._buckets) - 1)
         self._pending.append((params, flat, fut))
 
     def synchronize(self) -> None:

@@ -302,18 +302,19 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         return _work(self._op(staged, outputs, body, lambda _r: value, ordered=ordered))
 
     def future_sum(self, tensor: torch.Tensor, *, average: bool,
-                   on_result: Callable[[Result], None] | None = None, rerun: bool = True
-                   ) -> torch.futures.Future[Any]:
+                   on_result: Callable[[Result], None] | None = None, rerun: bool = True,
+                   last: bool = False) -> torch.futures.Future[Any]:
         """The sum (or mean) of ``tensor`` over the ranks, written into ``tensor``; a torch
         future of it (the DDP hook hands this one back to DDP). ``on_result`` gets the step's
         :class:`~aioreduce.Result` first (on our completing thread). ``rerun=False``: one of
-        a group of sums the caller runs again as a whole (see ``Node.replace_lost``)."""
+        a group of sums the caller runs again as a whole (see ``Node.replace_lost``);
+        ``last``: the group's last (see ``Node.allreduce``)."""
         op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
-        return self._allreduce(tensor, op, on_result, rerun)
+        return self._allreduce(tensor, op, on_result, rerun, last)
 
     def _allreduce(self, tensor: torch.Tensor, op: Any,
-                   on_result: Callable[[Result], None] | None = None, rerun: bool = True
-                   ) -> torch.futures.Future[Any]:
+                   on_result: Callable[[Result], None] | None = None, rerun: bool = True,
+                   last: bool = False) -> torch.futures.Future[Any]:
         node = self.node.node
         tensor = self._check(tensor)
         by_owners = op not in _SUMS or tensor.dtype not in (torch.float32, torch.float64)
@@ -340,7 +341,8 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         async def total() -> Result:
             return await node.allreduce(host, op="mean" if divided else "sum",
                                         any_shape=True, in_place=True,
-                                        arrival=st if streams else None, rerun=rerun)
+                                        arrival=st if streams else None, rerun=rerun,
+                                        last=last)
 
         def value(res: Result) -> torch.Tensor:
             self._note(res)

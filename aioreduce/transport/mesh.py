@@ -125,6 +125,8 @@ class Mesh:
         self.on_heal: Callable[[int, control.HealAsk], None] | None = None
         # A ring's lowest member re-forms it (see aioreduce.heal).
         self.on_reform: Callable[[int, control.Reform], None] | None = None
+        # A rank asks for a group's last step that failed there (see aioreduce.heal).
+        self.on_result_ask: Callable[[int, control.ResultAsk], None] | None = None
         self._dial_locks: dict[int, asyncio.Lock] = {}
         self._floor: tuple[int, int] = (NO_FLOOR, 0)  # what discard_before set last
         self._server: asyncio.Server | None = None
@@ -368,6 +370,8 @@ class Mesh:
             self.on_heal(rank, event)
         elif isinstance(event, control.Reform) and self.on_reform is not None:
             self.on_reform(rank, event)
+        elif isinstance(event, control.ResultAsk) and self.on_result_ask is not None:
+            self.on_result_ask(rank, event)
 
     def _wrong_job(self, event: WrongJob) -> None:
         """A process of ours (it knows the secret) was started with another job id."""

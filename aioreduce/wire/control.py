@@ -150,9 +150,21 @@ class Reform:
     start: int
 
 
-Control = Register | Table | Abort | Arrive | Release | Notice | Moved | HealAsk | Reform
+@dataclass(frozen=True)
+class ResultAsk:
+    """A rank whose group's last step ``step`` failed because a rank died, to a live peer:
+    send me that step's result if you finished it (answered on the
+    :data:`~aioreduce.wire.tags.ROLL` tags once the peer's step ``step`` is over, see
+    :mod:`aioreduce.heal`)."""
+
+    op: ClassVar[str] = "result"
+    step: int
+
+
+Control = (Register | Table | Abort | Arrive | Release | Notice | Moved | HealAsk | Reform
+           | ResultAsk)
 # handled on arrival, never queued
-OUT_OF_BAND = frozenset({Notice.op, Moved.op, HealAsk.op, Reform.op})
+OUT_OF_BAND = frozenset({Notice.op, Moved.op, HealAsk.op, Reform.op, ResultAsk.op})
 
 
 def encode(event: Control) -> dict[str, object]:
@@ -173,6 +185,8 @@ def encode(event: Control) -> dict[str, object]:
         return out
     if isinstance(event, Reform):
         return {"op": event.op, "members": list(event.members), "start": event.start}
+    if isinstance(event, ResultAsk):
+        return {"op": event.op, "step": event.step}
     if isinstance(event, Abort):
         return {"op": event.op, "reason": event.reason[:MAX_TEXT],
                 "missing": list(event.missing), "barrier": event.barrier}
@@ -221,6 +235,11 @@ def decode(meta: dict[str, Any]) -> Control:
             raise MalformedControl("a re-formed ring needs its members and the step it "
                                    "starts at")
         return Reform(tuple(members), start)
+    if op == ResultAsk.op:
+        step = meta.get("step")
+        if type(step) is not int or step < 0:
+            raise MalformedControl("a result request needs the step it asks about")
+        return ResultAsk(step)
     if op == Abort.op:
         missing = meta.get("missing", [])
         if not isinstance(missing, list) or not all(type(r) is int for r in missing):

@@ -57,6 +57,12 @@ member's proposal to the lowest one on ``MEMBERS``, its decision on ``MEMBERS + 
 the frame's step the one the ring runs again at; a member's ack of a :class:`~aioreduce.wire.
 control.Reform` on ``MEMBERS + 2``, the frame's step the one the change starts at."""
 
+ROLL = MEMBERS + 3
+"""A group's last step that failed here because a rank died, but that a live peer finished
+before the death (see ``Healer.step``, ``last``): its answer to a
+:class:`~aioreduce.wire.control.ResultAsk` on ``ROLL`` (meta: whether it holds that step's
+result), the result on ``ROLL + 1``, the frame's step the step asked about."""
+
 # (first tag, end) of every use above, for the overlap check and for readers.
 RANGES: dict[str, tuple[int, int]] = {
     "DATA": (DATA, SECOND),
@@ -72,4 +78,5 @@ RANGES: dict[str, tuple[int, int]] = {
     "HEAL": (HEAL, HEAL + (1 << 24)),
     "GROUP": (GROUP, GROUP + 1),
     "MEMBERS": (MEMBERS, MEMBERS + 3),
+    "ROLL": (ROLL, ROLL + 2),
 }

@@ -251,6 +251,30 @@ def test_ranks_that_left_a_group_at_different_steps_are_named_on_every_rank() ->
                 "rank 2 at step 4)") in res.stdout, res.stdout + res.stderr[-2000:]
 
 
+def test_a_groups_last_step_that_some_ranks_finished_is_taken_by_those_that_did_not() -> None:
+    # rollprog.py: rank 3 is killed as it is about to send the ring's last all-gather
+    # segment of group 1's last step, to rank 0: ranks 1 and 2 finish the step and go on,
+    # rank 0 cannot. Rank 0 takes the step's result from a rank that finished it; group 2
+    # fails at once on every rank, the replacement heals, and the group runs with it. (With
+    # last=False the job ends there: rank 0 waits in replace_lost() for ranks already in
+    # the next group.)
+    prog = Path(__file__).resolve().parent / "rollprog.py"
+    res = subprocess.run([sys.executable, "-m", "aioreduce_launch.cli", "-n", "4",
+                          "--restart", "1", "--kill-timeout", "2", "--", sys.executable,
+                          str(prog)], capture_output=True, text=True, timeout=120)
+    out = res.stdout + res.stderr[-3000:]
+    assert res.returncode == 0, out
+    for rank in range(4):
+        # Every group's sums exact on every rank that ran it (the replacement: from group 2).
+        for g in range(2 if rank == 3 else 0, 4):
+            want = [10.0 * (g + 1) * (k + 1) * 1000 for k in range(3)]
+            assert f"[{rank}] GROUP {g} {want}" in res.stdout, (rank, g, out)
+    # Rank 0 (and no rank that finished) took the step from a peer, the path meant here.
+    assert "[0] ROLLED 1" in res.stdout and "[1] ROLLED 0" in res.stdout, out
+    assert "[0] rank 0: step 5 failed here when ranks [3] died, but rank " in res.stderr, out
+    assert "killed by SIGKILL; restarting it" in res.stderr, out
+
+
 @pytest.mark.parametrize("scheme", ["ring", "transpose"])
 def test_a_ring_goes_on_without_a_rank_that_does_not_come_back_and_takes_it_back(
         ranks, scheme: str) -> None:

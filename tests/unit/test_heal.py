@@ -276,3 +276,152 @@ def test_a_reformed_transpose_sums_its_members_and_names_ranks_not_positions() -
         job.assert_exact(2, await job.run(2))
 
     asyncio.run(body())
+
+
+class RollMesh(FakeMesh):
+    """A fake mesh for a group's last step taken from a peer: the peers' answers on the
+    ``ROLL`` tags come from a table ((rank, step, tag) -> (meta, payload)); control messages
+    and sends are recorded."""
+
+    def __init__(self, answers: dict[tuple[int, int, int], tuple[dict[str, Any], Any]]
+                 ) -> None:
+        super().__init__()
+        self.answers = answers
+        self.controls: list[tuple[int, object]] = []
+        self.on_reform: Any = None
+        self.on_result_ask: Any = None
+
+    def is_lost(self, rank: int) -> bool:
+        return rank == 2
+
+    async def send_control(self, rank: int, event: object) -> None:
+        self.controls.append((rank, event))
+
+    async def recv_into(self, rank: int, out: np.ndarray, *, step: int, tag: int = 0,
+                        timeout: float | None = None) -> Any:
+        await asyncio.sleep(0)
+        answer = self.answers.get((rank, step, tag))
+        if answer is None:
+            raise TimeoutError(f"nothing from rank {rank}")
+        meta, payload = answer
+        if payload is not None:
+            out[...] = payload
+        return type("Head", (), {"meta": meta, "src": rank})()
+
+
+def _group(mesh: FakeMesh, at: int) -> tuple[Healer, Any, list[int]]:
+    from aioreduce.stepper import Stepper
+    from aioreduce.straggle import StraggleModel
+
+    healer = Healer(mesh, None, 5.0, lambda: [0, 2], rejoin_wait=5.0)  # type: ignore[arg-type]
+    steps = Stepper(1, 4, StraggleModel(), None, None)
+    steps.step = at
+    return healer, steps, []
+
+
+def test_a_groups_last_step_that_failed_here_is_taken_from_a_peer_that_finished_it() -> None:
+    """Rank 1's step 7, its group's last, failed because rank 2 died; rank 3 had finished it
+    (rank 2's part had reached it), rank 0 had not: rank 1 asks the live ranks, takes rank
+    3's result into its vector, and goes on as if its step had succeeded (the group's next
+    step runs, it does not fail at once)."""
+    from aioreduce.errors import PeerLost
+    from aioreduce.schemes import Result
+    from aioreduce.wire.control import ResultAsk
+
+    async def body() -> None:
+        total = np.arange(6, dtype=np.float64) * 4
+        mesh = RollMesh({(0, 7, tags.ROLL): ({"have": False}, None),
+                         (3, 7, tags.ROLL): ({"have": True, "used": [0, 1, 2, 3],
+                                              "late": []}, None),
+                         (3, 7, tags.ROLL + 1): ({}, total)})
+        healer, steps, ran = _group(mesh, 7)
+        into = np.ones(6)
+
+        async def fails() -> Any:
+            ran.append(steps.take())
+            raise PeerLost(2, "connection lost")
+
+        async def runs() -> Any:
+            ran.append(steps.take())
+            return Result(into, ran[-1], [0, 1, 2, 3])
+
+        res = await healer.step(steps, fails, into, rerun=False, last=True)
+        assert res.step == 7 and res.used == [0, 1, 2, 3] and res.value is into
+        assert np.array_equal(into, total) and healer.rolled == 1
+        assert sorted(mesh.controls) == [(0, ResultAsk(7)), (3, ResultAsk(7))]  # not rank 2
+        await healer.step(steps, runs, into, rerun=False)  # the next group's step runs
+        assert ran == [7, 8]
+
+    asyncio.run(body())
+
+
+def test_a_groups_last_step_that_no_live_rank_finished_fails_as_before() -> None:
+    from aioreduce.errors import PeerLost
+
+    async def body() -> None:
+        mesh = RollMesh({(r, 7, tags.ROLL): ({"have": False}, None) for r in (0, 3)})
+        healer, steps, ran = _group(mesh, 7)
+        death = PeerLost(2, "connection lost")
+
+        async def fails() -> Any:
+            ran.append(steps.take())
+            raise death
+
+        with pytest.raises(PeerLost):
+            await healer.step(steps, fails, np.ones(6), rerun=False, last=True)
+        with pytest.raises(PeerLost) as raised:  # the group failed: its later steps at once
+            await healer.step(steps, fails, np.ones(6), rerun=False)
+        assert raised.value is death and ran == [7] and healer.rolled == 0
+
+    asyncio.run(body())
+
+
+def test_a_finished_last_step_is_sent_to_a_peer_that_asks_once_it_ended_here() -> None:
+    """The serving side: an ask that comes while step 7 still runs here is answered when it
+    ends; the result is a copy kept until a later group step succeeds; a step that failed
+    here is answered with no."""
+    from aioreduce.errors import PeerLost
+    from aioreduce.schemes import Result
+    from aioreduce.wire.control import ResultAsk
+
+    async def body() -> None:
+        mesh = RollMesh({})
+        healer, steps, ran = _group(mesh, 7)
+        into = np.zeros(4)
+        go = asyncio.Event()
+
+        async def runs() -> Any:
+            ran.append(steps.take())
+            await go.wait()
+            into[:] = [1, 2, 3, 4]
+            return Result(into, ran[-1], [0, 1, 2, 3])
+
+        step = asyncio.ensure_future(healer.step(steps, runs, into, rerun=False, last=True))
+        await _settle(mesh)
+        mesh.on_result_ask(0, ResultAsk(7))  # asked while step 7 runs here
+        await _settle(mesh)
+        assert mesh.sent == []
+        go.set()
+        await step
+        into[:] = -1  # the caller reuses its vector: what was kept is a copy
+        await _settle(mesh)
+        assert [(r, s, t, m) for r, s, t, _b, m in mesh.sent] == [
+            (0, 7, tags.ROLL, {"have": True, "used": [0, 1, 2, 3], "late": []}),
+            (0, 7, tags.ROLL + 1, None)]
+        assert np.frombuffer(mesh.sent[1][3]).tolist() == [1, 2, 3, 4]
+
+        async def fails() -> Any:
+            ran.append(steps.take())
+            raise PeerLost(3, "connection lost")
+
+        await healer.step(steps, runs, into, rerun=False)  # step 8: nobody asks for 7 now
+        with pytest.raises(PeerLost):  # step 9 fails here (rank 3 died)
+            await healer.step(steps, fails, into, rerun=False, last=True)
+        mesh.sent.clear()
+        mesh.on_result_ask(0, ResultAsk(7))
+        mesh.on_result_ask(0, ResultAsk(9))
+        await _settle(mesh)
+        assert sorted((r, s, t, m) for r, s, t, _b, m in mesh.sent) == [
+            (0, 7, tags.ROLL, {"have": False}), (0, 9, tags.ROLL, {"have": False})]
+
+    asyncio.run(body())

@@ -1,0 +1,73 @@
+"""Groups of steps (``Node.allreduce(rerun=False)``, the last of each with ``last=True``), 4
+ranks on the ring. In group 1's last step rank 3 is killed as it is about to send its last
+all-gather segment, to rank 0: its part of every other segment is out, so ranks 1 and 2 can
+finish that step and go on to group 2, while rank 0 cannot. Rank 0 takes the step's result
+from a rank that finished it and goes on with them; group 2 then fails at once on every rank
+(rank 3 is gone), they wait for its replacement, which heals the group's number (the state
+hooks) and runs group 2 with them (see test_heal).
+
+Prints, per rank: ``GROUP <g> <sum of each step's result>`` for every group that completed
+(its last run), and ``ROLLED <n>``: the steps this rank took from a peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import numpy as np
+
+import aioreduce as ar
+from aioreduce.schemes.links import LaneLinks
+
+GROUPS, STEPS, SIZE = 4, 3, 1000
+DIE_GROUP = 1
+
+
+def _arm(world: int, step: int) -> None:
+    """Rank 3: die as the ring's last all-gather send of ``step`` (to rank 0) is made."""
+    send = LaneLinks.send
+    last = 2 * world - 2  # the ring's indices: reduce-scatter 0..n-2, all-gather n..2n-2
+
+    def dying(self: LaneLinks, dst: int, array: np.ndarray, step_: int, index: int,
+              *args: object, **kwargs: object) -> bool:
+        if step_ == step and index == last:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return send(self, dst, array, step_, index, *args, **kwargs)  # type: ignore[arg-type]
+
+    LaneLinks.send = dying  # type: ignore[method-assign]
+
+
+async def main() -> None:
+    group = [0]
+    hooks = ar.StateHooks(lambda: str(group[0]).encode(),
+                          lambda blob: group.__setitem__(0, int(bytes(blob))))
+    node = ar.Node.from_env(scheme=ar.Ring(), rejoin_wait=60, state=hooks)
+    await node.start()
+    try:
+        if node.rank == 3 and not node.mesh.incarnations.rejoined:
+            # The group's steps are numbered from 0, one per call: group 1's last is 5.
+            _arm(node.world_size, DIE_GROUP * STEPS + STEPS - 1)
+        while group[0] < GROUPS:
+            g = group[0]
+            sums: list[float] = []
+            try:
+                for k in range(STEPS):
+                    x = np.full(SIZE, float((node.rank + 1) * (g + 1) * (k + 1)))
+                    res = await node.allreduce(x, in_place=True, rerun=False,
+                                               last=k == STEPS - 1)
+                    assert res.value is not None
+                    sums.append(float(x.sum()))
+            except (ar.PeerLost, ar.StragglerError):
+                if not await node.replace_lost():
+                    raise
+                continue  # the whole group again, with the replacement
+            print(f"GROUP {g} {sums}", flush=True)
+            group[0] += 1
+        print(f"ROLLED {node.healer.rolled}", flush=True)
+    finally:
+        await node.close(wait_for_peers=False)
+
+
+asyncio.run(main())

@@ -33,7 +33,7 @@ import numpy as np
 
 from .errors import GroupMismatch, PeerLost, VectorMismatch
 from .schemes import FellBehind, Result, Session, StragglerError
-from .schemes.base import Reforms, TellsFailure
+from .schemes.base import Arrival, Reforms, TellsFailure
 from .wire import tags
 from .wire.control import HealAsk, Reform, ResultAsk
 
@@ -139,7 +139,8 @@ class Healer:
 
     async def step(self, steps: Stepper, run: Callable[[], Awaitable[Result]],
                    into: np.ndarray | None, *, rerun: bool = True,
-                   session: Session | None = None, last: bool = False) -> Result:
+                   session: Session | None = None, last: bool = False,
+                   arrival: Arrival | None = None) -> Result:
         """Run one step (``run`` takes the next step number) as healing asks: first answer
         the peers that asked; after ``FellBehind``, heal this rank's state too (with state
         hooks); after a step that failed because a rank was lost, wait up to
@@ -160,9 +161,12 @@ class Healer:
         segments); those that finished go on to the next group. So a rank where it failed
         asks the live ranks for its result and, if one finished it, takes that (written into
         ``into``) and goes on too, as if its own step had succeeded; every rank keeps its
-        last such result (a copy) until a later group step succeeds."""
+        last such result (a copy) until a later group step succeeds. With ``arrival``
+        (``into`` is still being filled) the result is written once every piece has landed;
+        such a vector cannot be restored, so a step with it is not run again in place."""
         if not rerun:
-            return await self._group_step(steps, run, session, last, into)
+            return await self._group_step(steps, run, session, last, into, arrival)
+        into = into if arrival is None else None
         # (A protocol's isinstance costs 10 us: not on every step, only where it may apply.)
         if (self._reform is not None or self._joins) and isinstance(session, Reforms):
             await self._boundary(session, steps.step)
@@ -311,8 +315,8 @@ class Healer:
             await self.mesh.send_control(rank, event)
 
     async def _group_step(self, steps: Stepper, run: Callable[[], Awaitable[Result]],
-                          session: Session | None, last: bool, into: np.ndarray | None
-                          ) -> Result:
+                          session: Session | None, last: bool, into: np.ndarray | None,
+                          arrival: Arrival | None = None) -> Result:
         if self._group_error is not None:
             step = steps.take()  # every rank numbers the group's steps alike, run or not
             self._ended(step)
@@ -333,7 +337,7 @@ class Healer:
             if lost and last and into is not None:
                 # (answering the serving side first: a peer may be asking us the same)
                 self._serving_at, self._serve_only = None, None
-                taken = await self._roll_forward(at, into, lost)
+                taken = await self._roll_forward(at, into, lost, arrival)
                 if taken is not None:
                     self._group_at, self._group_for = None, {}
                     return taken
@@ -390,8 +394,8 @@ class Healer:
                                  meta={"have": True, "used": used, "late": late})
             await self.mesh.send(rank, value, step=step, tag=tags.ROLL + 1)
 
-    async def _roll_forward(self, at: int, into: np.ndarray, lost: list[int]
-                            ) -> Result | None:
+    async def _roll_forward(self, at: int, into: np.ndarray, lost: list[int],
+                            arrival: Arrival | None = None) -> Result | None:
         """Group step ``at``, the group's last, failed here because ``lost`` died: the
         result from a live rank that finished it (written into ``into``), or None if none
         did (each answers once its own step ``at`` is over)."""
@@ -413,6 +417,8 @@ class Healer:
                         or not _ranks(late, mesh.world_size)):
                     continue
                 try:
+                    if arrival is not None:  # (a piece still landing would overwrite it)
+                        await asyncio.to_thread(arrival.landed, 0, into.size)
                     await mesh.recv_into(head.src, into.reshape(-1), step=at,
                                          tag=tags.ROLL + 1, timeout=self.timeout)
                 except (PeerLost, TimeoutError, VectorMismatch):

@@ -250,8 +250,8 @@ class Node(Peers):
         (see :class:`~aioreduce.schemes.base.Arrival`). ``rerun=False``: one of a group of
         steps the caller runs again after :meth:`replace_lost` (see ``Healer.step``);
         ``last=True`` too: the group's last step, which a rank where it failed because a rank
-        died takes from a live rank that finished it (with ``in_place=True`` and no
-        ``arrival``; the others keep a copy of its result until the next group's step)."""
+        died takes from a live rank that finished it (with ``in_place=True``; the others
+        keep a copy of its result until the next group's step)."""
         if self._auto and self.scheme is None:
             from .sim.auto import pick  # the simulator ranks the uncoded schemes
             array = await pick(self, array)
@@ -302,5 +302,5 @@ class Node(Peers):
         assert session is not None  # aggregate()/allreduce() checked it
         res = await self.healer.step(self._steps, lambda: self._steps.run(
             session, type(self.scheme).__name__, array, into, divisor, arrival),
-            into if arrival is None else None, rerun=rerun, session=session, last=last)
+            into, rerun=rerun, session=session, last=last, arrival=arrival)
         return res if into is not None else self._inputs.result(res, like, callable(array))

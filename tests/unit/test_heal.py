@@ -336,6 +336,14 @@ def test_a_groups_last_step_that_failed_here_is_taken_from_a_peer_that_finished_
                          (3, 7, tags.ROLL + 1): ({}, total)})
         healer, steps, ran = _group(mesh, 7)
         into = np.ones(6)
+        landed: list[tuple[int, int]] = []
+
+        class Staged:  # a vector still being filled (a device tensor's pieces)
+            def landed(self, lo: int, hi: int) -> None:
+                landed.append((lo, hi))
+
+            def final(self, lo: int, hi: int) -> None:
+                pass
 
         async def fails() -> Any:
             ran.append(steps.take())
@@ -345,7 +353,8 @@ def test_a_groups_last_step_that_failed_here_is_taken_from_a_peer_that_finished_
             ran.append(steps.take())
             return Result(into, ran[-1], [0, 1, 2, 3])
 
-        res = await healer.step(steps, fails, into, rerun=False, last=True)
+        res = await healer.step(steps, fails, into, rerun=False, last=True, arrival=Staged())
+        assert landed == [(0, 6)]  # every piece in before the result is written over them
         assert res.step == 7 and res.used == [0, 1, 2, 3] and res.value is into
         assert np.array_equal(into, total) and healer.rolled == 1
         assert sorted(mesh.controls) == [(0, ResultAsk(7)), (3, ResultAsk(7))]  # not rank 2

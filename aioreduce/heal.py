@@ -338,8 +338,10 @@ class Healer:
                 # (answering the serving side first: a peer may be asking us the same)
                 self._serving_at, self._serve_only = None, None
                 taken = await self._roll_forward(at, into, lost, arrival)
-                if taken is not None:
+                if taken is not None:  # kept as if run here: another may ask us too
                     self._group_at, self._group_for = None, {}
+                    self._kept = (at, np.array(into, copy=True).reshape(-1), taken.used,
+                                  taken.late)
                     return taken
             if lost:
                 log.warning("rank %d: step %d failed (%s); its group runs again once ranks "

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from . import cpushare
 from .cpushare import CpuShares
 
 log = logging.getLogger("aioreduce.bench")
@@ -103,7 +104,7 @@ def kill_namespace_processes(ns: str, sig: int = signal.SIGKILL) -> int:
 
 
 def remove_stale() -> list[str]:
-    """Delete namespaces of clusters whose creating process is gone."""
+    """Delete namespaces (and CPU groups) of clusters whose creating process is gone."""
     res = _run("ip", "netns", "list", check=False)
     removed = []
     for line in res.stdout.splitlines():
@@ -115,7 +116,7 @@ def remove_stale() -> list[str]:
             kill_namespace_processes(name)
             _run("ip", "netns", "del", name, check=False)
             removed.append(name)
-    return removed
+    return removed + cpushare.remove_stale(PREFIX)
 
 
 @dataclass

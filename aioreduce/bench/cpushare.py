@@ -19,7 +19,7 @@ import os
 import shlex
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 PERIOD_US = 10_000
@@ -101,22 +101,42 @@ class CpuShares:
                 return int(value)
         return 0
 
-    def remove(self, timeout: float = 5.0) -> None:
+    def remove(self) -> None:
         """Kill what still runs in the groups and remove them. Idempotent."""
-        deadline = time.monotonic() + timeout
-        for group in reversed(self.made):
-            while True:
-                with contextlib.suppress(OSError):
-                    for pid in (group / "cgroup.procs").read_text().split():
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(int(pid), signal.SIGKILL)
-                try:
-                    group.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:  # busy: a killed process has not left it yet
-                    if time.monotonic() > deadline:
-                        break
-                    time.sleep(0.01)
+        _remove(reversed(self.made))
         self.made.clear()
+
+
+def _remove(groups: Iterable[Path], timeout: float = 5.0) -> None:
+    """Kill what runs in each group, then remove it (children before their parent)."""
+    deadline = time.monotonic() + timeout
+    for group in groups:
+        while True:
+            with contextlib.suppress(OSError):
+                for pid in (group / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
+            try:
+                group.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:  # busy: a killed process has not left it yet
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+
+
+def remove_stale(prefix: str) -> list[str]:
+    """Remove the groups of clusters (``<prefix><pid>-...``) whose creating process is gone;
+    return their paths."""
+    root = _root()
+    if root is None:
+        return []
+    removed = []
+    for parent in root[0].glob(f"{prefix}*"):
+        owner = parent.name[len(prefix):].split("-")[0]
+        if parent.is_dir() and owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            _remove([*(p for p in parent.iterdir() if p.is_dir()), parent])
+            removed.append(str(parent))
+    return removed

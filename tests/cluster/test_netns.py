@@ -184,3 +184,17 @@ def test_each_host_is_held_to_its_cpu_share_and_the_groups_go_at_teardown() -> N
         assert all(g.is_dir() for g in groups)
     assert not any(g.exists() for g in groups)
     assert not groups[0].parent.exists()
+
+
+@pytest.mark.skipif(cpushare.unavailable() is not None,
+                    reason=f"no CPU groups here: {cpushare.unavailable()}")
+def test_the_cpu_groups_of_a_run_that_died_are_removed_as_stale() -> None:
+    from aioreduce.bench.cluster import PREFIX, remove_stale
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid names a cluster whose creating process is gone
+    shares = cpushare.CpuShares(f"{PREFIX}{gone.pid}-test", 2, 0.5)
+    shares.create()
+    assert shares.base.is_dir()
+    assert str(shares.base) in remove_stale()
+    assert not shares.base.exists()

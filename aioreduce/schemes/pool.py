@@ -40,23 +40,22 @@ class BufferPool:
     def take(self, size: int, dtype: np.dtype[Any]) -> np.ndarray:
         """A 1-D array of ``size`` elements of ``dtype``, contents undefined."""
         arrays = self._arrays
-        match = -1
-        free: list[int] = []  # newest first
-        # Newest first, so the match is the most recently used free array (warm in cache).
-        # Indices, not a loop over the arrays: a loop variable would be one more reference.
+        # Newest first, so the match is the most recently used free array (warm in cache),
+        # and the scan stops there: a step takes the same sizes every step, so it mostly
+        # stops at once. Indices, not a loop over the arrays: a loop variable would be one
+        # more reference.
         for i in range(len(arrays) - 1, -1, -1):
-            if sys.getrefcount(arrays[i]) == _ONLY_POOL:
-                if match < 0 and arrays[i].size == size and arrays[i].dtype == dtype:
-                    match = i
-                else:
-                    free.append(i)
-        drop = set(free[self.spare:])  # the oldest free arrays beyond ``spare`` are let go
-        if match >= 0:
-            self.reused += 1
-            array = arrays[match]
-            drop.add(match)
-        else:
-            array = np.empty(size, dtype)
+            if (arrays[i].size == size and sys.getrefcount(arrays[i]) == _ONLY_POOL
+                    and arrays[i].dtype == dtype):
+                self.reused += 1
+                array = arrays.pop(i)
+                arrays.append(array)  # the newest now
+                return array
+        # No match: new memory, so let go of the free arrays beyond ``spare`` (the oldest).
+        free = [i for i in range(len(arrays) - 1, -1, -1)
+                if sys.getrefcount(arrays[i]) == _ONLY_POOL]
+        drop = set(free[self.spare:])
         kept = [arrays[i] for i in range(len(arrays)) if i not in drop] if drop else arrays
+        array = np.empty(size, dtype)
         self._arrays = [*kept[max(0, len(kept) + 1 - self.track):], array]
         return array

@@ -137,7 +137,8 @@ class _SumsInPlaceThenFails:
     def replace_lost(self) -> bool:
         return True
 
-    def future_sum(self, t: torch.Tensor, *, average: bool, rerun: bool) -> object:
+    def future_sum(self, t: torch.Tensor, *, average: bool, rerun: bool,
+                   last: bool = False) -> object:
         fut: torch.futures.Future[object] = torch.futures.Future()
         if self.reran or t.numel() > 3:  # the rerun: one vector of the whole gradient
             self.reran.append(t.clone())
@@ -189,7 +190,8 @@ class _JoinerWhoseRerunFails(_SumsInPlaceThenFails):
     def replace_lost(self) -> bool:
         return False
 
-    def future_sum(self, t: torch.Tensor, *, average: bool, rerun: bool) -> object:
+    def future_sum(self, t: torch.Tensor, *, average: bool, rerun: bool,
+                   last: bool = False) -> object:
         self.reran.append(t.clone())
         fut: torch.futures.Future[object] = torch.futures.Future()
         fut.set_exception(RuntimeError("rank 3: lane from rank 3 closed"))

@@ -109,6 +109,8 @@ class Healer:
         self._kept: tuple[int, np.ndarray, list[int], list[int]] | None = None
         self._ended_at = -1  # the last group step that ended here, run or failed
         self._result_asks: dict[int, list[int]] = {}  # step -> ranks asking before it ended
+        self._answering: set[int] = set()  # ranks an answer is on its way to (one at a time)
+        self._then: dict[int, int] = {}  # rank -> the step it asked about meanwhile (the last)
         self.rolled = 0  # group steps this rank took from a peer that finished them
         mesh.on_heal = self._ask
         mesh.on_reform = self._reformed
@@ -383,18 +385,28 @@ class Healer:
             self._answer(rank, ask.step)
 
     def _answer(self, rank: int, step: int) -> None:
-        kept = self._kept
-        if kept is None or kept[0] != step:
-            self.mesh.spawn(self._quiet_send(rank, step, tags.ROLL, {"have": False}))
-        else:
-            self.mesh.spawn(self._send_result(rank, *kept))
+        if rank in self._answering:  # answered next, its latest ask only (bounded per rank)
+            self._then[rank] = step
+            return
+        self._answering.add(rank)
+        self.mesh.spawn(self._send_answer(rank, step, self._kept))
 
-    async def _send_result(self, rank: int, step: int, value: np.ndarray, used: list[int],
-                           late: list[int]) -> None:
-        with contextlib.suppress(PeerLost):
-            await self.mesh.send(rank, EMPTY, step=step, tag=tags.ROLL,
-                                 meta={"have": True, "used": used, "late": late})
-            await self.mesh.send(rank, value, step=step, tag=tags.ROLL + 1)
+    async def _send_answer(self, rank: int, step: int,
+                           kept: tuple[int, np.ndarray, list[int], list[int]] | None) -> None:
+        try:
+            with contextlib.suppress(PeerLost):
+                if kept is None or kept[0] != step:
+                    await self.mesh.send(rank, EMPTY, step=step, tag=tags.ROLL,
+                                         meta={"have": False})
+                    return
+                _step, value, used, late = kept
+                await self.mesh.send(rank, EMPTY, step=step, tag=tags.ROLL,
+                                     meta={"have": True, "used": used, "late": late})
+                await self.mesh.send(rank, value, step=step, tag=tags.ROLL + 1)
+        finally:
+            self._answering.discard(rank)
+            if rank in self._then:
+                self._answer(rank, self._then.pop(rank))
 
     async def _roll_forward(self, at: int, into: np.ndarray, lost: list[int],
                             arrival: Arrival | None = None) -> Result | None:

@@ -108,9 +108,10 @@ class Healer:
         # same step failed (a rank died after this one had all it needed) takes it from us.
         self._kept: tuple[int, np.ndarray, list[int], list[int]] | None = None
         self._ended_at = -1  # the last group step that ended here, run or failed
-        self._result_asks: dict[int, list[int]] = {}  # step -> ranks asking before it ended
-        self._answering: set[int] = set()  # ranks an answer is on its way to (one at a time)
-        self._then: dict[int, int] = {}  # rank -> the step it asked about meanwhile (the last)
+        # rank -> the step it asked about last, not answered yet (answered once that step
+        # ended here and no answer to it is on its way: one at a time, so bounded per rank)
+        self._result_asks: dict[int, int] = {}
+        self._answering: set[int] = set()
         self.rolled = 0  # group steps this rank took from a peer that finished them
         mesh.on_heal = self._ask
         mesh.on_reform = self._reformed
@@ -222,7 +223,7 @@ class Healer:
         run with it, and the others then find it too). Raises ``exc`` if a member does not
         answer in time (it died too), :class:`GroupMismatch` if the members would run it
         again at different steps."""
-        mesh, wait = self.mesh, max(self.rejoin_wait, AGREE_S)
+        mesh, wait = self.mesh, self._agree_wait
         members = session.members
         # The members that ran the failed step and live: not a rank another death took
         # (its connection broke) or that a replacement took over since (``known``: the
@@ -342,8 +343,7 @@ class Healer:
                 taken = await self._roll_forward(at, into, lost, arrival)
                 if taken is not None:  # kept as if run here: another may ask us too
                     self._group_at, self._group_for = None, {}
-                    self._kept = (at, np.array(into, copy=True).reshape(-1), taken.used,
-                                  taken.late)
+                    self._keep(at, taken)
                     return taken
             if lost:
                 log.warning("rank %d: step %d failed (%s); its group runs again once ranks "
@@ -357,37 +357,40 @@ class Healer:
             self._serving_at, self._serve_only = None, None
         self._group_at, self._group_for = None, {}
         if last:
-            self._kept = (at, np.array(result.value, copy=True).reshape(-1),
-                          list(result.used), list(result.late))
+            self._keep(at, result)
         elif self._kept is not None and self._kept[0] < at:
             self._kept = None  # every rank ran a step after it: nobody will ask
         self._ended(at)
         return result
 
+    @property
+    def _agree_wait(self) -> float:
+        """How long live ranks in the same failed step wait for one another's word."""
+        return max(self.rejoin_wait, AGREE_S)
+
+    def _keep(self, at: int, result: Result) -> None:
+        """Keep a copy of group step ``at``'s result for a peer where it failed."""
+        self._kept = (at, np.array(result.value, copy=True).reshape(-1), list(result.used),
+                      list(result.late))
+
     def _ended(self, step: int) -> None:
         """A group step ended here (ran or failed): answer the ranks that asked for it."""
         self._ended_at = max(self._ended_at, step)
-        for asked in [s for s in self._result_asks if s <= step]:
-            for rank in self._result_asks.pop(asked):
-                self._answer(rank, asked)
+        for rank in list(self._result_asks):
+            self._answer(rank)
 
     def _result_asked(self, rank: int, ask: ResultAsk) -> None:
-        """``rank``'s group step ``ask.step`` failed: answer once that step ended here. (At
-        most one waiting ask per rank: an honest rank asks for one step at a time.)"""
-        for step, waiting in list(self._result_asks.items()):
-            if rank in waiting:  # an older ask of its: it gave up on that one
-                waiting.remove(rank)
-                if not waiting:
-                    del self._result_asks[step]
-        if ask.step > self._ended_at:
-            self._result_asks.setdefault(ask.step, []).append(rank)
-        else:
-            self._answer(rank, ask.step)
+        """``rank``'s group step ``ask.step`` failed: answer once that step ended here. (An
+        honest rank asks for one step at a time: a newer ask replaces its older one.)"""
+        self._result_asks[rank] = ask.step
+        self._answer(rank)
 
-    def _answer(self, rank: int, step: int) -> None:
-        if rank in self._answering:  # answered next, its latest ask only (bounded per rank)
-            self._then[rank] = step
+    def _answer(self, rank: int) -> None:
+        """Answer ``rank``'s ask if its step ended here and no answer is on its way to it."""
+        step = self._result_asks.get(rank)
+        if step is None or step > self._ended_at or rank in self._answering:
             return
+        del self._result_asks[rank]
         self._answering.add(rank)
         self.mesh.spawn(self._send_answer(rank, step, self._kept))
 
@@ -405,8 +408,7 @@ class Healer:
                 await self.mesh.send(rank, value, step=step, tag=tags.ROLL + 1)
         finally:
             self._answering.discard(rank)
-            if rank in self._then:
-                self._answer(rank, self._then.pop(rank))
+            self._answer(rank)  # an ask that came meanwhile
 
     async def _roll_forward(self, at: int, into: np.ndarray, lost: list[int],
                             arrival: Arrival | None = None) -> Result | None:
@@ -416,9 +418,9 @@ class Healer:
         mesh = self.mesh
         peers = [r for r in range(mesh.world_size)
                  if r != mesh.rank and r not in lost and not mesh.is_lost(r)]
-        wait = max(self.rejoin_wait, AGREE_S)
         heads = [asyncio.ensure_future(mesh.recv_into(r, EMPTY, step=at, tag=tags.ROLL,
-                                                      timeout=wait)) for r in peers]
+                                                      timeout=self._agree_wait))
+                 for r in peers]
         try:
             await asyncio.gather(*(self._quiet_control(r, ResultAsk(at)) for r in peers))
             for done in asyncio.as_completed(heads):

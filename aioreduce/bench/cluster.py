@@ -30,7 +30,6 @@ from pathlib import Path
 from types import TracebackType
 
 from . import cpushare
-from .cpushare import CpuShares
 
 log = logging.getLogger("aioreduce.bench")
 PREFIX = "arx"
@@ -139,7 +138,7 @@ class Cluster:
     # (restored at teardown).
     _allowed_before: str | None = field(default=None, init=False)
     sshd: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict, init=False)
-    shares: CpuShares | None = field(default=None, init=False)
+    shares: cpushare.CpuShares | None = field(default=None, init=False)
     _up: bool = field(default=False, init=False)
 
     @property
@@ -231,7 +230,7 @@ class Cluster:
                 self._shape(sw, f"p{i}")
         self._static_neighbours()
         if self.cpus_per_host is not None:
-            self.shares = CpuShares(self.tag, self.hosts, self.cpus_per_host)
+            self.shares = cpushare.CpuShares(self.tag, self.hosts, self.cpus_per_host)
             self.shares.create()
         self._up = True
 

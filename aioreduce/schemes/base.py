@@ -62,9 +62,10 @@ class BulkLink(Protocol):
     def read_meta(self, nbytes: int) -> bytes:
         """The next ``nbytes`` of meta."""
 
-    def wait_readable(self) -> bool:
-        """Block until bytes can be read (or the link is interrupted): True; False once
-        :meth:`wake` was called."""
+    def wait_readable(self, unit: int = 1) -> bool:
+        """Block until bytes can be read (``unit``: a whole element of that many, see
+        :meth:`recv_now`) or the link is interrupted: True; False once :meth:`wake` was
+        called."""
 
     def wake(self) -> None:
         """End a :meth:`wait_readable` in progress, or the next one (from any thread)."""
@@ -73,8 +74,9 @@ class BulkLink(Protocol):
         """Read what is there into the link's read-ahead without blocking; whether bytes are
         buffered now."""
 
-    def recv_now(self, view: memoryview) -> int:
-        """Read what is there into ``view`` without blocking; the bytes read."""
+    def recv_now(self, view: memoryview, unit: int = 1) -> int:
+        """Read what is there into ``view`` without blocking; the bytes read. ``unit`` > 1:
+        only whole elements of that many bytes land in ``view`` (never a part of one)."""
 
     def read_into(self, view: memoryview) -> None:
         """Read exactly ``view.nbytes`` into ``view`` (blocking)."""

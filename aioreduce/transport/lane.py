@@ -57,7 +57,7 @@ from collections import deque
 from typing import cast
 
 from ..errors import LaneClosed, PeerLost
-from .sockopts import send_queue_bytes, tune
+from .sockopts import recv_queue_bytes, send_queue_bytes, tune
 
 HEADER = struct.Struct("<qqqq")  # step, index, payload bytes, meta bytes
 MAX_META = 4096  # a message's meta (msgpack) is small control data: bound what a peer sends
@@ -397,10 +397,12 @@ class Lane:
             self._r0 += n
         return n
 
-    def wait_readable(self) -> bool:
+    def wait_readable(self, unit: int = 1) -> bool:
         """Block until the lane has bytes to read (or has ended: the read then says so) and
-        return True, or return False once :meth:`wake` was called (since the last wait)."""
-        if self._r1 > self._r0:
+        return True, or return False once :meth:`wake` was called (since the last wait).
+        ``unit``: a read of whole ``unit``-byte elements waits on (see :meth:`recv_now`)
+        while the read-ahead buffer holds only part of one."""
+        if self._r1 - self._r0 >= unit:
             return True
         if self._poll is None:
             self._poll = select.poll()
@@ -431,11 +433,18 @@ class Lane:
         with contextlib.suppress(OSError):  # full (a wake is pending anyway) or closed
             os.write(self._wake_w, b"!")
 
-    def recv_now(self, view: memoryview) -> int:
+    def recv_now(self, view: memoryview, unit: int = 1) -> int:
         """Read what the lane has, at most ``view.nbytes``, into ``view`` without blocking
         (0 if nothing after all). With :meth:`wait_readable` before it, a caller knows when
         bytes are being written into its buffer and when not, and can take the buffer away
-        in between (the transpose's lanes do)."""
+        in between (the transpose's lanes do). ``unit`` > 1: only whole ``unit``-byte
+        elements (``view.nbytes`` a multiple of it); the bytes of one not wholly here yet
+        wait in the read-ahead buffer. A buffer taken away between two reads then holds
+        whole elements of the message and, after them, its own values untouched (the
+        transpose's result written over the caller's vector keeps its own contribution
+        there for a stand-in)."""
+        if unit > 1:
+            return self._recv_whole(view, unit)
         if self._r1 > self._r0:
             return self._take(view)
         try:
@@ -446,6 +455,39 @@ class Lane:
             raise LaneClosed(self.peer, f"lane from rank {self.peer}: {exc}") from None
         if n == 0 and view.nbytes:
             raise LaneClosed(self.peer, f"lane from rank {self.peer} closed")
+        return n
+
+    def _recv_whole(self, view: memoryview, unit: int) -> int:
+        """:meth:`recv_now` in whole elements: as many as the read-ahead buffer, else the
+        socket, holds (asked first, FIONREAD: a read into ``view`` must not stop inside an
+        element, whose first bytes would then be written over ours)."""
+        if self._r1 - self._r0 < unit and self._r1 > self._r0:
+            # Part of an element is read ahead: the rest joins it there, then it is taken.
+            self._read_ahead(socket.MSG_DONTWAIT)
+        held = self._r1 - self._r0
+        if held:
+            take = min(held, view.nbytes)
+            return self._take(view[:take - take % unit])
+        try:
+            queued = recv_queue_bytes(self.sock.fileno())
+        except (OSError, ValueError) as exc:
+            raise LaneClosed(self.peer, f"lane from rank {self.peer}: {exc}") from None
+        want = min(queued, view.nbytes)
+        want -= want % unit
+        if not want:  # part of an element (or the end: the read says so) goes read ahead
+            self._read_ahead(socket.MSG_DONTWAIT)
+            return 0
+        try:
+            n = self.sock.recv_into(view, want, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            raise LaneClosed(self.peer, f"lane from rank {self.peer}: {exc}") from None
+        try:
+            while n % unit:  # (not seen: the kernel gives what it said it holds) its rest
+                n += self.sock.recv_into(view[n:], unit - n % unit, socket.MSG_WAITALL)
+        except OSError as exc:
+            raise LaneClosed(self.peer, f"lane from rank {self.peer}: {exc}") from None
         return n
 
     @property

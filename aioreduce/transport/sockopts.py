@@ -66,3 +66,11 @@ def send_queue_bytes(fd: int) -> int:
     queued = fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0")
     nbytes: int = struct.unpack("i", queued)[0]
     return nbytes
+
+
+def recv_queue_bytes(fd: int) -> int:
+    """Bytes a stream socket (TCP or Unix) holds that nobody has read yet (FIONREAD);
+    ``OSError`` if ``fd`` is closed."""
+    queued = fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0")
+    nbytes: int = struct.unpack("i", queued)[0]
+    return nbytes

@@ -102,6 +102,37 @@ async def test_a_withdrawn_receive_is_never_written_even_when_the_rest_comes(wir
     assert (buf[buf.size // 2:] == -1).all()
 
 
+async def test_a_whole_receive_lands_whole_elements_and_says_how_many(wired) -> None:
+    """``whole``: a payload cut inside an element leaves that element as it was (its first
+    bytes wait in the lane) until the rest of it comes; once withdrawn, ``landed`` says how
+    many bytes landed, all whole elements, and the buffer after them is untouched."""
+    links, peer = wired
+    buf = np.full(64, -1.0)
+    fut = links.post(PEER, buf, 0, 0, whole=True)
+    data = np.arange(1.0, 65.0)
+    wire = _message(0, 0, data, {"i": 0})
+    start = len(wire) - data.nbytes  # where the payload begins
+    peer.sendall(wire[:start + 3 * 8 + 5])  # three elements and 5 bytes of the fourth
+    lane = links._ins[PEER]
+    await _until(lambda: buf[2] == 3.0 and lane.buffered == 5)
+    peer.sendall(wire[start + 29:start + 30])  # a sixth byte: still not whole
+    await _until(lambda: lane.buffered == 6)  # read, and held back
+    assert buf[3] == -1.0 and buf[:3].tolist() == [1, 2, 3]
+    peer.sendall(wire[start + 30:start + 4 * 8 + 7])  # the fourth whole, 7 of the fifth
+    await _until(lambda: buf[3] == 4.0)
+    links.discard_before(1)  # the stage ended: the post is withdrawn
+    fut.cancel()
+    assert links.landed(PEER, 0, 0) == 4 * 8
+    assert buf[:4].tolist() == [1, 2, 3, 4] and (buf[4:] == -1).all()
+    nxt = np.zeros(2)
+    fut2 = links.post(PEER, nxt, 1, 0, whole=True)
+    peer.sendall(wire[start + 39:] + _message(1, 0, np.array([5.0, 6.0]), {"i": 1}))
+    header = await asyncio.wait_for(fut2, 10)  # the rest of step 0's was dropped
+    assert header.meta == {"i": 1} and nxt.tolist() == [5, 6] and (buf[4:] == -1).all()
+    links.end_step(1)
+    assert links.landed(PEER, 0, 0) == 0  # forgotten once a later step ended
+
+
 async def test_ahead_waits_for_its_receive_and_below_the_floor_is_dropped(wired) -> None:
     links, peer = wired
     links.discard_before(3)

@@ -27,9 +27,17 @@ class Links(Protocol):
     def newest(self) -> int:
         """The newest step any peer sent a slice of (-1: none yet)."""
 
-    def post(self, src: int, out: np.ndarray, step: int, tag: int) -> asyncio.Future[Header]:
+    def post(self, src: int, out: np.ndarray, step: int, tag: int, *,
+             whole: bool = False) -> asyncio.Future[Header]:
         """Receive slice ``tag`` of ``step`` from ``src`` into ``out``; the future ends with
-        its header (meta included) once every byte is in, or with ``PeerLost``."""
+        its header (meta included) once every byte is in, or with ``PeerLost``. ``whole``:
+        ``out`` is written in whole elements only, so that once the receive is withdrawn
+        it holds :meth:`landed` bytes of the message and its own values after them."""
+
+    def landed(self, src: int, step: int, tag: int) -> int:
+        """Bytes of the message that landed in a ``whole`` receive of (``src``, ``step``,
+        ``tag``) before it was withdrawn (asked after :meth:`discard_before`, until the
+        next step's :meth:`end_step`)."""
 
     def send(self, peer: int, array: np.ndarray, step: int, tag: int,
              meta: dict[str, Any], *, lent: bool = False) -> bool:
@@ -78,8 +86,33 @@ class CommLinks:
     def _heard(self, header: Header, _payload: memoryview) -> None:
         self.newest = max(self.newest, header.step)
 
-    def post(self, src: int, out: np.ndarray, step: int, tag: int) -> asyncio.Future[Header]:
-        return self.comm.post_recv(src, out, step=step, tag=tag)
+    def post(self, src: int, out: np.ndarray, step: int, tag: int, *,
+             whole: bool = False) -> asyncio.Future[Header]:
+        if not whole:
+            return self.comm.post_recv(src, out, step=step, tag=tag)
+        # The comm writes a frame where it lands, as it comes: received apart and copied
+        # once whole (rare: a peer that lost its lanes), so nothing lands before that.
+        staged = np.empty_like(out)
+        inner = self.comm.post_recv(src, staged, step=step, tag=tag)
+        outer: asyncio.Future[Header] = asyncio.get_running_loop().create_future()
+
+        def arrived(done: asyncio.Future[Header]) -> None:
+            if outer.done():  # withdrawn: out is not ours to write any more
+                return
+            if done.cancelled():
+                outer.cancel()
+            elif (exc := done.exception()) is not None:
+                outer.set_exception(exc)
+            else:
+                out[...] = staged
+                outer.set_result(done.result())
+
+        inner.add_done_callback(arrived)
+        outer.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)
+        return outer
+
+    def landed(self, src: int, step: int, tag: int) -> int:
+        return 0  # (see post: whole receives land at once)
 
     def send(self, peer: int, array: np.ndarray, step: int, tag: int,
              meta: dict[str, Any], *, lent: bool = False) -> bool:

@@ -143,7 +143,8 @@ class LaneLinks:
             reader.start()
 
     # -- the session's side (event loop) ------------------------------------------------------
-    def post(self, src: int, out: np.ndarray, step: int, tag: int) -> asyncio.Future[Header]:
+    def post(self, src: int, out: np.ndarray, step: int, tag: int, *,
+             whole: bool = False) -> asyncio.Future[Header]:
         fut: asyncio.Future[Header] = self._loop.create_future()
         key = (src, step, tag)
         with self._cond:
@@ -163,7 +164,8 @@ class LaneLinks:
             if gone is not None:
                 fut.set_exception(gone)
                 return fut
-            self._book.post(Post(key, byte_view(out), fut))
+            self._book.post(Post(key, byte_view(out), fut,
+                                 unit=out.dtype.itemsize if whole else 1))
             waiting = self._posted.get(src)
             if waiting is not None:
                 waiting.notify()
@@ -366,7 +368,13 @@ class LaneLinks:
     def heard_at(self, src: int) -> float:
         return self._heard_at.get(src, 0.0)
 
+    def landed(self, src: int, step: int, tag: int) -> int:
+        with self._lock:
+            return self._book.landed((src, step, tag))
+
     def end_step(self, step: int) -> None:
+        with self._lock:  # (what landed in this step's cut receives is asked for after)
+            self._book.forget(step - 1)
         sent = self._sent.pop(step, 0)
         got = self._got.pop(step, {})
         if not got:
@@ -510,17 +518,18 @@ class LaneLinks:
     def _fill(self, lane: BulkLink, post: Post, nbytes: int) -> bool:
         """Read the payload into the post's buffer; False if it was withdrawn meanwhile (the
         rest is read and dropped)."""
-        got = 0
+        got, unit = 0, post.unit
         while got < nbytes:
-            lane.wait_readable()
+            lane.wait_readable(unit)
             with self._lock:  # (the conditions' lock, without a Condition's Python per chunk)
                 if not self._book.begin_write(post):
                     break
             try:
-                got += lane.recv_now(post.view[got:])
+                got += lane.recv_now(post.view[got:], unit)
                 self._heard_at[lane.peer] = time.perf_counter()
             finally:
                 with self._lock:
+                    post.landed = got
                     self._book.end_write(post)
                     if post.withdrawn:  # the session may wait for this copy
                         self._cond.notify_all()

@@ -34,6 +34,8 @@ class Post:
     future: asyncio.Future[Header] | None
     writing: bool = False  # a chunk is being copied into ``view`` now
     withdrawn: bool = False  # out of the book before it was filled: never written again
+    unit: int = 1  # > 1: written in whole elements of this many bytes only
+    landed: int = 0  # bytes written so far (kept up to date where ``unit`` > 1)
 
 
 class Wait:
@@ -50,6 +52,9 @@ class PostBook:
     def __init__(self) -> None:
         self.posts: dict[Key, Post] = {}
         self.floor: tuple[int, int] = (-1, 0)  # (step, tag) below this is over
+        # Withdrawn posts written in whole elements: what landed in them is asked for after
+        # (see landed); kept until their step is forgotten.
+        self.cut: dict[Key, Post] = {}
 
     def post(self, post: Post) -> None:
         """Add ``post`` (a second post of one key replaces nothing: it is a caller's bug)."""
@@ -93,11 +98,27 @@ class PostBook:
         for post in over:
             del self.posts[post.key]
             post.withdrawn = True
+            if post.unit > 1:
+                self.cut[post.key] = post
         return [p for p in over if p.writing]
+
+    def landed(self, key: Key) -> int:
+        """Bytes (whole elements) that landed in the withdrawn post of ``key`` before it was
+        withdrawn; 0 if it was not one written in whole elements, or is forgotten. Final
+        once no chunk is being written into it (see :meth:`discard_before`)."""
+        post = self.cut.get(key)
+        return post.landed if post is not None else 0
+
+    def forget(self, step: int) -> None:
+        """Steps up to ``step`` are over for good: their withdrawn posts are let go."""
+        for key in [k for k in self.cut if k[1] <= step]:
+            del self.cut[key]
 
     def lose(self, src: int) -> list[Post]:
         """``src``'s lane ended: take its posts out (the caller fails them)."""
         gone = [p for k, p in self.posts.items() if k[0] == src]
         for post in gone:
             del self.posts[post.key]
+            if post.unit > 1:  # (its lane broke while it came: see landed)
+                self.cut[post.key] = post
         return gone

@@ -37,8 +37,13 @@ class SplitLinks:
     def newest(self) -> int:
         return max(self.lanes.newest, self.via_comm.newest)
 
-    def post(self, src: int, out: np.ndarray, step: int, tag: int) -> asyncio.Future[Header]:
-        return self._for(src).post(src, out, step, tag)
+    def post(self, src: int, out: np.ndarray, step: int, tag: int, *,
+             whole: bool = False) -> asyncio.Future[Header]:
+        return self._for(src).post(src, out, step, tag, whole=whole)
+
+    def landed(self, src: int, step: int, tag: int) -> int:
+        # The lanes' book: a receive posted there before the peer moved to the comm.
+        return self.lanes.landed(src, step, tag)
 
     def send(self, peer: int, array: np.ndarray, step: int, tag: int,
              meta: dict[str, Any], *, lent: bool = False) -> bool:

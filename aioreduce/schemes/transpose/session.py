@@ -238,7 +238,16 @@ class TransposeSession:
             # we have everything (docs/transpose.md has what that cost).
             apart = rot is None and not np.may_share_memory(mine, out)
             acc = out if apart and hi <= like.size else y  # where our shard is summed
-            send_from = mine if apart and all(links.lends(k) for k in peers) else None
+            lends = all(links.lends(k) for k in peers)
+            # In place without the rotation, over links that lend (lanes), the others'
+            # shards go out lent from the caller's array too, and the reduced slices land
+            # over them in whole elements (see Links.post): a cut one keeps our own values
+            # after what landed, for its stand-in (_finish). Only our own shard is copied,
+            # to be summed and sent from (a lent one would hold the step's end until phase
+            # 2 reached the slowest peer).
+            over = (rot is None and not apart and lends
+                    and self.opts.inject_loss <= 0)  # (experiments drop arrived slices)
+            send_from = mine if (apart or over) and lends else None
             lent = send_from is not None
             meta: dict[str, Any] = {"c": [clock.advert() for clock in self.clocks],
                                     "d": me in self.drifted, "r": rot is not None,
@@ -264,7 +273,8 @@ class TransposeSession:
             # Reduced slices may land in the caller's vector: posted only now that it is read.
             phase2 = [s for k in range(n) if k != me
                       for s in self._post(step, layout, k, [k], PHASE2_TAG,
-                                          lambda _src, a, b: tail.view(out, a, b))]
+                                          lambda _src, a, b: tail.view(out, a, b),
+                                          whole=over)]
             d1, d2 = (clock.deadline() for clock in self.clocks)
             # The clocks learn stage times without the rotation; a step in which this rank
             # rotates, or after one in which a peer did, gets that time on top (the peers'
@@ -335,13 +345,14 @@ class TransposeSession:
         tail.land(out, phase2, layout)
         own_part = _OwnContribution(mine, y if send_from is None else mine, rot, layout, out)
         return self._finish(step, like, own_part, out, into is not None, layout, phase2,
-                            shard_fraction, missing, time.perf_counter() - t0)
+                            shard_fraction, missing, time.perf_counter() - t0, over)
 
     # -- the two phases -----------------------------------------------------------------------
     def _post(self, step: int, layout: Layout, owner: int, srcs: list[int], tag0: int,
-              where: Callable[[int, int, int], np.ndarray]) -> list[Slot]:
+              where: Callable[[int, int, int], np.ndarray], whole: bool = False) -> list[Slot]:
         """Post the receives of ``owner``'s shard slices from each of ``srcs``; slice
-        ``[a, b)`` from ``src`` lands in ``where(src, a, b)``."""
+        ``[a, b)`` from ``src`` lands in ``where(src, a, b)`` (``whole``: in whole
+        elements, see Links.post)."""
         slices = layout.slices_of(owner)
         tail = layout.tail_index(owner)
         slots = []
@@ -349,7 +360,7 @@ class TransposeSession:
             if self.links.is_lost(src):
                 continue
             for i, (a, b) in enumerate(slices):
-                fut = self.links.post(src, where(src, a, b), step, tag0 + i)
+                fut = self.links.post(src, where(src, a, b), step, tag0 + i, whole=whole)
                 slots.append(Slot(src, i, b - a, fut, tail=i >= tail))
         return slots
 
@@ -505,7 +516,7 @@ class TransposeSession:
     # -- accounting -------------------------------------------------------------------------
     def _finish(self, step: int, like: np.ndarray, own: _OwnContribution, out: np.ndarray,
                 in_place: bool, layout: Layout, phase2: list[Slot], own_fraction: float,
-                own_missing: list[int], seconds: float) -> Result:
+                own_missing: list[int], seconds: float, over: bool = False) -> Result:
         n, me, opts = self.comm.world_size, self.comm.rank, self.opts
         fractions = {me: own_fraction}
         late = set(own_missing)
@@ -522,7 +533,11 @@ class TransposeSession:
                 if isinstance(ranks, list):
                     late.update(r for r in ranks if isinstance(r, int) and 0 <= r < n)
             else:  # the stand-in: our own contribution (x N when rescaling)
-                _stand_in(out, own, slot.src, a, b, weight)
+                start = a
+                if over and b <= out.size:  # what landed is the owner's sum: kept
+                    start += (self.links.landed(slot.src, step, PHASE2_TAG + slot.index)
+                              // out.itemsize)
+                _stand_in(out, own, slot.src, start, b, weight)
                 got[slot.src] = got.get(slot.src, 0.0) + (b - a) / n
                 stand_in.add(slot.src)
         for k in range(n):
@@ -623,7 +638,8 @@ class _Tail:
 
 class _OwnContribution:
     """This rank's own (not rotated) values of another owner's shard: the stand-in for a
-    reduced slice that did not come. Read from the caller's vector while it is intact; once
+    reduced slice that did not come. Read from the caller's vector while it is intact (in
+    place without the rotation, after what landed of the reduced slice: see _run); once
     the result was written over it (``step_to`` into the vector itself), from what this rank
     sent (rotated back one shard at a time, only when a stand-in is needed)."""
 

@@ -43,8 +43,9 @@ class Links(Protocol):
              meta: dict[str, Any], *, lent: bool = False) -> bool:
         """Send in the background; ``array`` must stay unchanged until it is sent (a peer
         that is not reading is skipped once it has many steps unsent), or, ``lent`` (only
-        where :meth:`lends`), until :meth:`release` returns. False: ``peer`` is lost,
-        nothing was sent."""
+        where :meth:`lends`), until :meth:`release` returns or the peer no longer reads it
+        (it answered with what it made of it, or dropped it: the transpose writes the
+        answer over what it lent). False: ``peer`` is lost, nothing was sent."""
 
     def lends(self, peer: int) -> bool:
         """Whether a send to ``peer`` may be ``lent``: the sender's array then needs to stay

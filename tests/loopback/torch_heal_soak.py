@@ -13,6 +13,8 @@ its replacement's heal. A script (exit 1 on a failed check)::
 
     python -m tests.loopback.torch_heal_soak --mode optimizer --steps 1000 --kills 10
     python -m tests.loopback.torch_heal_soak --mode ddp --steps 1000 --kills 10
+
+``--device cuda``: the model and batches on the GPU (four ranks share it).
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ TRACE = re.compile(r"^\[(\d+)\] IT (\d+) (\d+) ?(.*)$")
 WINDOW = 5  # iterations after a heal in which DDP must match the undisturbed run in rounding
 
 
-def _launch(mode: str, steps: int, pace: float, restart: int, save: str
-            ) -> subprocess.Popen[str]:
+def _launch(mode: str, steps: int, pace: float, restart: int, save: str,
+            device: str = "cpu") -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "aioreduce_launch.cli", "-n", "4",
            *(["--restart", str(restart)] if restart else []), "--", sys.executable, str(PROG),
            "--mode", mode, "--steps", str(steps), "--pace", str(pace), "--save", save,
+           "--device", device,
            *(["--trace"] if mode == "ddp" else [])]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -105,15 +108,15 @@ def _ddp_check(calm_err: str, err_lines: list[str]) -> bool:
 
 
 def soak(mode: str, steps: int, pace: float, kills: int, every: float, seed: int,
-         log: str = "") -> bool:
+         log: str = "", device: str = "cpu") -> bool:
     tmp = tempfile.mkdtemp(prefix="torch-heal-soak-")
-    calm = _launch(mode, steps, 0.0, 0, f"{tmp}/calm")
+    calm = _launch(mode, steps, 0.0, 0, f"{tmp}/calm", device)
     out, calm_err = calm.communicate(timeout=600)
     want = _finals(out)
     if calm.returncode != 0 or len(want) != 4:
         print("the undisturbed run failed:", calm_err[-2000:])
         return False
-    job = _launch(mode, steps, pace, kills + 5, f"{tmp}/soak")
+    job = _launch(mode, steps, pace, kills + 5, f"{tmp}/soak", device)
     launcher = psutil.Process(job.pid)
     err_lines: list[str] = []
     healed, training = threading.Event(), threading.Event()
@@ -187,8 +190,10 @@ def main() -> None:
     ap.add_argument("--every", type=float, default=1.0, help="seconds between kills, about")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log", default="", help="write the job's whole stderr to this file")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the model on the GPU)")
     a = ap.parse_args()
-    sys.exit(0 if soak(a.mode, a.steps, a.pace, a.kills, a.every, a.seed, a.log) else 1)
+    sys.exit(0 if soak(a.mode, a.steps, a.pace, a.kills, a.every, a.seed, a.log, a.device)
+             else 1)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """A torch training run whose ranks may die and come back, for the heal tests.
 
     torchheal.py [--mode optimizer|ddp] [--steps N] [--bucket-bytes B] [--kill RANK:ITER]
-                 [--pace SECONDS]
+                 [--pace SECONDS] [--device cpu|cuda]
 
 Each iteration's gradient goes through :class:`aioreduce.torch.DistributedOptimizer`
 (``optimizer``) or DDP (``aioreduce.torch.DistributedDataParallel``, ``ddp``) over the ring, in
@@ -47,12 +47,14 @@ def main() -> None:
     ap.add_argument("--save", default="", help="PREFIX: write PREFIX.RANK.npy")
     ap.add_argument("--pace", type=float, default=0.0, help="seconds of sleep an iteration "
                     "(the soak's: a longer run)")
+    ap.add_argument("--device", default="cpu", help="where the model and batches live "
+                    "(cuda: the sums staged through host memory, as our users' GPUs)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
                                 torch.nn.Linear(64, 64), torch.nn.ReLU(),
-                                torch.nn.Linear(64, 10))
+                                torch.nn.Linear(64, 10)).to(a.device)
     sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     it = 0
 
@@ -86,8 +88,8 @@ def main() -> None:
             opt = art.DistributedOptimizer(sgd, node, bucket_bytes=a.bucket_bytes)
         while it < a.steps:
             gen = torch.Generator().manual_seed(1000 * node.rank + it)
-            x = torch.randn(64, 32, generator=gen)
-            y = torch.randint(0, 10, (64,), generator=gen)
+            x = torch.randn(64, 32, generator=gen).to(a.device)
+            y = torch.randint(0, 10, (64,), generator=gen).to(a.device)
             opt.zero_grad()
             loss = F.cross_entropy(net(x), y)
             if a.pace:
@@ -97,7 +99,7 @@ def main() -> None:
             it += 1
             if a.trace:  # every iteration: who ran it, and rank 0's parameters (a sample)
                 sample = "" if node.rank else " ".join(
-                    f"{v:.17g}" for v in torch.cat([p.detach().reshape(-1).double()
+                    f"{v:.17g}" for v in torch.cat([p.detach().reshape(-1).double().cpu()
                                                     for p in model.parameters()])[::97].tolist())
                 print(f"IT {it} {node.node.mesh.incarnations.mine} {sample}", file=sys.stderr,
                       flush=True)
@@ -105,11 +107,11 @@ def main() -> None:
                 print("TRAINING", file=sys.stderr, flush=True)
         buckets = (len(net.reducer._get_zeros_like_grad_buckets()) if a.mode == "ddp"
                    else len(opt._buckets))  # type: ignore[union-attr]
-        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
+        digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes()
                                          for p in model.parameters())).hexdigest()
         if a.save:  # the parameters, for comparisons within rounding
             np.save(f"{a.save}.{node.rank}.npy", torch.cat(
-                [p.detach().reshape(-1).double() for p in model.parameters()]).numpy())
+                [p.detach().reshape(-1).double().cpu() for p in model.parameters()]).numpy())
         sys.stdout.write("FINAL " + json.dumps({"rank": node.rank, "params": digest[:16],
                                                 "iterations": it, "buckets": buckets})
                          + "\n")

@@ -211,7 +211,8 @@ def broadcast_state(module: torch.nn.Module, pg: ProcessGroupAioreduce) -> None:
     if not tensors:
         return
     with torch.no_grad():
-        flat = parameters_to_vector([t.detach().to(torch.float64) for t in tensors])
+        # (on the host: a model on the GPU is sent from host memory, like any state blob)
+        flat = parameters_to_vector([t.detach().to("cpu", torch.float64) for t in tensors])
         got = pg.node.broadcast(flat.numpy(), root=0).value
         _copy_back(torch.from_numpy(np.array(got)), tensors)
 

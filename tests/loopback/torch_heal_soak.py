@@ -157,7 +157,11 @@ def soak(mode: str, steps: int, pace: float, kills: int, every: float, seed: int
             print("no replacement healed within 120 s")
             break
         time.sleep(every * rng.uniform(0.5, 1.5))
-    out, _ = job.communicate(timeout=600)
+    # stdout only: the reader thread has stderr (communicate() would read it too, and the
+    # last iterations' trace lines went to whichever read first)
+    assert job.stdout is not None
+    out = job.stdout.read()
+    job.wait(600)
     reader.join(10)
     got = _finals(out)
     ok = job.returncode == 0 and len(got) == 4 and len(heal_times) == done == kills
@@ -169,6 +173,8 @@ def soak(mode: str, steps: int, pace: float, kills: int, every: float, seed: int
         print(f"largest difference from the undisturbed run at the end: "
               f"{np.abs(a - b).max() / np.abs(b).max():.2e} of the largest parameter")
         ok = _ddp_check(calm_err, err_lines)
+    if not ok:  # (first: the verdict below stays the output's last lines)
+        print("".join(err_lines[-60:]))
     print(f"{mode}: {done} kills, exit {job.returncode}, {len(heal_times)} heals, "
           f"identical replicas: {len({f['params'] for f in got}) == 1}, as undisturbed: {ok}")
     if heal_times:
@@ -176,8 +182,6 @@ def soak(mode: str, steps: int, pace: float, kills: int, every: float, seed: int
               f"max {max(heal_times):.2f} s")
     if log:  # the whole job's stderr, for the diagnosis of a run that went wrong
         Path(log).write_text("".join(err_lines))
-    if not ok:
-        print("".join(err_lines[-60:]))
     return ok
 
 

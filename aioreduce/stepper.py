@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from typing import cast
 
 import numpy as np
 
@@ -141,15 +143,17 @@ class Stepper:
         result: Result | None = None
         error: BaseException | None = None
         try:
-            if into is not None and isinstance(session, SumsInPlace):
-                result = await session.step_into(step, like, own, into, divisor, arrival)
+            sums_in_place, writes_into = _capabilities(type(session))
+            if into is not None and sums_in_place:
+                result = await cast(SumsInPlace, session).step_into(step, like, own, into,
+                                                                    divisor, arrival)
                 return result
             if arrival is not None:  # a session that reads the vector whole: all of it first
                 own = asyncio.ensure_future(_landed(own, arrival))
             if into is None:
                 result = await session.step(step, like, own)
-            elif isinstance(session, WritesInto):
-                result = await session.step_to(step, like, own, into)
+            elif writes_into:
+                result = await cast(WritesInto, session).step_to(step, like, own, into)
             else:
                 result = await session.step(step, like, own)
                 np.copyto(into.reshape(result.value.shape), result.value)
@@ -194,6 +198,14 @@ def mean_divisor(res: Result, world_size: int) -> float:
     if res.received < 1.0:  # (of the ranks in the step: a re-formed one has fewer)
         return max(min(world_size, len(res.used) + len(res.late)) * res.received, 1.0)
     return float(max(len(res.used), 1))
+
+
+@functools.cache
+def _capabilities(kind: type) -> tuple[bool, bool]:
+    """Whether sessions of ``kind`` sum in place and write into a given array (typed
+    capabilities, asked once per class: a protocol's isinstance walks its members, tens of
+    microseconds a step)."""
+    return issubclass(kind, SumsInPlace), issubclass(kind, WritesInto)
 
 
 async def _landed(own: Awaitable[np.ndarray], arrival: Arrival) -> np.ndarray:

@@ -107,7 +107,10 @@ class Iterations:
         # summed in place, chunk by chunk, on the loop's thread), and a rerun must add this
         # rank's own gradient, not a partial sum.
         keep = buf.clone()
-        out: torch.futures.Future[Any] = torch.futures.Future()
+        # On a GPU, the future DDP waits for carries the stream events of the copy back (set
+        # after this thread's stream waited for them, see _settle), as the sum's own does.
+        out: torch.futures.Future[Any] = (torch.futures.Future(devices=[buf.device])
+                                          if buf.is_cuda else torch.futures.Future())
         if self.joining:  # (no sum: the whole gradient is summed at the last bucket)
             inner: torch.futures.Future[Any] = torch.futures.Future()
             inner.set_result(None)
@@ -127,6 +130,8 @@ class Iterations:
 
     def _settle(self, buckets: list[Any]) -> None:
         """Every bucket's sum is over: hand DDP the results, or run the iteration again."""
+        # (_error waits for each sum: on a GPU this thread's stream then waits for its copy
+        # back, and each bucket's future records that for DDP's stream)
         if all(_error(b[3]) is None for b in buckets):
             for buf, _keep, _params, _inner, out in buckets:
                 out.set_result(buf)

@@ -290,7 +290,9 @@ def test_the_clock_waits_during_warm_up_then_bounds_by_headroom_times_p95() -> N
     # the ceiling; then the median proposal (its own alone here: one peer, the same).
     assert clock.deadline() == pytest.approx(clock.bound)
     clock.heard(1, clock.proposal, clock.bound)
-    assert clock.deadline() == pytest.approx(clock.estimate + 4.0 * clock.deviation)
+    # (the larger of the slack's and the recent floor's: here the warm-up's longest stage)
+    assert clock.deadline() == pytest.approx(max(clock.estimate + 4.0 * clock.deviation,
+                                                 clock.recent_margin * max(times)))
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 10, 37])
@@ -314,16 +316,17 @@ def test_a_cut_stage_counts_as_needing_more_time_float_ratio() -> None:
 
 def test_the_proposal_covers_the_longest_recent_complete_stage_not_a_cut_one() -> None:
     """Calm stages with a tail the deviation misses (emulated hosts: estimate 117 ms, calm
-    stages up to 207 ms were cut): the proposal is at least 1.25x the longest of the recent
+    stages up to 207 ms were cut): the proposal is at least 1.5x the longest of the recent
     complete stages; a cut stage does not raise that floor."""
     clock = StageClock(warmup=2, slack=0.0, headroom=100.0, min_deadline=0.0)
+    assert clock.recent_margin == 1.5
     for elapsed in (0.100, 0.100):
         clock.observe(elapsed, 1.0)
     clock.observe(0.160, 1.0)  # complete, late in the calm
-    assert clock.proposal == pytest.approx(1.25 * 0.160)
+    assert clock.proposal == pytest.approx(1.5 * 0.160)
     clock.observe(0.500, 0.5)  # cut at its deadline (a straggler): counted in the estimate
     assert clock.recent[-1] == 0.160
-    assert clock.proposal == pytest.approx(max(1.25 * 0.160, clock.estimate))
+    assert clock.proposal == pytest.approx(max(1.5 * 0.160, clock.estimate))
 
 
 def test_one_slow_rank_cannot_stretch_the_agreed_deadline() -> None:

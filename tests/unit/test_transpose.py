@@ -624,3 +624,31 @@ def test_slices_follow_the_hosts_unless_chosen() -> None:
     assert Transpose(slice_bytes=4096).slices(True) == 4096
     with pytest.raises(ValueError, match="slice_bytes"):
         Transpose(slice_bytes=0)
+
+
+async def test_in_place_a_cut_reduced_slice_keeps_what_landed_and_stands_in_after_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """In place without the rotation, over links that lend (lanes), the reduced slices land
+    over the lent vector in whole elements; a cut one keeps the elements that landed (the
+    owner's sum) and takes this rank's own values, N times, after them only. Here owner 2's
+    slice [4, 6) never reaches rank 0 and the links say one element of it landed: entry 4 is
+    left as the links wrote it (nothing, in this network: rank 0's own 5), entry 5 is 3 x 6."""
+    lending = Lending(monkeypatch, answered=True)
+    landed: list[tuple[int, int, int]] = []
+
+    def one_landed(_links: CommLinks, src: int, step: int, tag: int) -> int:
+        landed.append((src, step, tag))
+        return 8  # bytes: one float64
+
+    monkeypatch.setattr(CommLinks, "landed", one_landed)
+    net = MemoryNetwork(3)
+    sessions = [Transpose(hadamard=False, deadline=D, max_loss=1.0).open(c) for c in net.comms]
+    xs = [X0.copy(), 10 * X0, 100 * X0]
+    net.lose(2, 0, PHASE2_TAG)
+    r0, r1, r2 = await run_step_to(net, sessions, 0, xs)
+    assert landed == [(2, 0, PHASE2_TAG)]  # the path under test: asked for the cut slice
+    assert lending.sent and lending.released == 3
+    for res in (r1, r2):
+        assert isinstance(res, Result) and res.exact
+    assert isinstance(r0, Result) and r0.stand_in == [2] and np.shares_memory(r0.value, xs[0])
+    assert r0.value.tolist() == pytest.approx([111, 222, 333, 444, 5, 3 * 6])

@@ -609,6 +609,13 @@ class LaneListener:
             else:
                 self._local, self.unix = unix, name
         self.refused = 0  # connections that did not prove the secret
+        # close() from another thread wakes an accept in progress through this pair (an
+        # opening abandoned when its step failed elsewhere: the accept's thread would
+        # otherwise wait out its timeout, and the process could not exit meanwhile).
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._lock = threading.Lock()
+        self._closed = self._accepting = False
 
     def accept(self, token: bytes, timeout: float = ACCEPT_TIMEOUT_S,
                proof_timeout: float = PROOF_TIMEOUT_S) -> Lane:
@@ -619,11 +626,16 @@ class LaneListener:
         stays silent or sends garbage delays nobody."""
         deadline = time.monotonic() + timeout
         pending: dict[socket.socket, tuple[bytearray, float]] = {}
+        with self._lock:
+            if self._closed:
+                raise PeerLost(self.peer, f"the opening of rank {self.peer}'s lane was given up")
+            self._accepting = True
         sel = selectors.DefaultSelector()
         listening = [s for s in (self.sock, self._local) if s is not None]
         for sock in listening:
             sock.setblocking(False)
             sel.register(sock, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
         try:
             while (now := time.monotonic()) < deadline:
                 for conn, (_buf, until) in list(pending.items()):
@@ -632,6 +644,9 @@ class LaneListener:
                 wake = min([deadline, *(until for _b, until in pending.values())])
                 for key, _ev in sel.select(max(0.0, wake - now)):
                     conn = cast(socket.socket, key.fileobj)
+                    if conn is self._wake_r:
+                        raise PeerLost(self.peer, f"the opening of rank {self.peer}'s lane "
+                                       "was given up")
                     if conn in listening:
                         self._admit(conn, sel, pending, now + proof_timeout)
                         continue
@@ -655,7 +670,9 @@ class LaneListener:
             for conn in pending:
                 conn.close()
             sel.close()
-            self.close()
+            with self._lock:
+                self._closed = True
+            self._release()
         raise PeerLost(self.peer, f"rank {self.peer} did not open its lane within {timeout:g} s")
 
     def _admit(self, listening: socket.socket, sel: selectors.BaseSelector,
@@ -679,6 +696,19 @@ class LaneListener:
         self.refused += 1
 
     def close(self) -> None:
-        self.sock.close()
-        if self._local is not None:
-            self._local.close()
+        """Stop listening (any thread); an accept in progress gives up at once."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            accepting = self._accepting
+        if accepting:  # its thread closes the sockets once woken (not under its selector)
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"!")
+        else:
+            self._release()
+
+    def _release(self) -> None:
+        for sock in (self.sock, self._local, self._wake_r, self._wake_w):
+            if sock is not None:
+                sock.close()

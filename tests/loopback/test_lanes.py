@@ -115,6 +115,40 @@ def test_without_the_secret_no_lane_opens(local: bool) -> None:
         s.close()
 
 
+@pytest.mark.parametrize("started", [True, False], ids=["accepting", "before-accept"])
+def test_closing_a_listener_ends_its_accept_at_once(started: bool) -> None:
+    """An opening given up (its step failed elsewhere) closes its listeners from the loop's
+    thread: an accept in progress on another thread ends then, not at its timeout (its
+    thread kept a process from exiting for up to 30 s after a tolerated death)."""
+    listener = LaneListener("127.0.0.1", peer=1, local=True)
+    outcome: list[BaseException] = []
+    entered = threading.Event()
+
+    def accept() -> None:
+        entered.set()
+        try:
+            listener.accept(proof(SECRET, NONCE, 1, 0), timeout=60.0)
+        except BaseException as exc:  # (what the test inspects)
+            outcome.append(exc)
+
+    thread = threading.Thread(target=accept)
+    if started:
+        thread.start()
+        entered.wait(10)
+        limit = time.monotonic() + 10
+        while not listener._accepting:  # the accept has begun (its selector registered)
+            assert time.monotonic() < limit
+            time.sleep(0.001)
+        listener.close()
+    else:
+        listener.close()
+        thread.start()
+    thread.join(10)  # a bound for a failing test only: a working close ends it at once
+    assert not thread.is_alive()
+    (exc,) = outcome
+    assert isinstance(exc, PeerLost) and "given up" in str(exc)
+
+
 @pytest.mark.parametrize("local", [False, True], ids=["tcp", "unix"])
 def test_only_the_secret_opens_a_lane_and_messages_arrive_exact(local: bool) -> None:
     sender, receiver = _pair(HOSTILE, local)

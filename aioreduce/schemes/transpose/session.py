@@ -230,21 +230,17 @@ class TransposeSession:
             # nothing is copied but our own shard, into that buffer, where it is summed and
             # sent from in phase 2 (ours: it is not reused while a lane still reads it). The
             # others' shards go out from the caller's array as it is, lent to links that lend
-            # (lanes: see Links.release). In place they are copied, as with the rotation: a
-            # cut reduced slice, partly written over our own values, would leave its stand-in
-            # nothing to take them from; and our reduced shard is sent from a copy, as the
-            # caller's array would have to be released at the end of the step, which waits
-            # for a send in progress: phase 2 to the slowest peer is often still going when
-            # we have everything (docs/transpose.md has what that cost).
+            # (lanes: see Links.release). In place, over links that lend, the same, and the
+            # reduced slices land over the lent shards in whole elements (see Links.post): a
+            # cut one keeps our own values after what landed, for its stand-in (_finish).
+            # Our reduced shard is still summed in and sent from a copy: lent, the caller's
+            # array would have to be released at the end of the step, which waits for a
+            # send in progress, and phase 2 to the slowest peer is often still going when we
+            # have everything (docs/transpose.md has what that cost). Over the comm's links,
+            # or with the rotation, the vector is copied whole.
             apart = rot is None and not np.may_share_memory(mine, out)
             acc = out if apart and hi <= like.size else y  # where our shard is summed
             lends = all(links.lends(k) for k in peers)
-            # In place without the rotation, over links that lend (lanes), the others'
-            # shards go out lent from the caller's array too, and the reduced slices land
-            # over them in whole elements (see Links.post): a cut one keeps our own values
-            # after what landed, for its stand-in (_finish). Only our own shard is copied,
-            # to be summed and sent from (a lent one would hold the step's end until phase
-            # 2 reached the slowest peer).
             over = (rot is None and not apart and lends
                     and self.opts.inject_loss <= 0)  # (experiments drop arrived slices)
             send_from = mine if (apart or over) and lends else None

@@ -27,10 +27,10 @@ import hashlib
 import logging
 import os
 import socket
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -668,20 +668,19 @@ class Mesh:
             accepting = [src for src in recv_from if src not in lost]
             # Every dial and accept blocks a thread until its peer does its part: one thread
             # each, not the shared default executor (a few workers, which all ranks' accepts
-            # could fill while the dials they wait for queue behind them).
-            pool = ThreadPoolExecutor(max_workers=max(1, len(dialing) + len(accepting)),
-                                      thread_name_prefix="aioreduce-lane-open")
-            jobs = [pool.submit(dial, offers[dst][0], offers[dst][1],
-                                proof(self._secret, bytes.fromhex(offers[dst][2]), self.rank,
-                                      dst), dst, timeout, offers[dst][3]) for dst in dialing]
-            jobs += [pool.submit(listeners[src].accept,
-                                 proof(self._secret, nonces[src], src, self.rank), timeout)
+            # could fill while the dials they wait for queue behind them). Daemon threads,
+            # not waited for: cancelled (the step failed elsewhere), waiting would block the
+            # event loop until an accept from a dead peer timed out (seen: 20 s in which this
+            # rank answered no handshake), and an executor's threads would hold the process's
+            # exit as long (seen: 30 s after a ring lost two ranks under --tolerate). They end
+            # on their own (an accept at once when its listener closes); a lane one opens
+            # after that is closed.
+            jobs = [_in_thread(dial, offers[dst][0], offers[dst][1],
+                               proof(self._secret, bytes.fromhex(offers[dst][2]), self.rank,
+                                     dst), dst, timeout, offers[dst][3]) for dst in dialing]
+            jobs += [_in_thread(listeners[src].accept,
+                                proof(self._secret, nonces[src], src, self.rank), timeout)
                      for src in accepting]
-            # Not `with pool`: cancelled (the step failed elsewhere), waiting for the threads
-            # would block the event loop until an accept from a dead peer timed out (seen: 20
-            # s in which this rank answered no handshake). They end on their own; a lane one
-            # opens after that is closed.
-            pool.shutdown(wait=False)
             try:
                 opened = await asyncio.gather(*(asyncio.wrap_future(j) for j in jobs),
                                               return_exceptions=True)
@@ -811,6 +810,22 @@ def local_mesh_name(job: str, rank: int, port: int) -> bytes:
     listens: its rank in it, so a rank of the same job never answers for another one."""
     digest = hashlib.sha256(job.encode()).hexdigest()[:16]
     return f"\0aioreduce-mesh-{digest}-{rank}-{port}".encode("ascii")
+
+
+def _in_thread(fn: Callable[..., Lane], *args: Any) -> concurrent.futures.Future[Lane]:
+    """``fn(*args)`` on a daemon thread of its own (a lane's dial or accept), as a future."""
+    job: concurrent.futures.Future[Lane] = concurrent.futures.Future()
+
+    def run() -> None:
+        if not job.set_running_or_notify_cancel():
+            return
+        try:
+            job.set_result(fn(*args))
+        except BaseException as exc:  # (the future carries it to whoever waits)
+            job.set_exception(exc)
+
+    threading.Thread(target=run, name="aioreduce-lane-open", daemon=True).start()
+    return job
 
 
 def _close_opened(job: concurrent.futures.Future[Lane]) -> None:

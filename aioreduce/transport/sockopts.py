@@ -63,14 +63,17 @@ def raise_fd_limit() -> int:
 def send_queue_bytes(fd: int) -> int:
     """Bytes in a TCP socket's send queue (TIOCOUTQ: not sent yet, or sent and not yet
     acknowledged by the peer's kernel); ``OSError`` if ``fd`` is closed."""
-    queued = fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0")
-    nbytes: int = struct.unpack("i", queued)[0]
-    return nbytes
+    return _queue_bytes(fd, termios.TIOCOUTQ)
 
 
 def recv_queue_bytes(fd: int) -> int:
     """Bytes a stream socket (TCP or Unix) holds that nobody has read yet (FIONREAD);
     ``OSError`` if ``fd`` is closed."""
-    queued = fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0")
+    return _queue_bytes(fd, termios.FIONREAD)
+
+
+def _queue_bytes(fd: int, request: int) -> int:
+    """The byte count a socket queue ioctl (``request``) answers for ``fd``."""
+    queued = fcntl.ioctl(fd, request, b"\0\0\0\0")
     nbytes: int = struct.unpack("i", queued)[0]
     return nbytes

@@ -35,7 +35,7 @@ class Post:
     writing: bool = False  # a chunk is being copied into ``view`` now
     withdrawn: bool = False  # out of the book before it was filled: never written again
     unit: int = 1  # > 1: written in whole elements of this many bytes only
-    landed: int = 0  # bytes written so far (kept up to date where ``unit`` > 1)
+    landed: int = 0  # bytes written so far (asked for after a withdrawal where ``unit`` > 1)
 
 
 class Wait:

@@ -12,31 +12,78 @@ a late deadline would expire with data already in our socket buffers. So every d
 takes a last look first: it lets the loop poll once (two hops through the ready queue: the
 first runs before the poll in uvloop's loop iteration, the second after it in both loops)
 and expires only then. That costs microseconds and bounds nothing further.
+
+Our own garbage collector is a pause too: a full collection holds the interpreter for tens of
+milliseconds, during which neither the loop nor the threads reading our lanes run, and the
+ranks, running the same code, collect at about the same steps. So a deadline is moved by the
+time this process spent collecting since it was set (``gc.callbacks``; collections shorter
+than :data:`GC_MIN` in all are not worth a new timer). That covers our own pause only: a peer
+that collects is late to us, which is why the transpose also has the collections moved between
+steps (:class:`~aioreduce.schemes.base.CollectsBetweenSteps`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import time
 from collections.abc import Callable
+from typing import Any
 
 LATE = 0.1  # a timer this late means the loop did not run (paused or blocked)
 GRACE = 0.25  # time to read what arrived while we were not running
+GC_MIN = 0.001  # collecting this long since the deadline was set moves it
+
+
+class _Collections:
+    """Seconds this process has spent in the cyclic garbage collector (counted from the first
+    deadline on: the callback is installed then)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._began = 0.0
+        self._installed = False
+
+    def install(self) -> None:
+        if not self._installed:
+            self._installed = True
+            gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, _info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.total += time.perf_counter() - self._began
+
+
+COLLECTIONS = _Collections()
 
 
 class Deadline:
     """Calls ``callback`` ``seconds`` from now, with a grace after a pause (see above).
-    ``fired`` is a future that completes at the same moment."""
+    ``fired`` is a future that completes at the same moment; ``excused``: seconds it was
+    moved by for our own garbage collections."""
 
     def __init__(self, seconds: float, callback: Callable[[], None] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         self._callback = callback
         self.fired: asyncio.Future[None] = self._loop.create_future()
         self.paused = 0.0  # how late the timer was found (seconds we did not run)
+        self.excused = 0.0
+        COLLECTIONS.install()
+        self._collected = COLLECTIONS.total
         self._due = self._loop.time() + max(0.0, seconds)
         self._looked = False
         self._handle: asyncio.Handle = self._loop.call_at(self._due, self._fire)
 
     def _fire(self) -> None:
+        collected = COLLECTIONS.total - self._collected - self.excused
+        if collected >= GC_MIN:  # our own pause: that long later
+            self.excused += collected
+            self._due += collected
+            if self._due > self._loop.time():
+                self._handle = self._loop.call_at(self._due, self._fire)
+                return
         late = self._loop.time() - self._due
         if late > LATE and not self.paused:
             self.paused = late

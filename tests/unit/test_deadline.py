@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import socket
 import time
 from collections.abc import Callable, Coroutine
@@ -103,3 +104,43 @@ def test_a_cancelled_deadline_never_fires_even_during_its_last_look() -> None:
             await asyncio.sleep(0)
         assert calls == [] and deadline.fired.cancelled()
     _run("uvloop", main)
+
+
+def test_our_own_garbage_collection_moves_the_deadline_by_its_length() -> None:
+    # A full collection holds every thread of ours (the lanes' readers too): the peers'
+    # slices wait in our sockets meanwhile, so that time does not count against them.
+    from aioreduce.schemes.deadline import COLLECTIONS, GC_MIN
+
+    from .clockloop import ClockLoop, advance, run
+
+    async def body(loop: ClockLoop) -> None:
+        deadline = Deadline(0.020)
+        COLLECTIONS.total += 0.050  # as if a collection took 50 ms since the deadline was set
+        await advance(loop, 0.020)
+        assert not deadline.fired.done() and deadline.excused == pytest.approx(0.050)
+        await advance(loop, 0.049)
+        assert not deadline.fired.done()
+        await advance(loop, 0.002)
+        assert deadline.fired.done()
+        # Collections shorter than GC_MIN in all leave it where it was.
+        short = Deadline(0.020)
+        COLLECTIONS.total += GC_MIN / 2
+        await advance(loop, 0.020)
+        assert short.fired.done() and short.excused == 0.0
+
+    was = gc.isenabled()
+    gc.disable()  # (a real collection would move the fake clock's deadlines too)
+    try:
+        run(body)
+    finally:
+        if was:
+            gc.enable()
+
+
+def test_the_collections_are_counted_from_the_collectors_callbacks() -> None:
+    from aioreduce.schemes.deadline import COLLECTIONS
+
+    COLLECTIONS.install()
+    before = COLLECTIONS.total
+    gc.collect()
+    assert COLLECTIONS.total > before

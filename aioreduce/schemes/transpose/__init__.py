@@ -66,6 +66,10 @@ class Transpose:
     * ``lanes``: move the slices over a blocking lane to and from every peer, off the event
       loop (on by default; see ``schemes/links/lanes.py``); without a mesh (the in-memory
       network) they go through the comm.
+    * ``gc_every``: Python's garbage collection runs after every ``gc_every``-th step on
+      every rank, not inside steps, unless the node was given ``gc_every`` (see
+      :mod:`aioreduce.stepgc`, which says what that costs); 0 leaves the collector alone.
+      A collection inside a step makes its rank late, and calm steps were cut.
     """
 
     hadamard: bool | Literal["after_loss"] = "after_loss"
@@ -95,6 +99,9 @@ class Transpose:
     inject_loss: float = 0.0
     max_wait: float = 600.0  # a reliable (warm-up or "wait") stage gives up after this
     lanes: bool = True
+    # Python's collector after every gc_every-th step on every rank, unless the node was
+    # given gc_every (see CollectsBetweenSteps); 0 leaves it alone.
+    gc_every: int = 50
     coded: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -116,6 +123,8 @@ class Transpose:
                1 if self.slice_bytes is None else self.slice_bytes) <= 0:
             raise ValueError("warmup, slack, headroom, slice_bytes and behind_steps must be "
                              "positive")
+        if self.gc_every < 0:
+            raise ValueError("gc_every must be >= 0 (0: Python's collector is left alone)")
         if self.resync_every < 0 or self.backlog_steps < 1:
             raise ValueError("resync_every must be >= 0 and backlog_steps >= 1")
 

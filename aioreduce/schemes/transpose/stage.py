@@ -97,6 +97,7 @@ class Stage:
         if not self._open:
             self._end("complete")
         timer = Deadline((deadline if deadline is not None else cap) - (now - t0))
+        excused = 0.0  # seconds the timers were moved by for our own garbage collections
         self._watch_idle()  # now if no tail is awaited; else _done, when the last one lands
         try:
             while True:
@@ -112,8 +113,10 @@ class Stage:
                     deadline = None
                     continue
                 now = time.perf_counter()
+                # (Our own garbage collections moved the deadline: they move its limit too.)
+                excused += timer.excused
                 until = None if deadline is None else self._flowing_until(
-                    t0, idle, heard, t0 + deadline * (1 + grace))
+                    t0, idle, heard, t0 + excused + deadline * (1 + grace))
                 if until is not None and until > now:
                     self.extended = True
                     timer.cancel()

@@ -69,7 +69,7 @@ class Transpose:
     * ``gc_every``: Python's garbage collection runs after every ``gc_every``-th step on
       every rank, not inside steps, unless the node was given ``gc_every`` (see
       :mod:`aioreduce.stepgc`, which says what that costs); 0 leaves the collector alone.
-      A collection inside a step makes its rank late, and calm steps were cut.
+      A collection inside a step makes its rank late, and late ranks are cut.
     """
 
     hadamard: bool | Literal["after_loss"] = "after_loss"

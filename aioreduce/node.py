@@ -96,7 +96,7 @@ class Node(Peers):
         ``DIR/rank.N.jsonl`` unless a ``trace`` argument is given; ``AIOREDUCE_GC_EVERY=N``
         moves Python's garbage collection to after every N-th step (see
         :mod:`aioreduce.stepgc`; 0 leaves it alone) unless a ``gc_every`` argument is
-        given. Without either, the scheme says (the transpose: every 50 steps; see
+        given. Without either, the scheme may ask (``Transpose(gc_every=N)``; see
         :class:`~aioreduce.schemes.base.CollectsBetweenSteps`)."""
         env_map = os.environ if environ is None else environ
         env = discover(environ)

@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--gc-every", type=int, default=None, metavar="N",
                     help="Python's garbage collection after every N-th step, on every rank "
                          "at once (Node(gc_every=N), see aioreduce.stepgc); 0: left alone; "
-                         "default: as the scheme asks (the transpose: every 50 steps)")
+                         "default: as the scheme asks (Transpose(gc_every=N); none by default)")
     ar.add_argument("--bound", action="store_true",
                     help="also print each scheme's own bound (bytes through its busiest link "
                     "direction / link rate + depth x --latency; rate: --link-mbit, else "

@@ -66,10 +66,11 @@ class Transpose:
     * ``lanes``: move the slices over a blocking lane to and from every peer, off the event
       loop (on by default; see ``schemes/links/lanes.py``); without a mesh (the in-memory
       network) they go through the comm.
-    * ``gc_every``: Python's garbage collection runs after every ``gc_every``-th step on
-      every rank, not inside steps, unless the node was given ``gc_every`` (see
-      :mod:`aioreduce.stepgc`, which says what that costs); 0 leaves the collector alone.
-      A collection inside a step makes its rank late, and late ranks are cut.
+    * ``gc_every``: Python's garbage collection after every ``gc_every``-th step on every
+      rank, not inside steps, unless the node was given ``gc_every`` (see
+      :mod:`aioreduce.stepgc`, which says what that costs); 0 (the default) leaves the
+      collector alone. A collection inside a step makes its rank late, and late ranks are
+      cut; measured here it bought nothing (docs/transpose.md), so it is not the default.
     """
 
     hadamard: bool | Literal["after_loss"] = "after_loss"
@@ -101,7 +102,7 @@ class Transpose:
     lanes: bool = True
     # Python's collector after every gc_every-th step on every rank, unless the node was
     # given gc_every (see CollectsBetweenSteps); 0 leaves it alone.
-    gc_every: int = 50
+    gc_every: int = 0
     coded: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:

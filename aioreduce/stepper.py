@@ -177,10 +177,9 @@ class Stepper:
                 decode = session.decode_seconds(step) if isinstance(session, DecodeTimed) else 0
                 tracer.finish(step, result, error, decode)
             # The error's traceback holds this frame: kept here, the two would form a cycle
-            # that holds the step's buffers (a transpose's 32 MiB at 16 MiB) until Python's
-            # collector runs, which the transpose moves to every 50th step: its pool then
-            # took fresh memory for each next step (page faults: 4 MiB slices read in 35-60
-            # ms instead of 1-3), steps ran late and were cut, and raised again.
+            # that holds the step's buffers until Python's collector runs (with StepGC, up to
+            # gc_every steps): a pool then takes fresh memory for the next steps, whose page
+            # faults made a transpose's steps late, cut and raised again (docs/transpose.md).
             error = None
 
     def _injected(self, step: int, compute_seconds: float) -> float:

@@ -6,6 +6,8 @@ which every rank can compute on its own (the data of the step the node is at: af
 ``FellBehind`` it jumps ahead). ``--options JSON`` passes more scheme options. Ranks listed in
 ``--die`` SIGKILL themselves at ``--die-step``; ``--stop`` ranks SIGSTOP themselves instead.
 ``--pace S`` makes each step's compute a function that takes S seconds (as a trainer's would);
+``--gap S`` waits S seconds between steps instead (compute outside the step: a pause of T
+seconds then spans at most T / S of its peers' steps, however fast the machine);
 each line then also carries the wall-clock start and end (``t0``, ``t1``) and the rank's
 failover state (``link``). ``--flood KIND --flood-rank R --flood-to T``: at ``--die-step`` rank
 R (authenticated: it is a rank of the job) floods rank T over its connection with far-ahead,
@@ -83,6 +85,8 @@ async def main(args: argparse.Namespace) -> None:
             ids, weights = node.placement(num)
         stopped = False
         while node.step < args.steps:
+            if args.gap and node.step:
+                await asyncio.sleep(args.gap)  # pacing the workload, not a synchronisation
             step = node.step  # the data of the step the node runs (it may jump ahead)
             part_norms = None
             if me in args.die and step == args.die_step:
@@ -233,6 +237,8 @@ if __name__ == "__main__":
     p.add_argument("--stop", type=lambda s: [int(x) for x in s.split(",") if x], default=[])
     p.add_argument("--die-step", type=int, default=5)
     p.add_argument("--pace", type=float, default=0.0)
+    p.add_argument("--gap", type=float, default=0.0,
+                   help="seconds between steps (a trainer's compute outside the step)")
     p.add_argument("--state", action="store_true")
     p.add_argument("--flood", choices=["ahead", "early", "tiny", "control"])
     p.add_argument("--flood-rank", type=int, default=5)

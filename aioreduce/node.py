@@ -28,11 +28,10 @@ from .heal import Healer, StateHooks
 from .inputs import Inputs
 from .peers import Peers
 from .schemes import CodedScheme, Result, Scheme, Session
-from .schemes.base import Arrival, CollectsBetweenSteps, Comm, SumsInPlace
+from .schemes.base import Arrival, Comm, SumsInPlace
 from .schemes.p2p import PointToPoint
 from .sessions import Sessions, preconnect
 from .settings import bind_for, env_extras
-from .stepgc import StepGC
 from .stepper import Stepper, mean_divisor
 from .straggle import StraggleModel
 from .telemetry import TracingComm
@@ -53,7 +52,7 @@ class Node(Peers):
                  straggle: StraggleModel | str | None = None,
                  options: MeshOptions | None = None, close_timeout: float = 10.0,
                  trace: str | None = None, on_listen: Callable[[str, int], None] | None = None,
-                 gc_every: int | None = None, state: StateHooks | None = None,
+                 gc_every: int = 0, state: StateHooks | None = None,
                  rejoin_wait: float = 0.0) -> None:
         self.env = env
         # Rank 0: called with the rendezvous (address, port) once it listens, before waiting
@@ -75,9 +74,7 @@ class Node(Peers):
             rejoin_wait, self._sessions.members)
         self.close_timeout = close_timeout
         self._started = False
-        # gc_every None: as the scheme asks (CollectsBetweenSteps), see _collect_as_asked
-        self._gc_given = gc_every is not None
-        steps = Stepper.configured(env.rank, env.world_size, straggle, trace, gc_every or 0)
+        steps = Stepper.configured(env.rank, env.world_size, straggle, trace, gc_every)
         # injected stragglers, step telemetry and garbage collection: see the Stepper
         self.straggle, self.tracer, self.stepgc = steps.straggle, steps.tracer, steps.stepgc
         super().__init__(mesh, steps)
@@ -96,8 +93,7 @@ class Node(Peers):
         ``DIR/rank.N.jsonl`` unless a ``trace`` argument is given; ``AIOREDUCE_GC_EVERY=N``
         moves Python's garbage collection to after every N-th step (see
         :mod:`aioreduce.stepgc`; 0 leaves it alone) unless a ``gc_every`` argument is
-        given. Without either, the scheme may ask (``Transpose(gc_every=N)``; see
-        :class:`~aioreduce.schemes.base.CollectsBetweenSteps`)."""
+        given."""
         env_map = os.environ if environ is None else environ
         env = discover(environ)
         for key, value in env_extras(env_map, env.max_frame).items():
@@ -138,7 +134,6 @@ class Node(Peers):
             self._sessions.open(self.scheme, self._steps.step)
             if self.mesh.incarnations.rejoined:
                 self._sessions.rejoined(self._steps.step, self.healer.healed_members)
-        self._collect_as_asked()
         if self.stepgc is not None:  # last: nothing after it can fail and leave it on
             self.stepgc.start()
         log.debug("rank %d joined job %s (%d ranks)", env.rank, env.job, env.world_size)
@@ -188,17 +183,6 @@ class Node(Peers):
         await preconnect(self.mesh, self.scheme)
         if self._started:
             self._sessions.open(scheme, self._steps.step)
-            self._collect_as_asked()
-            if self.stepgc is not None:
-                self.stepgc.start()
-
-    def _collect_as_asked(self) -> None:
-        """Python's collection between steps from now on, if the scheme asks for it and the
-        node was given no ``gc_every`` (see CollectsBetweenSteps); it stays on."""
-        scheme = self.scheme
-        if (not self._gc_given and self.stepgc is None
-                and isinstance(scheme, CollectsBetweenSteps) and scheme.gc_every > 0):
-            self.stepgc = self._steps.stepgc = StepGC(scheme.gc_every)
 
     def _comm(self) -> Comm:
         """The comm sessions run on: the mesh, counted when tracing."""

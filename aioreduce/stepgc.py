@@ -21,9 +21,7 @@ garbage is not collected while the node runs (the price of never scanning the fr
 objects; a trainer's long-lived objects live as long as it does). Freezing at the start
 instead missed what was imported later (the bench imports torch after the node starts), and
 each full collection then scanned torch's 170,000 objects: worse than no StepGC at all.
-The collector is the process's: give ``gc_every`` to one node per process. A node given none
-turns this on when it runs a scheme that asks for it (``Transpose(gc_every=N)``: see
-:class:`~aioreduce.schemes.base.CollectsBetweenSteps`).
+The collector is the process's: give ``gc_every`` to one node per process.
 """
 
 from __future__ import annotations

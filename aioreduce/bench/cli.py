@@ -84,10 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--cpus-per-host", type=float, default=None, metavar="CPUS",
                     help="with --netns: hold each emulated host to CPUS CPUs (a cgroup "
                          "quota), equal shares whatever the number of hosts")
-    ar.add_argument("--gc-every", type=int, default=None, metavar="N",
+    ar.add_argument("--gc-every", type=int, default=0, metavar="N",
                     help="Python's garbage collection after every N-th step, on every rank "
-                         "at once (Node(gc_every=N), see aioreduce.stepgc); 0: left alone; "
-                         "default: as the scheme asks (Transpose(gc_every=N); none by default)")
+                         "at once (Node(gc_every=N), see aioreduce.stepgc); 0: left alone")
     ar.add_argument("--bound", action="store_true",
                     help="also print each scheme's own bound (bytes through its busiest link "
                     "direction / link rate + depth x --latency; rate: --link-mbit, else "

@@ -365,19 +365,6 @@ class Scheme(Protocol):
 
 
 @runtime_checkable
-class CollectsBetweenSteps(Protocol):
-    """A scheme that cuts a rank late past a bound (the transpose) wants Python's garbage
-    collection between steps, after the same steps on every rank (:mod:`aioreduce.stepgc`):
-    a collection inside a step makes its rank late (a full one, with torch loaded, 30-100
-    ms), and such a scheme cuts a late rank. A node given no ``gc_every`` of its own
-    collects every ``gc_every`` steps once such a scheme runs (0: never)."""
-
-    @property
-    def gc_every(self) -> int:
-        """Steps between two collections (0: leave Python's collector alone)."""
-
-
-@runtime_checkable
 class CodedScheme(Scheme, Protocol):
     """A scheme whose ranks compute on a placement of the data set."""
 

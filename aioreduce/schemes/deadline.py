@@ -18,8 +18,8 @@ milliseconds, during which neither the loop nor the threads reading our lanes ru
 ranks, running the same code, collect at about the same steps. So a deadline is moved by the
 time this process spent collecting since it was set (``gc.callbacks``; collections shorter
 than :data:`GC_MIN` in all are not worth a new timer). That covers our own pause only: a peer
-that collects is late to us, which a scheme can avoid by asking for the collections between
-steps (:class:`~aioreduce.schemes.base.CollectsBetweenSteps`).
+that collects is late to us, unless every node moves its collections between steps
+(``Node(gc_every=N)``, :mod:`aioreduce.stepgc`).
 """
 
 from __future__ import annotations

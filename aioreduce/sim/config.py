@@ -42,9 +42,8 @@ class Config:
     latency: float = 0.0  # emulated one-way latency per frame, s (our transport only:
     # Gloo's sockets are its own, so it runs without it)
     in_place: bool = False  # uncoded schemes sum in place into a fresh copy, as Gloo does
-    # Python's collector after every N-th step on every rank (0: its own; None: as the
-    # scheme asks, see Node)
-    gc_every: int | None = None
+    # Python's collector after every N-th step on every rank (0: its own)
+    gc_every: int = 0
     seed: int = field(default=0)
     # The run's straggler draws (AIOREDUCE_STRAGGLE_SEED): the simulator replays them.
     straggle_seed: int = 0

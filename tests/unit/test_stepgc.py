@@ -15,7 +15,7 @@ from aioreduce.env import NodeEnv
 from aioreduce.errors import ConfigError
 from aioreduce.jobplan import free_port
 from aioreduce.node import Node
-from aioreduce.schemes import Ring, Transpose
+from aioreduce.schemes import Ring
 from aioreduce.settings import env_extras
 from aioreduce.stepgc import StepGC
 
@@ -99,28 +99,3 @@ async def test_a_node_collects_between_its_steps_and_restores_the_collector() ->
             await node.allreduce(np.ones(10))
         assert node.stepgc is not None and node.stepgc.collections == 3  # steps 0, 2, 5
     assert gc.isenabled() and gc.get_freeze_count() == 0
-
-
-async def test_a_transpose_that_asks_has_the_node_collect_between_steps() -> None:
-    # A bounded-time scheme cuts a rank whose collector ran inside a step: it may ask for the
-    # collections between steps (not by default), which a node given no gc_every does.
-    gc.enable()
-    env = NodeEnv(0, 1, "127.0.0.1", free_port(), b"k" * 32)
-    async with Node(env, scheme=Ring()) as node:
-        assert node.stepgc is None and gc.isenabled()  # the ring's steps are not cut
-        await node.use(Transpose(gc_every=4))
-        assert node.stepgc is not None and node.stepgc.every == 4 and not gc.isenabled()
-        for _step in range(5):
-            await node.allreduce(np.ones(10))
-        assert node.stepgc.collections == 2  # after the first step, and after step 3
-        await node.use(Ring())  # it stays on
-        assert node.stepgc is not None and not gc.isenabled()
-    assert gc.isenabled() and gc.get_freeze_count() == 0
-    for given in ({"gc_every": 0}, {}):  # told: left alone; the default asks for nothing
-        env = NodeEnv(0, 1, "127.0.0.1", free_port(), b"k" * 32)
-        scheme = Transpose(gc_every=4) if given else Transpose()
-        async with Node(env, scheme=scheme, **given) as node:
-            await node.allreduce(np.ones(10))
-            assert node.stepgc is None and gc.isenabled()
-    with pytest.raises(ValueError, match="gc_every must be >= 0"):
-        Transpose(gc_every=-1)

@@ -66,11 +66,11 @@ class Transpose:
     * ``lanes``: move the slices over a blocking lane to and from every peer, off the event
       loop (on by default; see ``schemes/links/lanes.py``); without a mesh (the in-memory
       network) they go through the comm.
-    * ``gc_every``: Python's garbage collection after every ``gc_every``-th step on every
-      rank, not inside steps, unless the node was given ``gc_every`` (see
-      :mod:`aioreduce.stepgc`, which says what that costs); 0 (the default) leaves the
-      collector alone. A collection inside a step makes its rank late, and late ranks are
-      cut; measured here it bought nothing (docs/transpose.md), so it is not the default.
+
+    A collection of Python's garbage inside a step makes its rank late, and late ranks are
+    cut: ``Node(gc_every=N)`` moves the collections between steps (:mod:`aioreduce.stepgc`;
+    measured here it bought nothing once nothing held a failed step's buffers,
+    docs/transpose.md).
     """
 
     hadamard: bool | Literal["after_loss"] = "after_loss"
@@ -100,9 +100,6 @@ class Transpose:
     inject_loss: float = 0.0
     max_wait: float = 600.0  # a reliable (warm-up or "wait") stage gives up after this
     lanes: bool = True
-    # Python's collector after every gc_every-th step on every rank, unless the node was
-    # given gc_every (see CollectsBetweenSteps); 0 leaves it alone.
-    gc_every: int = 0
     coded: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -124,8 +121,6 @@ class Transpose:
                1 if self.slice_bytes is None else self.slice_bytes) <= 0:
             raise ValueError("warmup, slack, headroom, slice_bytes and behind_steps must be "
                              "positive")
-        if self.gc_every < 0:
-            raise ValueError("gc_every must be >= 0 (0: Python's collector is left alone)")
         if self.resync_every < 0 or self.backlog_steps < 1:
             raise ValueError("resync_every must be >= 0 and backlog_steps >= 1")
 

@@ -118,8 +118,10 @@ class Healer:
         mesh.on_result_ask = self._result_asked
 
     def _ask(self, rank: int, ask: HealAsk) -> None:
-        if ask.incarnation != self.mesh.incarnations.known[rank]:
+        if ask.incarnation < self.mesh.incarnations.known[rank]:
             return  # a replaced process's
+        # (A newer one than we know: a replacement of rank 0 whose word of it, sent on
+        # another task, may come after its ask. Authenticated as that rank, it is that rank.)
         if ask.join:
             self._joins[rank] = ask  # taken back at this rank's next step boundary
         else:
@@ -507,14 +509,16 @@ class Healer:
     def _dead(self, exc: PeerLost | StragglerError, known: list[int]) -> list[int]:
         """The ranks whose death failed the step (to wait for), or none: the rank a
         ``PeerLost`` names, or the missing ranks of a ``StragglerError`` if every one of them
-        is dead (its connection broke, or it was replaced since the step began), or is
-        this process (a replacement its peers did not know yet)."""
+        is dead (its connection broke, it was replaced since the step began, or a peer
+        that saw it die said so: ``exc.lost``), or is this process (a replacement its peers
+        did not know yet)."""
         if isinstance(exc, PeerLost):
             return [exc.rank] if 0 <= exc.rank < len(known) else []
         mesh = self.mesh
         dead = [r for r in exc.missing if 0 <= r < len(known) and (
             r == mesh.rank  # our peers took us for our dead predecessor
-            or mesh.is_lost(r) or mesh.incarnations.known[r] > known[r])]
+            or mesh.is_lost(r) or mesh.incarnations.known[r] > known[r]
+            or r in exc.lost)]  # a peer saw it die (a tree's root, for its grandchildren)
         return dead if dead and len(dead) == len(exc.missing) else []
 
     async def _healing(self, steps: Stepper, run: Callable[[], Awaitable[Result]]) -> Result:

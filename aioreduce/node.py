@@ -36,6 +36,7 @@ from .stepper import Stepper, mean_divisor
 from .straggle import StraggleModel
 from .telemetry import TracingComm
 from .transport import Mesh, MeshOptions, barrier, rendezvous
+from .wire.incarnation import JOINING
 
 log = logging.getLogger("aioreduce")
 
@@ -117,6 +118,9 @@ class Node(Peers):
         """Listen and rendezvous; afterwards every rank's address is known."""
         env = self.env
         if env.rank == 0:
+            # No incarnation until the rendezvous says whether the job starts or runs (this
+            # process may replace a dead rank 0: see aioreduce.transport.rendezvous).
+            self.mesh.incarnations.mine = JOINING
             _host, port = await self.mesh.listen(env.bind_addr or bind_for(env.master_addr),
                                                  env.master_port)
             if env.master_port == 0:  # a free port was taken: tell the others (a torch store)

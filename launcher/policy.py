@@ -87,9 +87,9 @@ class FailurePolicy:
 
     def restarts(self, rank: int, host: str, code: int, last_lines: Sequence[str]) -> bool:
         """Record an exit as a death to restart, if it is one and restarts are left."""
-        if (code == 0 or self.stopped or self.finished or len(self.restarted) >= self.restart
-                or rank == 0):
-            return False  # rank 0 is the job's rendezvous: it cannot come back (yet)
+        if (code == 0 or self.stopped or self.finished
+                or len(self.restarted) >= self.restart):
+            return False
         self.restarted.append(Death(rank, host, code, tuple(last_lines)))
         return True
 

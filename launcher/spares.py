@@ -19,9 +19,13 @@ class Spares:
                        for i, h in enumerate(spares)]
 
     def place(self, spec: RankSpec, host_lost: bool) -> RankSpec:
-        """Where ``spec``'s rank runs again: where it ran, unless its host was lost."""
+        """Where ``spec``'s rank runs again: where it ran, unless its host was lost (rank 0
+        cannot move: every rank dials it at the job's rendezvous address)."""
         if not host_lost:
             return spec
+        if spec.rank == 0:
+            raise NoSpare(f"its host {spec.host.name} was lost, and rank 0 comes back only at "
+                          "the job's rendezvous address, on that host")
         for host, node_rank, free in self._hosts:
             if free:
                 return moved(spec, host, node_rank, free.pop(0))

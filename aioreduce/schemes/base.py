@@ -380,11 +380,14 @@ class StragglerError(AioreduceError):
     """A step could not be decoded exactly in time: too many ranks of one family missing."""
 
     def __init__(self, step: int, missing: list[int], detail: str = "",
-                 received: float | None = None) -> None:
+                 received: float | None = None, lost: list[int] | None = None) -> None:
         self.step = step
         self.missing = sorted(missing)
         self.detail = detail
         self.received = received  # bounded-time schemes: the fraction that did arrive
+        # Of the missing ranks, those whose process died (a peer saw its connection break):
+        # a rank that never talks to them learns it from this error (see aioreduce.heal).
+        self.lost = sorted(lost or [])
         msg = f"step {step}: cannot decode without ranks {self.missing}"
         super().__init__(msg + (f" ({detail})" if detail else ""))
 

@@ -120,6 +120,13 @@ class Mesh:
         # Rank 0, while the job runs: a replacement process of this rank connected and will
         # register (the rendezvous serves it).
         self.on_joining: Callable[[int], None] | None = None
+        # A rank-0 process with no incarnation yet: a live rank says the job runs (it
+        # replaces a dead rank 0; see aioreduce.transport.rendezvous).
+        self.on_running: Callable[[int, control.Running], None] | None = None
+        # Any other rank, once registered: a rank-0 process with no incarnation yet took our
+        # dial (a dead rank 0's replacement: the rendezvous tells it the job runs).
+        self.on_rank0_joining: Callable[[], None] | None = None
+        self.leaving = False  # the job's last barrier began: nobody is dialed anew for it
         self._replacements: dict[int, list[asyncio.Future[None]]] = {}  # see replaced()
         # A rank that rejoined or fell behind asks for the job's state (see aioreduce.heal).
         self.on_heal: Callable[[int, control.HealAsk], None] | None = None
@@ -366,6 +373,8 @@ class Mesh:
                     and not self.incarnations.stale(event.rank, event.incarnation)):
                 self.addresses[event.rank] = (event.host, event.port)
                 self._judge(event.rank, event.incarnation, "rank 0's table")
+        elif isinstance(event, control.Running) and self.on_running is not None:
+            self.on_running(rank, event)
         elif isinstance(event, control.HealAsk) and self.on_heal is not None:
             self.on_heal(rank, event)
         elif isinstance(event, control.Reform) and self.on_reform is not None:
@@ -455,6 +464,10 @@ class Mesh:
         inbox = self._inbox[rank]
         return inbox.lost is not None and not inbox.conns
 
+    def connected(self, rank: int) -> bool:
+        """Is there a live authenticated connection to ``rank`` (no dial needed)?"""
+        return self._live(rank) is not None
+
     def _live(self, rank: int) -> FrameProtocol | None:
         for conn in self._inbox[rank].conns:
             if not conn.closed.done():
@@ -496,7 +509,7 @@ class Mesh:
         :class:`AuthError`; with its subclass ``_Unproven`` if the peer never proved the
         secret (not a rank of this job: a squatter on a Unix name, or a wrong secret)."""
         hs = ConnectorHandshake(self._secret, self.job, self.rank, rank, self.incarnations.mine)
-        proved = False
+        proved, claimed = False, JOINING
         try:
             await conn.send(encode_frame(hs.start()))
             while True:
@@ -507,7 +520,7 @@ class Mesh:
                 if isinstance(event, Refused):
                     raise AuthError(f"{where}: {event.reason}")
                 if isinstance(event, Proved):
-                    proved = True
+                    proved, claimed = True, event.incarnation
                     self._judge(rank, event.incarnation, where, dialed=True)
                     conn.arm(rank, self._inbox[rank])  # WELCOME may carry data behind it
                 for header in out:
@@ -523,6 +536,8 @@ class Mesh:
             failure = str(exc)
         else:
             self._inbox[rank].connection_added(conn)
+            if rank == 0 and claimed == JOINING and self.on_rank0_joining is not None:
+                self.on_rank0_joining()
             return conn
         conn.abort("handshake failed")
         # A rank of this job that proved the secret and then refused us (this rank was
@@ -777,6 +792,7 @@ class Mesh:
 
     async def close(self) -> None:
         """Stop listening and close every connection (pending data is flushed by the kernel)."""
+        self.leaving = True
         self.stop_listening()
         for task in list(self._tasks):
             task.cancel()

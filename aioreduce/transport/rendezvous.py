@@ -10,14 +10,26 @@ While the job runs, rank 0 keeps serving registrations: a process that replaces 
 (restarted: same rank, maybe another host and port) registers like any rank and gets the table
 with its incarnation (see :mod:`aioreduce.wire.incarnation`), and rank 0 tells every other
 rank where it listens now (:class:`~aioreduce.wire.control.Moved`).
+
+Rank 0 can be replaced too, at the same address (the one every rank was given: a launcher
+restarts it on its host). Every other rank, once rank 0's process is gone, dials that address
+until a new one listens there; a rank-0 process that dialing finds still without an
+incarnation hears from the first live rank that reaches it that the job runs
+(:class:`~aioreduce.wire.control.Running`: the table as that rank knows it), instead of
+waiting for registrations. It takes rank 0's next incarnation, tells every rank
+(:class:`~aioreduce.wire.control.Moved`), admits the replacements of other ranks that
+registered meanwhile, and serves registrations from then on; its node heals like any
+replacement (:mod:`aioreduce.heal`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 from ..errors import AuthError, PeerLost, RendezvousError
 from ..wire.control import (
@@ -28,6 +40,7 @@ from ..wire.control import (
     Moved,
     Register,
     Release,
+    Running,
     Table,
 )
 from ..wire.incarnation import JOINING
@@ -43,11 +56,12 @@ SETTLE_S = 1.0  # at most this long for handshakes in flight when everyone has r
 
 async def _gather_from(mesh: Mesh, ranks: list[int], want: type[Control], deadline: float,
                        excused: dict[int, str] | None = None,
-                       recv: Callable[[int], Awaitable[Control]] | None = None
-                       ) -> dict[int, Control]:
+                       recv: Callable[[int], Awaitable[Control]] | None = None,
+                       stop: asyncio.Future[Running] | None = None) -> dict[int, Control]:
     """Receive one control event of type ``want`` (or an :class:`Abort`) from each of
     ``ranks`` before ``deadline`` (through ``recv``, by default the mesh's next one); ranks
-    that land in ``excused`` meanwhile (started for another job) are not waited for."""
+    that land in ``excused`` meanwhile (started for another job) are not waited for. Once
+    ``stop`` is done, return what came so far."""
     op = want.op
     tasks = {r: asyncio.ensure_future((recv or mesh.recv_control)(r)) for r in ranks}
     excused = {} if excused is None else excused
@@ -57,12 +71,18 @@ async def _gather_from(mesh: Mesh, ranks: list[int], want: type[Control], deadli
             left = deadline - time.monotonic()
             if not pending or left <= 0:
                 break
+            if stop is not None and stop.done():
+                break
             wake = (None if mesh.misconfigured.is_set()
                     else asyncio.ensure_future(mesh.misconfigured.wait()))
-            await asyncio.wait([*pending, *([wake] if wake else [])], timeout=left,
-                               return_when=asyncio.FIRST_COMPLETED)
+            waits: list[asyncio.Future[Any]] = [*pending, *([wake] if wake else []),
+                                                *([stop] if stop is not None else [])]
+            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             if wake is not None:
                 wake.cancel()
+        if stop is not None and stop.done():
+            return {r: t.result() for r, t in tasks.items()
+                    if t.done() and not t.cancelled() and t.exception() is None}
         tasks = {r: t for r, t in tasks.items() if r not in excused or t.done()}
         malformed = sorted(r for r, t in tasks.items() if t.done() and not t.cancelled()
                            and isinstance(t.exception(), MalformedControl))
@@ -91,14 +111,28 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
     if mesh.rank == 0:
         mesh.addresses[0] = (advertise or master[0], master[1])
         others = list(range(1, mesh.world_size))
+        # No incarnation until we know whether the job starts or runs (a live rank says so).
+        mesh.incarnations.mine = JOINING
+        running: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
+
+        def told(_rank: int, event: Running) -> None:
+            if not running.done():
+                running.set_result(event)
+
+        mesh.on_running = told
         try:
             regs = await _gather_from(mesh, others, Register, deadline,
-                                      excused=mesh.wrong_jobs)
+                                      excused=mesh.wrong_jobs, stop=running)
         except RendezvousError as exc:
             # Tell the ranks that did come which ones are missing, so every log names them.
             await _abort(mesh, [r for r in others if r not in exc.missing], str(exc),
                          exc.missing)
             raise
+        finally:
+            mesh.on_running = None
+        if running.done():
+            await _resume(mesh, running.result(), regs, timeout)
+            return
         await mesh.handshakes_settled(SETTLE_S)  # a second process for a rank may be mid-way
         problem = _check_registrations(mesh, regs)
         if problem:
@@ -106,6 +140,7 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
             raise RendezvousError(f"rank 0: {problem}")
         mesh.hosts = count_hosts(host for host, _ in mesh.addresses.values())
         table = _table(mesh)
+        mesh.incarnations.mine = 0
         await asyncio.gather(*(mesh.send_control(r, table) for r in others))
         mesh.incarnations.running = True
         mesh.on_joining = lambda r: mesh.spawn(_serve_rejoin(mesh, r, timeout))
@@ -158,6 +193,86 @@ async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | No
     if mesh.incarnations.rejoined:
         log.warning("rank %d rejoined the running job as incarnation %d", mesh.rank,
                     mesh.incarnations.mine)
+    # Rank 0's process may die and be replaced at its address: dial it until one listens
+    # there, and tell one that has no incarnation yet that the job runs.
+    mesh.on_rank0_joining = lambda: mesh.spawn(_tell_running(mesh))
+    redialing: list[bool] = [False]
+
+    def lost(rank: int) -> None:
+        if rank == 0 and not mesh.leaving and not redialing[0]:
+            redialing[0] = True
+            mesh.spawn(_redial_rank0(mesh, redialing, timeout))
+
+    mesh.on_peer_lost(lost)
+
+
+async def _redial_rank0(mesh: Mesh, redialing: list[bool], timeout: float) -> None:
+    """Rank 0's last connection broke: dial its address until a new process listens there,
+    the job ends, or ``timeout`` (the rendezvous's) passed: a process of this job left
+    dialing a port that a later job's rank 0 may take would be named in that job's log
+    (:func:`_tell_running` follows a dial that reaches one without an incarnation)."""
+    delay, give_up = 0.02, time.monotonic() + timeout
+    try:
+        while time.monotonic() < give_up:
+            # First a pause: a dial at once reaches the dying process's listener.
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+            if not mesh.is_lost(0) or mesh.leaving:
+                return
+            with contextlib.suppress(PeerLost, AuthError):  # nobody there yet, or not ours
+                await mesh.connect(0)
+                return
+        log.warning("rank %d: rank 0 did not come back within %g s; not dialing it any more",
+                    mesh.rank, timeout)
+    finally:
+        redialing[0] = False
+
+
+async def _tell_running(mesh: Mesh) -> None:
+    """A rank-0 process without an incarnation took our dial: it replaces a dead rank 0;
+    tell it the job runs, with the table as this rank knows it."""
+    table = tuple(mesh.addresses[r] for r in range(mesh.world_size))
+    try:
+        await mesh.send_control(0, Running(table, tuple(mesh.incarnations.known), mesh.hosts))
+    except PeerLost as exc:  # it went away again: the next one is dialed anew
+        log.warning("rank %d: could not tell rank 0's new process that the job runs: %s",
+                    mesh.rank, exc)
+
+
+async def _resume(mesh: Mesh, running: Running, regs: dict[int, Control],
+                  timeout: float) -> None:
+    """Rank 0: this process replaces a dead rank 0 of a running job (``running`` from a live
+    rank). Take the job's table and rank 0's next incarnation, tell every rank, admit the
+    replacements of other ranks that registered meanwhile (``regs``), and serve the next."""
+    if len(running.addresses) != mesh.world_size:
+        raise RendezvousError(f"rank 0: a live rank sent a table of {len(running.addresses)} "
+                              f"ranks; this job has {mesh.world_size}: check WORLD_SIZE / -n")
+    home = mesh.addresses[0]
+    mesh.addresses.update(enumerate(running.addresses))
+    mesh.addresses[0] = home
+    mesh.hosts = running.hosts or count_hosts(host for host, _ in mesh.addresses.values())
+    mesh.incarnations.resume(running.incarnations)
+    mesh.on_joining = lambda r: mesh.spawn(_serve_rejoin(mesh, r, timeout))
+    log.warning("rank 0 rejoined the running job as incarnation %d", mesh.incarnations.mine)
+    joined = {r: m for r, m in regs.items() if isinstance(m, Register)}
+    for r in joined:  # they registered as if the job started: they replace dead ranks too
+        mesh.incarnations.known[r] += 1
+    moved = Moved(0, home[0], home[1], mesh.incarnations.mine)
+    # The ranks that reached us hear it first, before anything else we send them (a heal
+    # request of an incarnation they did not know would be ignored); the others are dialed
+    # in the background (a dead one's dial may take its timeout), and learn it from that
+    # dial's handshake.
+    tell = [r for r in range(1, mesh.world_size) if r not in joined]
+    near = [r for r in tell if not mesh.is_lost(r) and mesh.connected(r)]
+    await asyncio.gather(*(mesh.send_control(r, moved) for r in near), return_exceptions=True)
+
+    async def tell_the_others() -> None:
+        await asyncio.gather(*(mesh.send_control(r, moved) for r in tell if r not in near),
+                             return_exceptions=True)
+
+    mesh.spawn(tell_the_others())
+    for r, msg in joined.items():
+        mesh.spawn(_admit(mesh, r, msg))
 
 
 async def _serve_rejoin(mesh: Mesh, rank: int, timeout: float) -> None:
@@ -168,6 +283,12 @@ async def _serve_rejoin(mesh: Mesh, rank: int, timeout: float) -> None:
     except Exception as exc:  # it went away again: the next one will register
         log.warning("rank 0: the replacement of rank %d did not register: %s", rank, exc)
         return
+    await _admit(mesh, rank, msg)
+
+
+async def _admit(mesh: Mesh, rank: int, msg: Control) -> None:
+    """Rank 0: ``msg`` from the replacement of ``rank`` (whose incarnation is known): send it
+    the table and tell every other rank where it listens."""
     if not isinstance(msg, Register) or msg.world != mesh.world_size:
         log.error("rank 0: the replacement of rank %d sent %s; expected a registration with "
                   "world size %d", rank, msg, mesh.world_size)
@@ -240,6 +361,8 @@ async def barrier(mesh: Mesh, timeout: float, *, closing: bool = False) -> None:
     deadline = time.monotonic() + timeout
     if mesh.world_size == 1:
         return
+    if closing:
+        mesh.leaving = True  # a rank 0 that dies now is not dialed anew
     n = mesh.barriers
     mesh.barriers += 1
 

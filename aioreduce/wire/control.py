@@ -10,7 +10,8 @@ Carried in CONTROL frames (:meth:`aioreduce.transport.Mesh.send_control`): the r
 (:class:`Register`, :class:`Table`, :class:`Abort`), the barrier (:class:`Arrive`,
 :class:`Release`), and out of band (handled as they arrive, never queued for a receiver):
 :class:`Notice` (a line for the peers' logs), :class:`Moved` (a rank rejoined with a new
-incarnation), :class:`HealAsk` (a newcomer asks for the job's state) and :class:`Reform` (a
+incarnation), :class:`Running` (a live rank tells a new rank-0 process that the job runs),
+:class:`HealAsk` (a newcomer asks for the job's state) and :class:`Reform` (a
 ring takes a healed rank back). Carried as the meta of a
 data frame on a tag of its own: :class:`LaneOffer` (:data:`~aioreduce.wire.tags.LANE_OFFER`).
 """
@@ -125,6 +126,18 @@ class Moved:
 
 
 @dataclass(frozen=True)
+class Running:
+    """A live rank to a rank-0 process that has no incarnation yet: the job runs (this
+    process replaces a dead rank 0). Every rank's (host, port) and incarnation as the live
+    rank knows them, and on how many hosts the job started."""
+
+    op: ClassVar[str] = "running"
+    addresses: tuple[tuple[str, int], ...]
+    incarnations: tuple[int, ...]
+    hosts: int
+
+
+@dataclass(frozen=True)
 class HealAsk:
     """A rank (incarnation ``incarnation``) that rejoined or fell behind, to a live peer: send
     me the job's step and state at your next step boundary, on frames whose step is
@@ -161,17 +174,17 @@ class ResultAsk:
     step: int
 
 
-Control = (Register | Table | Abort | Arrive | Release | Notice | Moved | HealAsk | Reform
-           | ResultAsk)
+Control = (Register | Table | Abort | Arrive | Release | Notice | Moved | Running | HealAsk
+           | Reform | ResultAsk)
 # handled on arrival, never queued
-OUT_OF_BAND = frozenset({Notice.op, Moved.op, HealAsk.op, Reform.op, ResultAsk.op})
+OUT_OF_BAND = frozenset({Notice.op, Moved.op, Running.op, HealAsk.op, Reform.op, ResultAsk.op})
 
 
 def encode(event: Control) -> dict[str, object]:
     """The map a CONTROL frame carries for ``event``."""
     if isinstance(event, Register):
         return {"op": event.op, "host": event.host, "port": event.port, "world": event.world}
-    if isinstance(event, Table):
+    if isinstance(event, Table | Running):
         return {"op": event.op, "table": [list(a) for a in event.addresses],
                 "inc": list(event.incarnations), "hosts": event.hosts}
     if isinstance(event, Moved):
@@ -203,7 +216,7 @@ def decode(meta: dict[str, Any]) -> Control:
         if type(host) is not str or type(port) is not int or type(world) is not int:
             raise MalformedControl("a registration needs a host, a port and a world size")
         return Register(host, port, world)
-    if op == Table.op:
+    if op in (Table.op, Running.op):
         table = meta.get("table")
         if not isinstance(table, list) or not all(
                 isinstance(e, list) and len(e) == 2 and type(e[0]) is str
@@ -215,7 +228,12 @@ def decode(meta: dict[str, Any]) -> Control:
         hosts = meta.get("hosts", 0)
         if type(hosts) is not int or hosts < 0:
             raise MalformedControl("an address table's host count is an integer >= 0")
-        return Table(tuple((e[0], e[1]) for e in table), tuple(incs), hosts)
+        addresses = tuple((e[0], e[1]) for e in table)
+        if op == Table.op:
+            return Table(addresses, tuple(incs), hosts)
+        if len(incs) != len(addresses):
+            raise MalformedControl("a running job's table has an incarnation per rank")
+        return Running(addresses, tuple(incs), hosts)
     if op == Moved.op:
         rank, host, port, inc = (meta.get(k) for k in ("rank", "host", "port", "inc"))
         if (type(rank) is not int or type(host) is not str or type(port) is not int

@@ -6,7 +6,10 @@ or by hand: same rank, maybe another host and port). Each process of a rank is o
 hands them out: every other process starts as :data:`JOINING` and learns its incarnation
 from rank 0's address table at the rendezvous; a process that registers while the job runs
 is a replacement and gets the next number (rank 0 tells every rank, see
-:class:`~aioreduce.wire.control.Moved`).
+:class:`~aioreduce.wire.control.Moved`). A rank-0 process is :data:`JOINING` too until its
+rendezvous says whether the job starts (0) or runs: a live rank that dials it then sends it
+the job's table (:class:`~aioreduce.wire.control.Running`), and it takes rank 0's next number
+(:meth:`Incarnations.resume`) and tells every rank.
 
 Every handshake carries both sides' incarnations (bound into the proofs), and
 :class:`Incarnations` says what to do with the peer's claim:
@@ -113,6 +116,13 @@ class Incarnations:
             self.known[r] = max(self.known[r], inc)
         if self.rank < len(table):
             self.mine = table[self.rank]
+
+    def resume(self, table: tuple[int, ...]) -> None:
+        """This process replaces a dead rank 0 in a running job whose incarnations (a live
+        rank's view) are ``table``: it is rank 0's next one, and hands out numbers from now."""
+        self.learn(table)
+        self.mine = self.known[self.rank] = self.known[self.rank] + 1
+        self.running = True
 
     @property
     def rejoined(self) -> bool:

@@ -1,7 +1,9 @@
 """Chaos soak of healing: ``aioreduce-launch -n 13 --restart 50`` runs the coded tree (3, 2, 1)
 with a model (``schemeprog.py --state``) while a controller SIGKILLs a random rank other than 0
-about every ``--every`` steps (intermediate ranks included; the next kill waits until the last
-victim's replacement is back in the job, so two ranks of one family are never away at once).
+(``--root-too``: rank 0 too, the rendezvous and the tree's root, but not the last rank, whose
+lines then say how far the job is) about every ``--every`` steps (intermediate ranks
+included; the next kill waits until the last victim's replacement is back in the job, so two
+ranks of one family are never away at once).
 ``--scheme ring --ranks 8`` and ``--scheme transpose --ranks 4``: the same for the ring and the
 transpose, whose step that lost a rank waits for the replacement and runs again
 (``AIOREDUCE_REJOIN_WAIT``, which the launcher sets). ``--rejoin-wait S`` sets it shorter
@@ -60,6 +62,9 @@ class HealSoak:
     scheme: str = "coded-tree"
     ranks: int = 13
     rejoin_wait: float | None = None  # None: the launcher's (60 s)
+    # Rank 0 among the victims too (the rendezvous, a tree's root); the job's progress is
+    # then read from the last rank, which is never killed.
+    root_too: bool = False
     steps_of: dict[int, list[dict]] = field(default_factory=dict)
     finals: dict[int, dict] = field(default_factory=dict)
     err: list[str] = field(default_factory=list)
@@ -92,14 +97,19 @@ class HealSoak:
                 continue
         return None
 
+    @property
+    def observer(self) -> int:
+        """The rank whose lines say how far the job is (rank 0, unless it may be killed)."""
+        return self.ranks - 1 if self.root_too else 0
+
     def _back(self, kill: Kill) -> bool:
         """Is ``kill``'s rank back (its replacement stepped, the root used it)?"""
         inc = sum(k.rank == kill.rank for k in self.kills[:self.kills.index(kill) + 1])
         mine = [s for s in self.steps_of.get(kill.rank, []) if s.get("inc") == inc]
         if mine and kill.back_step is None:
             kill.back_step = mine[0]["t1"] - kill.wall
-        root = [s for s in list(self.steps_of.get(0, [])) if s.get("t1", 0) > kill.wall
-                and kill.rank in (s.get("used") or [])]
+        root = [s for s in list(self.steps_of.get(self.observer, []))
+                if s.get("t1", 0) > kill.wall and kill.rank in (s.get("used") or [])]
         if root and kill.used_again is None:
             kill.used_again = root[0]["t1"] - kill.wall
         return kill.back_step is not None and kill.used_again is not None
@@ -126,11 +136,12 @@ class HealSoak:
         try:
             while proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.01)  # polling the job's progress and the last victim's return
-                done = len(self.steps_of.get(0, []))
+                done = len(self.steps_of.get(self.observer, []))
                 if self.kills and not self._back(self.kills[-1]):
                     continue
                 if done >= next_kill and done < quiet_from:
-                    victim = rng.randrange(1, self.ranks)
+                    victim = (rng.randrange(0, self.ranks - 1) if self.root_too
+                              else rng.randrange(1, self.ranks))
                     pid = self._pid_of(launcher, victim)
                     if pid is None:
                         continue
@@ -165,7 +176,7 @@ class HealSoak:
         used = [k.used_again for k in self.kills if k.used_again is not None]
         restarts = sum("restarting it" in line for line in self.err)
         healed = sum("healed from rank" in line for line in self.err)
-        root = self.steps_of.get(0, [])
+        root = self.steps_of.get(self.observer, [])
         left_out = sum(any(s.get("t1", 0) > k.wall and "used" in s and k.rank not in s["used"]
                            for s in root) for k in self.kills)
         return {
@@ -175,11 +186,11 @@ class HealSoak:
             "steps_run_again": len(rerun),
             "steps_run_again_differing": sum(len(v) > 1 for v in rerun.values()),
             "final_models_identical": len(digests) == 1 and len(self.finals) == self.ranks,
-            "root_steps": len(self.steps_of.get(0, [])),
-            # step numbers the root's steps run again took (one per attempt)
-            "root_steps_taken_by_reruns": sum(s["result_step"] - s["step"]
-                                              for s in self.steps_of.get(0, [])
+            "root_steps": len(root),
+            # step numbers the observer's steps run again took (one per attempt)
+            "root_steps_taken_by_reruns": sum(s["result_step"] - s["step"] for s in root
                                               if "result_step" in s),
+            "observer": self.observer,
             "kill_to_first_step_s": _stats(back), "kill_to_used_again_s": _stats(used),
             "incarnations": {r: f.get("incarnation") for r, f in sorted(self.finals.items())},
             "rejoin_wait": self.rejoin_wait,
@@ -230,9 +241,12 @@ def main() -> int:
     p.add_argument("--rejoin-wait", type=float, default=None,
                    help="seconds a failed ring step waits for a replacement (default: the "
                         "launcher's 60); shorter than a restart: the ring re-forms")
+    p.add_argument("--root-too", action="store_true",
+                   help="rank 0 (the rendezvous, the tree's root) may be killed too; the last "
+                        "rank is not")
     args = p.parse_args()
     soak = HealSoak(args.steps, args.every, args.pace, args.seed, args.scheme, args.ranks,
-                    rejoin_wait=args.rejoin_wait)
+                    rejoin_wait=args.rejoin_wait, root_too=args.root_too)
     rep = soak.report(soak.run())
     print(json.dumps(rep, indent=1))
     bad = check(rep)

@@ -208,6 +208,19 @@ def test_chaos_soak_short() -> None:
     assert check(rep) == [], (rep, soak.err[-40:])
 
 
+def test_chaos_soak_short_with_the_root_among_the_victims() -> None:
+    """The same with rank 0 (the rendezvous and the coded tree's root) killed first: the
+    launcher restarts it at its address, it takes the job's table from a live rank, heals,
+    and the step it died in runs again with it on every rank."""
+    from .heal_soak import HealSoak, check
+
+    soak = HealSoak(steps=250, every=40, pace=0.02, seed=2, root_too=True)
+    rep = soak.report(soak.run())
+    assert rep["kills"] >= 2 and rep["killed"][0] == 0, rep  # the path under test
+    assert rep["incarnations"][0] == 1 and rep["steps_run_again"] >= 1, rep
+    assert check(rep) == [], (rep, soak.err[-40:])
+
+
 @pytest.mark.parametrize("scheme, n", [("ring", 8), ("transpose", 4)])
 def test_chaos_soak_short_ring_and_transpose(scheme: str, n: int) -> None:
     """The short soaks of the schemes whose step fails when a rank dies: it waits for the
@@ -325,3 +338,52 @@ def test_a_ring_goes_on_without_a_rank_that_does_not_come_back_and_takes_it_back
     assert lines[2].tagged("FINAL")[0]["incarnation"] == 1
     digests = {lines[r].tagged("FINAL")[0]["digest"] for r in range(4)}
     assert len(digests) == 1  # every rank's model the same, the one taken back included
+
+
+@pytest.mark.parametrize("scheme, n", [("coded-tree", 13), ("ring", 4)])
+def test_rank_0_killed_is_replaced_at_its_address_and_heals(ranks, scheme: str, n: int) -> None:
+    """Rank 0 (the rendezvous, the coded tree's root) is SIGKILLed and restarted at its
+    address: the others dial it until the new process listens, the first to reach it tells
+    it the job runs, and it takes rank 0's next incarnation, heals the step and the model
+    from a live peer and runs on with them; the step it died in runs again with it (the
+    others wait for it: ``rejoin_wait``). Every step exact on every rank, every model the
+    same; the job ends as usual, rank 0's last barrier included."""
+    job: Ranks = ranks(n)
+    args = (scheme, "--state", "--steps", "60", "--pace", "0.03", "--deadline", "2",
+            "--dim", "1000")
+    wait = {"AIOREDUCE_REJOIN_WAIT": "60"}
+    lines = {r: Lines(job.start(r, *args, *(["--die", "0", "--die-step", str(DIE_AT)]
+                                            if r == 0 else []), prog=SCHEMEPROG, **wait))
+             for r in range(n)}
+    assert job.procs[0].wait(60) == -9
+    old = lines[0]
+    lines[0] = Lines(job.start(0, *args, prog=SCHEMEPROG, **wait))  # the same rank, anew
+    codes = {r: p.wait(120) for r, p in job.procs.items()}
+    for r in lines:
+        lines[r].join()
+    assert codes == dict.fromkeys(range(n), 0), "\n".join(
+        f"rank {r} exited {c}:\n" + "".join(lines[r].err[-40:]) for r, c in codes.items() if c)
+    assert [s["step"] for s in old.tagged("STEP")] == list(range(DIE_AT))
+    back = lines[0].tagged("STEP")
+    assert back and back[0]["step"] >= DIE_AT, back[:2]
+    assert lines[0].tagged("FINAL")[0]["incarnation"] == 1
+    assert any("rank 0 rejoined the running job as incarnation 1" in e for e in lines[0].err)
+    assert any("healed from rank" in e for e in lines[0].err), lines[0].err[-5:]
+    # The step rank 0 died in ran again, as the next step, with the new rank 0: it sums the
+    # others' vectors of that step and the newcomer's of the next (its first), so it is
+    # checked to be the same sum on every rank; every other step is exact.
+    rerun = back[0]["result_step"]
+    again: dict[int, str] = {}
+    for r in range(n):
+        got = lines[r].tagged("STEP")
+        assert got and all("error" not in s for s in got), (r, [s for s in got if "error" in s])
+        assert all(s["rel_err"] < 1e-9 for s in got if s["result_step"] != rerun), r
+        assert [s["result_step"] for s in got].count(rerun) == 1, r
+        again[r] = next(s["value"] for s in got if s["result_step"] == rerun)
+        assert got[-1]["result_step"] == 59
+    assert len(set(again.values())) == 1, again
+    assert all(s["retried"] for r in range(1, n) for s in lines[r].tagged("STEP")
+               if s["result_step"] == rerun)  # the path: the others ran it again
+    assert any(0 in s["used"] for s in back)  # its contribution is in the sums again
+    digests = {lines[r].tagged("FINAL")[0]["digest"] for r in range(n)}
+    assert len(digests) == 1  # every rank's model the same, the new rank 0's included

@@ -104,12 +104,13 @@ def test_a_malformed_incarnation_is_refused(bad: object) -> None:
 def test_rejoin_and_heal_messages_round_trip_and_malformed_ones_are_named() -> None:
     events: list[c.Control] = [c.Table((("a", 1), ("b", 2)), (0, 4)), c.Moved(3, "h", 9, 2),
                                c.HealAsk(0, 0), c.HealAsk(2, 7), c.HealAsk(1, 3, join=True),
-                               c.Reform((0, 1, 3), 12), c.ResultAsk(41)]
+                               c.Reform((0, 1, 3), 12), c.ResultAsk(41),
+                               c.Running((("a", 1), ("b", 2)), (1, 0), 2)]
     for event in events:
         meta = msgpack.unpackb(msgpack.packb(c.encode(event)), raw=False)
         assert c.decode(meta) == event
     assert {c.Notice.op, c.Moved.op, c.HealAsk.op, c.Reform.op,
-            c.ResultAsk.op} == c.OUT_OF_BAND
+            c.ResultAsk.op, c.Running.op} == c.OUT_OF_BAND
     for meta, says in [({"op": "moved", "rank": 1, "host": "h", "port": 1, "inc": 0},
                         "incarnation"),
                        ({"op": "heal", "inc": 1}, "ticket"),
@@ -118,10 +119,20 @@ def test_rejoin_and_heal_messages_round_trip_and_malformed_ones_are_named() -> N
                        ({"op": "reform", "members": [0, 1]}, "starts at"),
                        ({"op": "result", "step": -1}, "step it asks about"),
                        ({"op": "result", "step": "3"}, "step it asks about"),
-                       ({"op": "table", "table": [["a", 1]], "inc": [-1]}, "incarnations")]:
+                       ({"op": "table", "table": [["a", 1]], "inc": [-1]}, "incarnations"),
+                       ({"op": "running", "table": [["a", 1]], "inc": []}, "incarnation per"),
+                       ({"op": "running", "table": [["a", 1]], "inc": [-1]}, "incarnations")]:
         with pytest.raises(c.MalformedControl, match=says):
             c.decode(meta)
 
+
+
+def test_a_new_rank_0_takes_rank_0s_next_number_from_a_live_ranks_table() -> None:
+    inc = Incarnations(0, 4)
+    inc.mine = JOINING  # a rank-0 process until its rendezvous knows the job runs
+    inc.resume((2, 0, 3, 1))
+    assert (inc.mine, inc.known, inc.running, inc.rejoined) == (3, [3, 0, 3, 1], True, True)
+    assert inc.judge(2, JOINING) == Newer(2, 4)  # it hands out the next numbers
 
 
 def test_staleness_is_checked_without_changing_anything() -> None:

@@ -58,16 +58,18 @@ def test_interrupt_without_deaths_is_128_plus_signal() -> None:
     assert FailurePolicy().exit_code(signal.SIGINT) == 130
 
 
-def test_restarts_are_counted_apart_and_rank0_is_never_restarted() -> None:
-    p = FailurePolicy(tolerate=1, restart=2)
+def test_restarts_are_counted_apart_rank0_included() -> None:
+    p = FailurePolicy(tolerate=1, restart=3)
     assert p.restarts(3, "h", 137, []) and p.restarts(3, "h", 137, [])
+    assert p.restarts(0, "h", 137, [])  # it comes back at the rendezvous address
     assert not p.restarts(4, "h", 137, [])  # none left: a death like any other
     assert not p.exited(4, "h", 137, [])  # tolerated
-    assert not p.restarts(0, "h", 1, ["ValueError: x"])  # the rendezvous cannot come back
+    assert not p.restarts(0, "h", 1, ["ValueError: x"])
     assert not p.restarts(5, "h", 0, [])  # a clean exit is no death
     assert p.exited(0, "h", 1, ["ValueError: x"])  # the second death stops the job
     text = "\n".join(p.summary())
-    assert "rank 3 on h killed by SIGKILL; restarted (2 of at most 2)" in text
+    assert "rank 3 on h killed by SIGKILL; restarted (2 of at most 3)" in text
+    assert "rank 0 on h killed by SIGKILL; restarted (3 of at most 3)" in text
     assert p.exit_code(None) == 137  # the culprit: the first death that was not restarted
 
 

@@ -25,3 +25,6 @@ def test_a_lost_hosts_ranks_take_the_spares_slots_in_order() -> None:
     with pytest.raises(NoSpare, match="its host b was lost and no spare host has a free slot"):
         spares.place(specs[3], host_lost=True)
     assert spares.names == ["s", "t"]
+    assert spares.place(specs[0], host_lost=False) is specs[0]
+    with pytest.raises(NoSpare, match="rank 0 comes back only at the job's rendezvous address"):
+        spares.place(specs[0], host_lost=True)  # though a spare might be free

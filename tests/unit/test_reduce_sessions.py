@@ -112,6 +112,27 @@ async def test_parent_lost_after_sending_up() -> None:
     assert all(fo(job, k) is Link.LOST for k in KIDS[1])
 
 
+async def test_the_root_lost_fails_the_step_on_every_rank_naming_it_lost() -> None:
+    """The root dies while every other rank waits for its result: nobody has that step's
+    result. Its children say so to their own (who never talk to it), so every rank raises
+    the same StragglerError naming rank 0 as lost, the leaves at once rather than after
+    waiting out their parent (``give_up``, 4 deadlines + 10 s: the test would time out)."""
+    job = Job(ar.CodedTree(**{**TREE, "deadline": NO_WAIT}), 13)
+    job.assert_exact(0, await job.run(0))
+    for k in (1, 2, 3):
+        job.net.hold(0, k)  # the root's result for step 1 never leaves it
+    tasks = job.start(1, range(13))
+    await tasks[0]  # the root decoded and "sent": its result is held
+    job.net.kill(0)
+    done, _ = await asyncio.wait([tasks[r] for r in range(1, 13)], timeout=5.0)
+    assert len(done) == 12  # the path under test: no rank waited out its give_up
+    for r in range(1, 13):
+        exc = tasks[r].exception()
+        assert isinstance(exc, StragglerError) and exc.missing == [0] and exc.lost == [0], (r,
+                                                                                          exc)
+    await job.close()
+
+
 async def test_parent_frozen_then_resumed_is_used_again() -> None:
     job = Job(ar.CodedTree(**TREE), 13)
     job.assert_exact(0, await job.run(0))

@@ -242,6 +242,14 @@ class DownPath:
                 if not self.sources:
                     if behind is not None:
                         raise FellBehind(s.comm.rank, step, behind)
+                    if s.comm.is_lost(self.parent) and fo.grandparent is None:
+                        # The root died: nobody has this step's result. Say so to the
+                        # children, who never talk to it (they would wait out give_up),
+                        # so every rank fails the step alike (and, healing, waits for
+                        # the root's replacement and runs it again: aioreduce.heal).
+                        verdict = Verdict((self.parent,), lost=(self.parent,))
+                        s.conclude(Outcome(step, verdict=verdict), forward=True)
+                        raise verdict.error(step)
                     raise StragglerError(step, [self.parent], "lost the parent")
                 await first_done([*(f for src in self.sources.values() for f in src.pending()),
                                   *(f for f in (deadline.fired, give_up.fired) if not f.done())])

@@ -65,24 +65,32 @@ class Report(NamedTuple):
 @dataclass(frozen=True)
 class Verdict:
     """Why a step has no result for the asking rank: ranks missing (every rank raises
-    StragglerError), ranks whose vectors differ (``mismatch``, the message every rank raises
-    as VectorMismatch), or the step is older than what is kept (FellBehind at ``behind``)."""
+    StragglerError; ``lost``: those of them whose process died, as a rank that saw its
+    connection break says), ranks whose vectors differ (``mismatch``, the message every rank
+    raises as VectorMismatch), or the step is older than what is kept (FellBehind at
+    ``behind``)."""
 
     missing: tuple[int, ...] = ()
     behind: int | None = None
     mismatch: str = ""
+    lost: tuple[int, ...] = ()
 
     def to_meta(self) -> dict[str, Any]:
         if self.behind is not None:
             return {"behind": self.behind}
         if self.mismatch:
             return {"missing": list(self.missing), "mismatch": self.mismatch[:MAX_TEXT]}
+        if self.lost:
+            return {"missing": list(self.missing), "lost": list(self.lost)}
         return {"missing": list(self.missing)}
 
     def error(self, step: int) -> AioreduceError:
         """The exception every rank raises for this verdict."""
         if self.mismatch:
             return VectorMismatch(self.mismatch, list(self.missing))
+        if self.lost:
+            return StragglerError(step, list(self.missing), "lost the root",
+                                  lost=list(self.lost))
         return StragglerError(step, list(self.missing))
 
     @classmethod
@@ -91,5 +99,6 @@ class Verdict:
         if isinstance(behind, int):
             return cls(behind=behind)
         text = meta.get("mismatch")
-        return cls(_ints(meta.get("missing")), mismatch=text[:MAX_TEXT] if isinstance(text, str)
-                   else "")
+        missing = _ints(meta.get("missing"))
+        return cls(missing, mismatch=text[:MAX_TEXT] if isinstance(text, str) else "",
+                   lost=tuple(r for r in _ints(meta.get("lost")) if r in missing))

@@ -82,5 +82,6 @@ def real_result(comm: MembersComm, res: Result) -> Result:
 def real_error(comm: MembersComm, exc: BaseException) -> BaseException:
     """``exc`` with the ranks it names as ranks (a straggler error's missing ranks)."""
     if isinstance(exc, StragglerError):
-        return StragglerError(exc.step, comm.real(exc.missing), exc.detail, exc.received)
+        return StragglerError(exc.step, comm.real(exc.missing), exc.detail, exc.received,
+                              lost=comm.real(exc.lost))
     return exc

@@ -257,6 +257,9 @@ async def _resume(mesh: Mesh, running: Running, regs: dict[int, Control],
     joined = {r: m for r, m in regs.items() if isinstance(m, Register)}
     for r in joined:  # they registered as if the job started: they replace dead ranks too
         mesh.incarnations.known[r] += 1
+    if joined:
+        log.warning("rank 0: ranks %s registered before a live rank said the job runs: "
+                    "replacements too", sorted(joined))
     moved = Moved(0, home[0], home[1], mesh.incarnations.mine)
     # The ranks that reached us hear it first, before anything else we send them (a heal
     # request of an incarnation they did not know would be ignored); the others are dialed

@@ -387,3 +387,43 @@ def test_rank_0_killed_is_replaced_at_its_address_and_heals(ranks, scheme: str, 
     assert any(0 in s["used"] for s in back)  # its contribution is in the sums again
     digests = {lines[r].tagged("FINAL")[0]["digest"] for r in range(n)}
     assert len(digests) == 1  # every rank's model the same, the new rank 0's included
+
+
+def test_rank_0_and_a_leaf_killed_together_both_come_back(ranks) -> None:
+    """Rank 0 and leaf 5 are SIGKILLed at once and restarted together, the leaf first: its
+    replacement may register with the new rank 0 before any live rank has told that one the
+    job runs; it is then admitted as a replacement too (the next incarnation, the others
+    told). Both heal; every step on every rank returns; every model the same at the end."""
+    job: Ranks = ranks(13)
+    args = ("coded-tree", "--state", "--steps", "60", "--pace", "0.03", "--deadline", "2",
+            "--dim", "1000")
+    wait = {"AIOREDUCE_REJOIN_WAIT": "60"}
+    lines = {r: Lines(job.start(r, *args, prog=SCHEMEPROG, **wait)) for r in range(13)}
+    end = time.monotonic() + 60
+    while len(lines[12].tagged("STEP")) < DIE_AT and time.monotonic() < end:
+        time.sleep(0.01)  # polling the job's progress
+    for r in (0, 5):
+        job.procs[r].kill()
+    for r in (0, 5):
+        assert job.procs[r].wait(60) == -9
+    for r in (5, 0):  # the leaf's replacement first
+        lines[r] = Lines(job.start(r, *args, prog=SCHEMEPROG, **wait))
+    codes = {r: p.wait(120) for r, p in job.procs.items()}
+    for r in lines:
+        lines[r].join()
+    assert codes == dict.fromkeys(range(13), 0), "\n".join(
+        f"rank {r} exited {c}:\n" + "".join(lines[r].err[-40:]) for r, c in codes.items() if c)
+    for r in (0, 5):
+        assert lines[r].tagged("FINAL")[0]["incarnation"] == 1, r
+        assert any("healed from rank" in e for e in lines[r].err), (r, lines[r].err[-5:])
+        assert lines[r].tagged("STEP"), r
+    # Either way in: registered with the new rank 0 before or after it heard the job runs.
+    err0 = "".join(lines[0].err)
+    assert ("ranks [5] registered before a live rank said the job runs" in err0
+            or "rank 0: rank 5 rejoined as incarnation 1" in err0), err0[-3000:]
+    for r in range(13):
+        errors = [(s["step"], s["missing"], s["message"]) for s in lines[r].tagged("STEP")
+                  if "error" in s]
+        assert not errors, (r, errors, "".join(lines[r].err[-20:]))
+    digests = {lines[r].tagged("FINAL")[0]["digest"] for r in range(13)}
+    assert len(digests) == 1

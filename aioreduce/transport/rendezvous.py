@@ -67,11 +67,12 @@ async def _gather_from(mesh: Mesh, ranks: list[int], want: type[Control], deadli
     excused = {} if excused is None else excused
     try:
         while True:
+            if stop is not None and stop.done():
+                return {r: t.result() for r, t in tasks.items()
+                        if t.done() and not t.cancelled() and t.exception() is None}
             pending = [t for r, t in tasks.items() if not t.done() and r not in excused]
             left = deadline - time.monotonic()
             if not pending or left <= 0:
-                break
-            if stop is not None and stop.done():
                 break
             wake = (None if mesh.misconfigured.is_set()
                     else asyncio.ensure_future(mesh.misconfigured.wait()))
@@ -80,9 +81,6 @@ async def _gather_from(mesh: Mesh, ranks: list[int], want: type[Control], deadli
             await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             if wake is not None:
                 wake.cancel()
-        if stop is not None and stop.done():
-            return {r: t.result() for r, t in tasks.items()
-                    if t.done() and not t.cancelled() and t.exception() is None}
         tasks = {r: t for r, t in tasks.items() if r not in excused or t.done()}
         malformed = sorted(r for r, t in tasks.items() if t.done() and not t.cancelled()
                            and isinstance(t.exception(), MalformedControl))
@@ -106,13 +104,15 @@ async def _gather_from(mesh: Mesh, ranks: list[int], want: type[Control], deadli
 
 async def rendezvous(mesh: Mesh, master: tuple[str, int], *, advertise: str | None,
                      bind: str | None, timeout: float) -> None:
-    """Fill ``mesh.addresses`` for every rank. Rank 0 must already listen on ``master``."""
+    """Fill ``mesh.addresses`` for every rank. Rank 0 must already listen on ``master``, with
+    no incarnation yet (``JOINING``, set before it listens: the process may replace a dead
+    rank 0, and handshakes begin as soon as it listens)."""
     deadline = time.monotonic() + timeout
     if mesh.rank == 0:
         mesh.addresses[0] = (advertise or master[0], master[1])
         others = list(range(1, mesh.world_size))
-        # No incarnation until we know whether the job starts or runs (a live rank says so).
-        mesh.incarnations.mine = JOINING
+        # No incarnation until a live rank says the job runs, or the job starts (0).
+        assert mesh.incarnations.mine == JOINING, "rank 0 listens as JOINING (Node.start)"
         running: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
 
         def told(_rank: int, event: Running) -> None:
@@ -231,9 +231,9 @@ async def _redial_rank0(mesh: Mesh, redialing: list[bool], timeout: float) -> No
 async def _tell_running(mesh: Mesh) -> None:
     """A rank-0 process without an incarnation took our dial: it replaces a dead rank 0;
     tell it the job runs, with the table as this rank knows it."""
-    table = tuple(mesh.addresses[r] for r in range(mesh.world_size))
+    table = _table(mesh, tuple(mesh.incarnations.known))
     try:
-        await mesh.send_control(0, Running(table, tuple(mesh.incarnations.known), mesh.hosts))
+        await mesh.send_control(0, Running(table.addresses, table.incarnations, table.hosts))
     except PeerLost as exc:  # it went away again: the next one is dialed anew
         log.warning("rank %d: could not tell rank 0's new process that the job runs: %s",
                     mesh.rank, exc)
@@ -266,7 +266,7 @@ async def _resume(mesh: Mesh, running: Running, regs: dict[int, Control],
     # in the background (a dead one's dial may take its timeout), and learn it from that
     # dial's handshake.
     tell = [r for r in range(1, mesh.world_size) if r not in joined]
-    near = [r for r in tell if not mesh.is_lost(r) and mesh.connected(r)]
+    near = [r for r in tell if mesh.connected(r)]
     await asyncio.gather(*(mesh.send_control(r, moved) for r in near), return_exceptions=True)
 
     async def tell_the_others() -> None:

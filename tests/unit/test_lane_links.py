@@ -317,3 +317,30 @@ async def test_an_in_order_receive_from_an_ended_lane_names_the_peer(inline) -> 
     with pytest.raises(PeerLost) as info:
         await asyncio.to_thread(links.recv, PEER, np.empty(2), 0, 0)
     assert info.value.rank == PEER and links.is_lost(PEER)
+
+
+async def test_lanes_added_for_a_replaced_peer_deliver_and_the_old_lane_never_does(
+        wired) -> None:
+    """A peer's process died with a message ahead of our receives in its lane (the reader
+    holds it, waiting for the post); its replacement's lanes are added (``add``): the receive
+    posted after that is filled from the new lane, never from the old one's held message, and
+    the old lane ending later does not fail the peer."""
+    links, old_peer = wired
+    stale = np.array([9.0, 9, 9])
+    old_peer.sendall(_message(7, 0, stale, {"from": "dead"}))
+    await _until(lambda: links.newest == 7)  # read its head; waits for a post of step 7
+    ours, new_peer = socket.socketpair()
+    out_ours, out_new = socket.socketpair()
+    links.add({PEER: Lane(out_ours, PEER)}, {PEER: Lane(ours, PEER)})
+    old_peer.close()  # the old lane ends now: too late to matter
+    buf = np.zeros(3)
+    fut = links.post(PEER, buf, 7, 0)
+    new_peer.sendall(_message(7, 0, np.array([1.0, 2, 3]), {"from": "new"}))
+    header = await asyncio.wait_for(fut, 10)
+    assert header.meta == {"from": "new"} and buf.tolist() == [1, 2, 3]
+    assert links.lost(PEER) is None
+    assert links.send(PEER, np.array([4.0]), 8, 0, {})  # and the new lane carries ours
+    got = out_new.recv(1024)
+    assert got.endswith(np.array([4.0]).tobytes())
+    new_peer.close()
+    out_new.close()

@@ -105,7 +105,7 @@ class LaneLinks:
         self._staged: dict[tuple[int, int, int], tuple[Header, memoryview]] = {}
         self._staging = 0  # bytes staged or being read into staging buffers
         self._loop = asyncio.get_running_loop()
-        self._outs, self._ins = outs, ins
+        self._outs, self._ins = dict(outs), dict(ins)  # (add() replaces a peer's)
         self._backlog = backlog_steps
         # One lock; on its conditions wait the session for a withdrawn chunk's copy
         # (_cond) and each peer's reader for a post (_posted[src]): see "Waking" above.
@@ -136,11 +136,54 @@ class LaneLinks:
         # src -> (step, tag) of the message recv is reading now (discard_before waits)
         self._reading: dict[int, tuple[int, int] | None] = dict.fromkeys(ins)
         self._discarding = 0  # discard_before calls waiting for a copy to end
-        self._readers = [threading.Thread(target=self._read, args=(src, lane), daemon=True,
-                                          name=f"aioreduce-lane-from-{src}")
-                         for src, lane in ins.items() if readers]
-        for reader in self._readers:
-            reader.start()
+        self._hear_comm = hear_comm
+        self._readers: list[threading.Thread] = []
+        if readers:
+            for src, lane in ins.items():
+                self._start_reader(src, lane)
+
+    def _start_reader(self, src: int, lane: BulkLink) -> None:
+        reader = threading.Thread(target=self._read, args=(src, lane), daemon=True,
+                                  name=f"aioreduce-lane-from-{src}")
+        self._readers.append(reader)
+        reader.start()
+
+    def add(self, outs: Mapping[int, BulkLink], ins: Mapping[int, BulkLink]) -> None:
+        """Lanes opened after this object was, with peers whose lanes ended (a replacement
+        process of a dead rank, see :mod:`aioreduce.heal`): they replace those peers' old
+        lanes, which are closed. The old lanes' reader can no longer claim a post (it checks
+        that its lane is still the peer's), so nothing the dead process sent lands in a
+        receive meant for its replacement."""
+        old: list[BulkLink] = []
+        with self._cond:
+            for peer, lane in outs.items():
+                if peer in self._outs:
+                    old.append(self._outs[peer])
+                if self._lending:
+                    lane.allow_lending()
+                self._outs[peer] = lane
+                self._queued[peer] = deque()
+                self._forgotten[peer] = 0
+                self._skipping.pop(peer, None)
+                self._told.pop(peer, None)
+            for src, lane in ins.items():
+                if src in self._ins:
+                    old.append(self._ins[src])
+                elif self._hear_comm:
+                    self._removers.append(self.comm.on_early(src, 0, self._heard))
+                self._ins[src] = lane
+                self._posted.setdefault(src, threading.Condition(self._lock)).notify_all()
+                self._skip_left[src] = 0
+                self._reading[src] = None
+            for peer in {*outs, *ins}:
+                self._gone.pop(peer, None)
+                self._heard_at.pop(peer, None)
+        if old:  # (closing joins a lane's sender thread: not on the event loop)
+            threading.Thread(target=_close_all, args=(old,), daemon=True,
+                             name="aioreduce-lanes-replaced").start()
+        if not self._inline:
+            for src, lane in ins.items():
+                self._start_reader(src, lane)
 
     # -- the session's side (event loop) ------------------------------------------------------
     def post(self, src: int, out: np.ndarray, step: int, tag: int, *,
@@ -413,14 +456,14 @@ class LaneLinks:
             while True:
                 self._receive(src, lane)
         except PeerLost as exc:
-            self._lost(src, exc)
+            self._lost(src, exc, lane)
         except Exception as exc:  # a bug: end this lane, say why
-            self._lost(src, PeerLost(src, f"lane from rank {src}: {exc!r}"))
+            self._lost(src, PeerLost(src, f"lane from rank {src}: {exc!r}"), lane)
 
     def _receive(self, src: int, lane: BulkLink) -> None:
         """Take one message off ``src``'s lane and put it where it goes."""
         step, tag, nbytes, header = self._head(src, lane)
-        post = self._claim(src, step, tag, nbytes)
+        post = self._claim(src, lane, step, tag, nbytes)
         if post is None:
             lane.skip(nbytes)
         elif post.view.nbytes != nbytes:
@@ -460,7 +503,8 @@ class LaneLinks:
             nbytes -= lane.recv_now(sink[:min(nbytes, sink.nbytes)])
         return nbytes
 
-    def _claim(self, src: int, step: int, tag: int, nbytes: int) -> Post | None:
+    def _claim(self, src: int, lane: BulkLink, step: int, tag: int, nbytes: int
+               ) -> Post | None:
         """The post this message fills, once there is one (or a staging buffer, for an early
         message the scheme wants at once); None: drop it (below the floor)."""
         with self._cond:
@@ -468,6 +512,8 @@ class LaneLinks:
             while True:
                 if self._closed:
                     raise PeerLost(src, "closed")
+                if self._ins.get(src) is not lane:  # replaced (add): a dead process's
+                    raise PeerLost(src, "lane replaced")
                 post = self._book.claim(src, step, tag)
                 if not isinstance(post, Wait):
                     return post
@@ -569,10 +615,12 @@ class LaneLinks:
         counts[0] += nbytes
         counts[1] += 1
 
-    def _lost(self, peer: int, exc: PeerLost) -> None:
-        """``peer``'s lane ended: its posts fail now and later ones at once."""
+    def _lost(self, peer: int, exc: PeerLost, lane: BulkLink | None = None) -> None:
+        """``peer``'s lane ended: its posts fail now and later ones at once (not if that was
+        ``lane``, a lane that :meth:`add` replaced since)."""
         with self._cond:
-            if self._closed:
+            if self._closed or (lane is not None and lane is not self._ins.get(peer)
+                                and lane is not self._outs.get(peer)):
                 return
             self._gone.setdefault(peer, exc)
             posts = self._book.lose(peer)
@@ -585,6 +633,11 @@ def unopened(peers: Iterable[int], outs: Mapping[int, object], ins: Mapping[int,
     """The peers whose lanes a partial opening at ``step`` left out (for ``lost``)."""
     return {p: PeerLost(p, f"no lane with rank {p}: it did not open its side at step {step}")
             for p in peers if p not in outs or p not in ins}
+
+
+def _close_all(lanes: list[BulkLink]) -> None:
+    for lane in lanes:
+        lane.close()
 
 
 def _flushed(lane: BulkLink, timeout: float | None) -> bool:

@@ -13,7 +13,8 @@ Carried in CONTROL frames (:meth:`aioreduce.transport.Mesh.send_control`): the r
 incarnation), :class:`Running` (a live rank tells a new rank-0 process that the job runs),
 :class:`HealAsk` (a newcomer asks for the job's state) and :class:`Reform` (a
 ring takes a healed rank back). Carried as the meta of a
-data frame on a tag of its own: :class:`LaneOffer` (:data:`~aioreduce.wire.tags.LANE_OFFER`).
+data frame on a tag of its own: :class:`LaneOffer` (:data:`~aioreduce.wire.tags.LANE_OFFER`)
+and :class:`LaneReopen` (:data:`~aioreduce.wire.tags.REOPEN`).
 """
 
 from __future__ import annotations
@@ -99,6 +100,17 @@ class LaneOffer:
     nonce: str  # 16 random bytes in hex
     unix: str | None = None
     host: str | None = None
+
+
+@dataclass(frozen=True)
+class LaneReopen:
+    """A replacement process to a tree or star peer whose lanes went with the dead one
+    (``answer`` False): open lanes again, the chunks between us on them from step ``start``
+    on; the peer's answer (``answer`` True): from step ``start`` (at least the one asked,
+    past every step the peer has touched), or -1: not at all (its session has no lanes)."""
+
+    start: int
+    answer: bool = False
 
 
 @dataclass(frozen=True)
@@ -300,6 +312,19 @@ def decode_offer(meta: dict[str, Any]) -> LaneOffer:
         raise MalformedControl("a lane offer needs a port, a 32-digit hex nonce and "
                                "optionally a Unix name and a host")
     return LaneOffer(port, nonce, unix, host)
+
+
+def reopen_meta(event: LaneReopen) -> dict[str, object]:
+    """The meta of a lane reopening's frame."""
+    return {"start": event.start, "answer": event.answer}
+
+
+def decode_reopen(meta: dict[str, Any]) -> LaneReopen:
+    """A lane reopening from its frame's meta; :class:`MalformedControl` if it is not one."""
+    start, answer = meta.get("start"), meta.get("answer")
+    if type(start) is not int or start < -1 or type(answer) is not bool:
+        raise MalformedControl("a lane reopening needs a step >= -1 and whether it answers")
+    return LaneReopen(start, answer)
 
 
 def failed_meta(event: StepFailed) -> dict[str, object]:

@@ -37,6 +37,10 @@ EXCHANGE = ABORT + 5
 LANE_OFFER = ABORT + 8
 """Where to open a lane and the nonce to prove (meta), from its receiver to its sender."""
 
+REOPEN = ABORT + 9
+"""A replacement process and a tree or star peer agree on the step from which the chunks
+between them travel on lanes again (meta: :class:`~aioreduce.wire.control.LaneReopen`)."""
+
 P2P = 1 << 40
 """Point-to-point messages (torch's ``send``/``recv``): from here up (user tags below 2^32);
 their ``step`` is a per-pair sequence number, so no step floor makes them stale."""
@@ -74,6 +78,7 @@ RANGES: dict[str, tuple[int, int]] = {
     "REQUEST": (REQUEST, REQUEST + 1),
     "EXCHANGE": (EXCHANGE, EXCHANGE + 1),
     "LANE_OFFER": (LANE_OFFER, LANE_OFFER + 1),
+    "REOPEN": (REOPEN, REOPEN + 1),
     "P2P": (P2P, HEAL),
     "HEAL": (HEAL, HEAL + (1 << 24)),
     "GROUP": (GROUP, GROUP + 1),

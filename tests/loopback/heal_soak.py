@@ -65,6 +65,9 @@ class HealSoak:
     # Rank 0 among the victims too (the rendezvous, a tree's root); the job's progress is
     # then read from the last rank, which is never killed.
     root_too: bool = False
+    # The coded tree's chunks on lanes (--options '{"lanes": true}'): every replacement and
+    # its family open them again, checked at the end (each rank's lane peers as at its start).
+    lanes: bool = False
     steps_of: dict[int, list[dict]] = field(default_factory=dict)
     finals: dict[int, dict] = field(default_factory=dict)
     err: list[str] = field(default_factory=list)
@@ -120,6 +123,8 @@ class HealSoak:
                "--restart", "50", "--", sys.executable, SCHEMEPROG, self.scheme, "--state",
                "--steps",
                str(self.steps), "--pace", str(self.pace), "--deadline", "2", "--dim", "1000"]
+        if self.lanes:
+            cmd += ["--options", json.dumps({"lanes": True})]
         env = dict(os.environ)
         if self.rejoin_wait is not None:
             env["AIOREDUCE_REJOIN_WAIT"] = str(self.rejoin_wait)
@@ -198,6 +203,12 @@ class HealSoak:
             "kills_left_out": left_out,
             "root_steps_without_a_rank": sum(len(s["used"]) < self.ranks for s in root
                                              if "used" in s),
+            "lanes": self.lanes,
+            # ranks whose last step had lanes to the same peers as their first
+            "lanes_as_at_start": sum(
+                bool(steps) and steps[0].get("lane_peers") == steps[-1].get("lane_peers")
+                and bool(steps[-1].get("lane_peers"))
+                for steps in (self.steps_of.get(r, []) for r in range(self.ranks))),
         }
 
 
@@ -224,6 +235,9 @@ def check(rep: dict) -> list[str]:
     if rep["rejoin_wait"] is not None and rep["kills_left_out"] != rep["kills"]:
         bad.append(f"{rep['kills']} kills, the steps left the victim out after "
                    f"{rep['kills_left_out']}")
+    if rep["lanes"] and rep["lanes_as_at_start"] != rep["ranks_with_final"]:
+        bad.append(f"{rep['lanes_as_at_start']} ranks ended with lanes to the peers they "
+                   "began with")
     if rep["root_steps"] != rep["steps"] - rep["root_steps_taken_by_reruns"]:
         bad.append(f"the root did {rep['root_steps']} of {rep['steps']} steps "
                    f"({rep['root_steps_taken_by_reruns']} step numbers taken by reruns)")
@@ -241,12 +255,15 @@ def main() -> int:
     p.add_argument("--rejoin-wait", type=float, default=None,
                    help="seconds a failed ring step waits for a replacement (default: the "
                         "launcher's 60); shorter than a restart: the ring re-forms")
+    p.add_argument("--lanes", action="store_true",
+                   help="the coded tree's chunks on lanes, opened again with every "
+                        "replacement (checked)")
     p.add_argument("--root-too", action="store_true",
                    help="rank 0 (the rendezvous, the tree's root) may be killed too; the last "
                         "rank is not")
     args = p.parse_args()
     soak = HealSoak(args.steps, args.every, args.pace, args.seed, args.scheme, args.ranks,
-                    rejoin_wait=args.rejoin_wait, root_too=args.root_too)
+                    rejoin_wait=args.rejoin_wait, root_too=args.root_too, lanes=args.lanes)
     rep = soak.report(soak.run())
     print(json.dumps(rep, indent=1))
     bad = check(rep)

@@ -143,6 +143,7 @@ async def main(args: argparse.Namespace) -> None:
                    "stand_in": res.stand_in, "deadline": res.deadline,
                    "into_own": bool(np.shares_memory(res.value, mine)),
                    "lanes": getattr(node.session, "lanes_open", None),
+                   "lane_peers": getattr(node.session, "lane_peers", None),
                    "wall": time.monotonic() - t0}
             if part_norms is not None and not res.exact:
                 out["abs_err"] = float(np.linalg.norm(res.value - truth))

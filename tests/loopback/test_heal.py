@@ -27,6 +27,9 @@ pytestmark = pytest.mark.loopback
 ARGS = ("coded-tree", "--state", "--steps", "110", "--pace", "0.05", "--deadline", "2",
         "--dim", "1000")
 FAMILIES = {0: [1, 2, 3], 1: [4, 5, 6], 2: [7, 8, 9], 3: [10, 11, 12]}
+# each rank's parent and children: the peers its chunks travel to and from
+FAMILY = {r: sorted([*([p for p, cs in FAMILIES.items() if r in cs]), *FAMILIES.get(r, [])])
+          for r in range(13)}
 DIE_AT = 8
 
 
@@ -108,8 +111,9 @@ def test_a_replacement_on_another_host_cuts_chunks_as_the_job_began(ranks) -> No
                          ids=["event-loop", "lanes"])
 def test_killed_ranks_rejoin_heal_and_contribute_again_and_impostors_are_named(
         ranks, extra) -> None:
-    """With lanes, the peers of the dead processes go on with their replacements over the
-    event loop's connections (a replacement opens no lanes)."""
+    """With lanes, each replacement and its parent and children open lanes again (from a
+    step they agree on), and the job ends with every rank's chunks on lanes to its whole
+    family, as it began; without (small vectors), nobody opens any."""
     job: Ranks = ranks(13)
     victims = (5, 2)  # a leaf (parent 1) and an intermediate (heads 7, 8, 9)
     lines: dict[int, Lines] = {}
@@ -150,7 +154,11 @@ def test_killed_ranks_rejoin_heal_and_contribute_again_and_impostors_are_named(
     for r in range(13):
         got = lines[r].tagged("STEP")
         assert got and all(s.get("exact") and s["rel_err"] < 1e-9 for s in got), (r, got[-1])
-        assert all(s["lanes"] is (bool(extra) and r not in victims) for s in got), r
+        if not extra:
+            assert all(s["lanes"] is False and s["lane_peers"] == [] for s in got), r
+        else:  # the lanes with the dead processes left, and opened again with the new ones
+            assert got[-1]["lane_peers"] == FAMILY[r], (r, got[-1])
+            assert all(s["lanes"] for s in got if r not in victims), r
         steps = [s["step"] for s in got]
         assert steps == list(range(steps[0], 110)), (r, steps[:5])
     # The path: away (not in the root's sums) while dead, in them again after healing.
@@ -197,14 +205,18 @@ def test_a_rank_that_fell_behind_the_window_heals_by_itself(ranks) -> None:
     assert len(digests) == 1
 
 
-def test_chaos_soak_short() -> None:
+@pytest.mark.parametrize("lanes", [False, True], ids=["event-loop", "lanes"])
+def test_chaos_soak_short(lanes: bool) -> None:
     """The chaos soak's short version (see heal_soak.py): random ranks killed and restarted
-    by the launcher while the job runs; exit 0, every step exact, identical models."""
+    by the launcher while the job runs; exit 0, every step exact, identical models. With
+    lanes, every replacement and its family open theirs again (each rank ends with lanes to
+    the peers it began with)."""
     from .heal_soak import HealSoak, check
 
-    soak = HealSoak(steps=250, every=40, pace=0.02, seed=1)
+    soak = HealSoak(steps=250, every=40, pace=0.02, seed=1, lanes=lanes)
     rep = soak.report(soak.run())
     assert rep["kills"] >= 2, rep
+    assert rep["lanes_as_at_start"] == (13 if lanes else 0), rep
     assert check(rep) == [], (rep, soak.err[-40:])
 
 

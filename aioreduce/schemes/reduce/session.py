@@ -24,12 +24,13 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import numpy as np
 
+from ...errors import PeerLost
 from ...wire import Header, tags
-from ..base import LANES_FROM, Comm, Result, StepOptions, spans_hosts
+from ..base import LANES_FROM, BulkLink, Comm, Result, StepOptions, spans_hosts
 from ..links import LaneLinks, unopened
 from ..outbox import Outbox
 from ..pool import BufferPool
@@ -37,6 +38,7 @@ from .failover import Link, ParentFailover
 from .family import DOWN, REQUEST_TAG, VERDICT_TAG, Family
 from .history import Outcome, ResultLog
 from .paths import EMPTY, DownPath, Layout, UpPath
+from .reopen import Reopener
 from .report import Report, Verdict
 
 log = logging.getLogger("aioreduce.schemes")
@@ -69,12 +71,18 @@ class ReduceSession:
         # Lanes (opts.lanes, opened at the first step if the comm has bulk links): the chunks
         # to and from the parent and the children travel on them; verdicts, requests and
         # whatever involves the grandparent or grandchildren stay on the comm. A peer whose
-        # connection breaks leaves them for good: its replacement process (see aioreduce.heal)
-        # talks to us over the comm, as a replacement's session does with everyone.
-        self._lane_peers = {p for p in (family.parent, *family.children) if p is not None}
+        # connection breaks leaves them; its replacement process (see aioreduce.heal) and we
+        # open them again (see .reopen), from a step agreed on (_lanes_from).
+        family_peers = [p for p in (family.parent, *family.children) if p is not None]
+        self._lane_peers = set(family_peers)
+        self._lanes_from: dict[int, int] = {}
         self._want_lanes = opts.lanes is not False and bool(self._lane_peers)
         self.lanes: LaneLinks | None = None
         self._removers.append(comm.on_peer_lost(self._lane_peers.discard))
+        self._touched = -1  # the latest step posted or sent for (see .reopen)
+        self.reopener = Reopener(comm, lambda: self._touched, lambda: self.lanes is not None,
+                                 self._reopened)
+        self._removers += self.reopener.listen(family_peers)
         for src in (family.parent, family.grandparent):
             if src is not None:
                 self._removers.append(comm.on_early(
@@ -93,6 +101,8 @@ class ReduceSession:
             self._want_lanes = False  # decided at the first step, alike on every rank
             if self.opts.lanes or like.nbytes >= LANES_FROM:
                 await self._open_lanes(step)
+        await self.reopener.ready(step)  # lanes that open again from this step on
+        self._touched = max(self._touched, step)
         lay = Layout.of(like, fam, *self._chunking)
         self._end_probe()
         up = UpPath(self, step, lay) if fam.children else None
@@ -137,32 +147,52 @@ class ReduceSession:
         # A peer dead before this first step has no lanes: it is lost to them, as a peer that
         # dies later is (the tree goes on without it where its code allows).
         outs, ins = await links.open_links(peers, peers, step, partial=True)
+        self._new_lanes(outs, ins, unopened(peers, outs, ins, step))
+
+    def _new_lanes(self, outs: Mapping[int, BulkLink], ins: Mapping[int, BulkLink],
+                   lost: dict[int, PeerLost]) -> None:
         parent = self.family.parent
         self.lanes = LaneLinks(
-            self.comm, outs, ins, self.opts.backlog_steps, opened_by=links,
-            lost=unopened(peers, outs, ins, step),
-            on_resumed=self._drained,
+            self.comm, outs, ins, self.opts.backlog_steps, opened_by=self.comm.bulk_links(),
+            lost=lost, on_resumed=self._drained,
             # A result from the parent before we asked (we still compute): forward it now.
             early=lambda src, _step, tag: src == parent and DOWN <= tag < VERDICT_TAG,
             on_early=self._early_outcome, stage_bytes=self.opts.history_bytes)
+
+    def _reopened(self, peer: int, out: BulkLink, in_: BulkLink, start: int) -> None:
+        """Lanes with ``peer`` (a replacement, or our peer if we are one) open again: its
+        chunks from step ``start`` on travel on them."""
+        if self.lanes is None:  # a replacement's first
+            self._new_lanes({peer: out}, {peer: in_}, {})
+        else:
+            self.lanes.add({peer: out}, {peer: in_})
+        self._lanes_from[peer] = start
+        self._lane_peers.add(peer)
 
     @property
     def lanes_open(self) -> bool:
         """Whether the chunks travel over lanes (opened by the first step, ``opts.lanes``)."""
         return self.lanes is not None
 
+    @property
+    def lane_peers(self) -> list[int]:
+        """The peers whose chunks travel over lanes now."""
+        return sorted(self._lane_peers) if self.lanes is not None else []
+
     # -- where a message goes -------------------------------------------------------------------
-    def _lanes_for(self, peer: int, tag: int) -> LaneLinks | None:
-        """The lanes a chunk to or from ``peer`` travels on (None: the comm; control tags
-        and ranks that are not parent or child always go through the comm)."""
-        if tag < tags.ABORT and peer in self._lane_peers:
+    def _lanes_for(self, peer: int, step: int, tag: int) -> LaneLinks | None:
+        """The lanes a chunk of ``step`` to or from ``peer`` travels on (None: the comm;
+        control tags, ranks that are not parent or child, and steps before the lanes with a
+        replacement opened again always go through the comm)."""
+        if (tag < tags.ABORT and peer in self._lane_peers
+                and step >= self._lanes_from.get(peer, 0)):
             return self.lanes
         return None
 
     def post_data(self, src: int, out: np.ndarray, step: int, tag: int
                   ) -> asyncio.Future[Header]:
         """Receive chunk ``tag`` of ``step`` from ``src`` into ``out`` (over its lane, if any)."""
-        lanes = self._lanes_for(src, tag)
+        lanes = self._lanes_for(src, step, tag)
         if lanes is not None:
             return lanes.post(src, out, step, tag)
         return self.comm.post_recv(src, out, step=step, tag=tag)
@@ -170,7 +200,12 @@ class ReduceSession:
     def send_data(self, peer: int, array: np.ndarray, step: int, tag: int,
                   meta: dict[str, object] | None) -> None:
         """Send in the background (over ``peer``'s lane, if any; a verdict never is)."""
-        lanes = self._lanes_for(peer, tag)
+        if self.reopener.holds(peer, step):  # lanes with it opening again: once they are
+            self.reopener.hold(peer, functools.partial(self.send_data, peer, array, step, tag,
+                                                       meta))
+            return
+        self._touched = max(self._touched, step)
+        lanes = self._lanes_for(peer, step, tag)
         if lanes is not None:
             lanes.send(peer, array, step, tag, meta or {})
         else:
@@ -269,7 +304,16 @@ class ReduceSession:
         over the comm (the peers' lanes to the dead process are gone)."""
         if self.family.parent is not None:
             self.request(self.family.parent, step)
-        self._want_lanes = False  # our peers' lanes went with the dead process: the comm
+        # Our peers' lanes went with the dead process: none at the first step, but ask each
+        # peer to open them again (it has lanes, or answers no), from the next step on.
+        # (No peer is a lane peer until its lanes are open: the chunks go over the comm.)
+        peers = sorted(self._lane_peers)
+        self._lane_peers.clear()
+        if self._want_lanes and self.comm.bulk_links() is not None:
+            for peer in peers:
+                if not self.comm.is_lost(peer):
+                    self.reopener.propose(peer, step + 1)
+        self._want_lanes = False
 
     def request(self, rank: int, step: int) -> None:
         """Ask ``rank`` for the outcomes from ``step`` on."""
@@ -382,6 +426,7 @@ class ReduceSession:
         self._removers.clear()
         if self._probe is not None and self._probe.probe is not None:
             self._probe.probe.cancel()
+        self.reopener.close()
         await self.outbox.close(timeout)
         if self.lanes is not None:
             await self.lanes.close(timeout)

@@ -1,0 +1,191 @@
+"""Lanes opened again between a replacement process and its tree or star peers.
+
+Why. A tree's chunks travel on lanes opened at the session's first step. A process that dies
+takes its lanes with it; without this, its replacement and its parent and children would talk
+over the event loop's connections for the rest of the job, at more CPU per byte than a lane
+(docs/schemes.md), and a long job on spot machines would slow down with every death it
+healed.
+
+How. Both ends of a path must switch at the same step, since a receive is posted on the path
+its sender uses: a chunk sent on a lane for a receive posted on the comm never lands. So the
+replacement proposes a step (``LaneReopen(start)``, on :data:`~aioreduce.wire.tags.REOPEN`) to
+each peer it would have lanes with, and touches no later step with that peer until it has the
+answer; the peer answers with the step from which the chunks go on lanes: the one asked or,
+if it has touched that one already (sent or posted for it), the first it has not (or -1 if its
+session has no lanes: small vectors). Both then open the lanes at once, in the background
+(``BulkLinks.open_links``, keyed by that step), and until they are open each side holds back
+its sends to the other of that step or later (in order) and starts no such step. Once they
+are open, or failed (then both sides stay on the comm: an opening fails on both ends), the
+held sends go out, on whichever path the session now routes them.
+
+A peer that dies meanwhile ends the wait (its lanes do not open; the tree goes on without it,
+as with any dead peer). Not here: two neighbours replaced at once (each asks the other, and
+neither has lanes to answer with), and the transpose, whose peers keep the comm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...errors import PeerLost
+from ...wire import Header, tags
+from ...wire.control import LaneReopen, MalformedControl, decode_reopen, reopen_meta
+from ..base import BulkLink, Comm
+
+log = logging.getLogger("aioreduce.schemes")
+
+ANSWER_TIMEOUT_S = 10.0  # a live peer of the same session answers at once
+_NOTHING = np.empty(0, np.uint8)
+
+
+@dataclass
+class _Pending:
+    """A peer whose lanes are being opened again: nothing from step ``start`` on with it until
+    ``done`` (asked: the step proposed; agreed: the step answered)."""
+
+    start: int
+    done: asyncio.Future[None]
+    answer: asyncio.Future[int] | None = None  # the proposer's, until the peer answers
+    held: list[Callable[[], None]] = field(default_factory=list)  # sends, in order
+    task: asyncio.Task[None] | None = None
+
+
+class Reopener:
+    """One session's reopenings. ``touched()``: the latest step the session has posted or
+    sent for; ``has_lanes()``: whether its chunks travel on lanes (it answers -1 if not);
+    ``opened(peer, out, in, start)``: lanes with ``peer`` are open, for steps >= ``start``."""
+
+    def __init__(self, comm: Comm, touched: Callable[[], int], has_lanes: Callable[[], bool],
+                 opened: Callable[[int, BulkLink, BulkLink, int], None]) -> None:
+        self.comm = comm
+        self._touched, self._has_lanes, self._opened = touched, has_lanes, opened
+        self._pending: dict[int, _Pending] = {}
+        self._closed = False
+
+    def listen(self, peers: Iterable[int]) -> list[Callable[[], None]]:
+        """Answer and hear from ``peers`` (the removers)."""
+        removers = [self.comm.on_early(p, tags.REOPEN, self._heard) for p in peers]
+        removers.append(self.comm.on_peer_lost(self._peer_lost))
+        return removers
+
+    # -- the session's side -------------------------------------------------------------------
+    def propose(self, peer: int, start: int) -> None:
+        """Ask ``peer`` to open lanes with us again, from step ``start`` at the earliest."""
+        loop = asyncio.get_running_loop()
+        pending = _Pending(start, loop.create_future(), answer=loop.create_future())
+        self._settle(peer)
+        self._pending[peer] = pending
+        self._send(peer, start, LaneReopen(start))
+        pending.task = asyncio.ensure_future(self._asked(peer, pending))
+
+    def holds(self, peer: int, step: int) -> bool:
+        """Whether a send of ``step`` to ``peer`` must wait (see :meth:`hold`)."""
+        pending = self._pending.get(peer)
+        return pending is not None and step >= pending.start
+
+    def hold(self, peer: int, send: Callable[[], None]) -> None:
+        """Run ``send`` once the lanes with ``peer`` are open or failed (in order)."""
+        self._pending[peer].held.append(send)
+
+    async def ready(self, step: int) -> None:
+        """Return once no opening holds ``step`` back (call before posting for it)."""
+        waits = [p.done for p in self._pending.values() if step >= p.start]
+        if waits:
+            await asyncio.wait(waits)
+
+    def close(self) -> None:
+        self._closed = True
+        for peer in list(self._pending):
+            task = self._pending[peer].task
+            if task is not None:
+                task.cancel()
+            self._settle(peer, run=False)
+
+    # -- both sides -----------------------------------------------------------------------------
+    def _heard(self, header: Header, _payload: memoryview) -> None:
+        if header.tag != tags.REOPEN or self._closed:
+            return
+        peer = header.src
+        try:
+            event = decode_reopen(header.meta)
+        except MalformedControl as exc:
+            log.warning("rank %d: from rank %d: %s", self.comm.rank, peer, exc)
+            return
+        if event.answer:
+            pending = self._pending.get(peer)
+            if pending is not None and pending.answer is not None and not pending.answer.done():
+                pending.answer.set_result(event.start)
+            return
+        # Asked: from the step asked, or the first this session has not touched yet.
+        start = max(event.start, self._touched() + 1) if self._has_lanes() else -1
+        self._send(peer, max(start, event.start), LaneReopen(start, answer=True))
+        self._settle(peer)
+        if start >= 0:
+            pending = _Pending(start, asyncio.get_running_loop().create_future())
+            self._pending[peer] = pending
+            pending.task = asyncio.ensure_future(self._open(peer, pending))
+
+    def _peer_lost(self, peer: int) -> None:
+        pending = self._pending.get(peer)
+        if pending is not None and pending.answer is not None and not pending.answer.done():
+            pending.answer.set_exception(PeerLost(peer, "lost before it answered"))
+
+    async def _asked(self, peer: int, pending: _Pending) -> None:
+        assert pending.answer is not None
+        try:
+            start = await asyncio.wait_for(pending.answer, ANSWER_TIMEOUT_S)
+        except (PeerLost, TimeoutError) as exc:
+            log.warning("rank %d: rank %d did not answer our lanes' reopening (%s): its "
+                        "chunks stay on the comm", self.comm.rank, peer, exc)
+            start = -1
+        if start < 0:
+            self._settle(peer)
+            return
+        pending.start = start
+        await self._open(peer, pending)
+
+    async def _open(self, peer: int, pending: _Pending) -> None:
+        try:
+            links = self.comm.bulk_links()
+            if links is None:
+                return
+            outs, ins = await links.open_links([peer], [peer], pending.start, partial=True)
+            if peer in outs and peer in ins and not self._closed:
+                self._opened(peer, outs[peer], ins[peer], pending.start)
+                log.info("rank %d: lanes with rank %d open again, from step %d",
+                         self.comm.rank, peer, pending.start)
+            else:
+                for lane in (*outs.values(), *ins.values()):
+                    lane.close()
+                log.warning("rank %d: lanes with rank %d did not open again: its chunks "
+                            "stay on the comm", self.comm.rank, peer)
+        finally:
+            if self._pending.get(peer) is pending:
+                self._settle(peer)
+
+    def _settle(self, peer: int, *, run: bool = True) -> None:
+        """The opening with ``peer`` is over: release what it held back."""
+        pending = self._pending.pop(peer, None)
+        if pending is None:
+            return
+        if not pending.done.done():
+            pending.done.set_result(None)
+        if pending.answer is not None and not pending.answer.done():
+            pending.answer.cancel()
+        if run:
+            for send in pending.held:
+                send()
+
+    def _send(self, peer: int, step: int, event: LaneReopen) -> None:
+        sending = asyncio.ensure_future(self.comm.send(peer, _NOTHING, step=step,
+                                                      tag=tags.REOPEN,
+                                                      meta=reopen_meta(event)))
+        sending.add_done_callback(lambda f: f.cancelled() or f.exception())  # lost: no matter
+
+
+__all__ = ["Reopener"]

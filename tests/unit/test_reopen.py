@@ -1,0 +1,167 @@
+"""Lanes opened again with a replacement (``schemes/reduce/reopen.py``), on the in-memory
+network with links that open once both ends ask for them at the same step: the step both ends
+switch at, what each side holds back until then (and in what order it goes), and the ways an
+opening ends without lanes. The lanes themselves over real processes: ``tests/loopback/
+test_heal.py``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+
+from aioreduce.schemes.base import BulkLink
+from aioreduce.schemes.reduce.reopen import Reopener
+from aioreduce.transport.memory import MemoryNetwork
+
+
+class Links:
+    """Bulk links of a two-rank job: ``open_links`` returns once the other rank asked for
+    the same step (a lane is a string naming its ends and step)."""
+
+    def __init__(self) -> None:
+        self.asked: dict[tuple[int, int], asyncio.Future[None]] = {}
+        self.steps: list[tuple[int, int]] = []  # (rank, step) of every opening
+
+    def of(self, rank: int) -> Any:
+        links = self
+
+        class Mine:
+            async def open_links(self, send_to: Sequence[int], recv_from: Sequence[int],
+                                 step: int, *, partial: bool = False
+                                 ) -> tuple[dict[int, Any], dict[int, Any]]:
+                (peer,) = send_to
+                links.steps.append((rank, step))
+                key = (min(rank, peer), step)
+                fut = links.asked.setdefault(key, asyncio.get_running_loop().create_future())
+                if not fut.done() and len(
+                        [r for r, s in links.steps if s == step and r in (rank, peer)]) == 2:
+                    fut.set_result(None)
+                await fut
+                return {peer: f"{rank}->{peer}@{step}"}, {peer: f"{peer}->{rank}@{step}"}
+
+        return Mine()
+
+
+class Side:
+    """One end: a comm, what it touched, whether it has lanes, and what happened."""
+
+    def __init__(self, net: MemoryNetwork, links: Links, rank: int, *, touched: int,
+                 has_lanes: bool) -> None:
+        self.comm = net.comms[rank]
+        self.comm.bulk_links = lambda: links.of(rank)  # type: ignore[method-assign]
+        self.touched, self.has_lanes = touched, has_lanes
+        self.opened: list[tuple[int, str, str, int]] = []
+        self.sent: list[str] = []
+        self.reopener = Reopener(self.comm, lambda: self.touched, lambda: self.has_lanes,
+                                 self._opened)
+        self.removers = self.reopener.listen([1 - rank])
+
+    def _opened(self, peer: int, out: BulkLink, in_: BulkLink, start: int) -> None:
+        self.opened.append((peer, str(out), str(in_), start))
+
+    def send(self, peer: int, step: int, what: str) -> Callable[[], None] | None:
+        """A session's send: held while the opening holds ``step``, else done now."""
+        def now() -> None:
+            self.sent.append(what)
+
+        if self.reopener.holds(peer, step):
+            self.reopener.hold(peer, now)
+            return None
+        now()
+        return now
+
+
+def _pair(*, touched: int = 3, has_lanes: bool = True) -> tuple[MemoryNetwork, Links, Side,
+                                                                Side]:
+    net, links = MemoryNetwork(2), Links()
+    peer = Side(net, links, 0, touched=touched, has_lanes=has_lanes)
+    new = Side(net, links, 1, touched=-1, has_lanes=False)  # the replacement
+    return net, links, peer, new
+
+
+async def _until(cond: Callable[[], bool]) -> None:
+    for _ in range(1000):
+        if cond():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("never happened")
+
+
+@pytest.mark.parametrize("touched, start", [(3, 5), (7, 8)])
+def test_both_ends_switch_at_the_step_answered_and_hold_that_step_until_the_lanes_open(
+        touched: int, start: int) -> None:
+    """The replacement asks for step 5; a peer that touched 3 agrees to 5, one that touched
+    7 (it forwarded results ahead of its own step) answers 8. Both open the lanes keyed by
+    that step; until they are open each holds back its sends of that step or later (sent
+    after, in order) and a step that late does not start."""
+
+    async def main() -> None:
+        _net, links, peer, new = _pair(touched=touched)
+        new.reopener.propose(0, 5)
+        assert new.reopener.holds(0, 5) and not new.reopener.holds(0, 4)
+        assert new.send(0, 4, "new:4") is not None  # before the step asked: at once
+        new.send(0, 6, "new:6a")
+        new.send(0, 6, "new:6b")
+        ready = asyncio.ensure_future(new.reopener.ready(5))
+        await _until(lambda: peer.reopener.holds(1, start))
+        assert not peer.reopener.holds(1, start - 1)
+        peer.send(1, start, "peer:first")
+        peer.send(1, start + 1, "peer:second")
+        await asyncio.wait_for(ready, 5)
+        assert links.steps.count((0, start)) == 1 and links.steps.count((1, start)) == 1
+        assert peer.opened == [(1, f"0->1@{start}", f"1->0@{start}", start)]
+        assert new.opened == [(0, f"1->0@{start}", f"0->1@{start}", start)]
+        assert new.sent == ["new:4", "new:6a", "new:6b"]
+        assert peer.sent == ["peer:first", "peer:second"]
+        assert not new.reopener.holds(0, 9) and not peer.reopener.holds(1, 9)
+
+    asyncio.run(main())
+
+
+def test_a_peer_without_lanes_answers_no_and_nothing_is_held() -> None:
+    async def main() -> None:
+        _net, links, peer, new = _pair(has_lanes=False)
+        new.reopener.propose(0, 5)
+        new.send(0, 5, "held")
+        await asyncio.wait_for(new.reopener.ready(5), 5)
+        assert new.sent == ["held"] and links.steps == []
+        assert peer.opened == new.opened == []
+        assert not peer.reopener.holds(1, 5)
+
+    asyncio.run(main())
+
+
+def test_a_peer_lost_before_it_answers_releases_what_was_held() -> None:
+    async def main() -> None:
+        net, links, _peer, new = _pair()
+        net.hold(1, 0)  # the proposal never gets there
+        new.reopener.propose(0, 5)
+        new.send(0, 6, "held")
+        ready = asyncio.ensure_future(new.reopener.ready(6))
+        await asyncio.sleep(0)
+        assert not ready.done()
+        new.comm._lost(0)
+        await asyncio.wait_for(ready, 5)
+        assert new.sent == ["held"] and new.opened == [] and links.steps == []
+
+    asyncio.run(main())
+
+
+def test_closing_drops_what_was_held_and_removes_every_handler() -> None:
+    async def main() -> None:
+        net, _links, peer, new = _pair()
+        net.hold(1, 0)
+        new.reopener.propose(0, 5)
+        new.send(0, 6, "held")
+        new.reopener.close()
+        await asyncio.wait_for(new.reopener.ready(6), 5)
+        assert new.sent == []
+        for side in (peer, new):
+            for remove in side.removers:
+                remove()
+            assert side.comm.installed() == 0
+
+    asyncio.run(main())

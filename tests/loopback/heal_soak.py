@@ -65,8 +65,9 @@ class HealSoak:
     # Rank 0 among the victims too (the rendezvous, a tree's root); the job's progress is
     # then read from the last rank, which is never killed.
     root_too: bool = False
-    # The coded tree's chunks on lanes (--options '{"lanes": true}'): every replacement and
-    # its family open them again, checked at the end (each rank's lane peers as at its start).
+    # The coded tree's chunks on lanes (--options '{"lanes": true}'; the transpose's are by
+    # default): every replacement and its peers open them again, checked at the end (each
+    # rank's lane peers as at its start).
     lanes: bool = False
     steps_of: dict[int, list[dict]] = field(default_factory=dict)
     finals: dict[int, dict] = field(default_factory=dict)
@@ -123,7 +124,7 @@ class HealSoak:
                "--restart", "50", "--", sys.executable, SCHEMEPROG, self.scheme, "--state",
                "--steps",
                str(self.steps), "--pace", str(self.pace), "--deadline", "2", "--dim", "1000"]
-        if self.lanes:
+        if self.lanes and self.scheme == "coded-tree":  # (the transpose's are on anyway)
             cmd += ["--options", json.dumps({"lanes": True})]
         env = dict(os.environ)
         if self.rejoin_wait is not None:
@@ -256,8 +257,8 @@ def main() -> int:
                    help="seconds a failed ring step waits for a replacement (default: the "
                         "launcher's 60); shorter than a restart: the ring re-forms")
     p.add_argument("--lanes", action="store_true",
-                   help="the coded tree's chunks on lanes, opened again with every "
-                        "replacement (checked)")
+                   help="the coded tree's chunks on lanes (the transpose's are anyway), "
+                        "opened again with every replacement (checked)")
     p.add_argument("--root-too", action="store_true",
                    help="rank 0 (the rendezvous, the tree's root) may be killed too; the last "
                         "rank is not")

@@ -237,12 +237,16 @@ def test_chaos_soak_short_with_the_root_among_the_victims() -> None:
 def test_chaos_soak_short_ring_and_transpose(scheme: str, n: int) -> None:
     """The short soaks of the schemes whose step fails when a rank dies: it waits for the
     replacement the launcher starts and runs again with it; the same result on every rank,
-    identical models."""
+    identical models. The transpose's replacements and their peers open their lanes again
+    (every rank ends with lanes to every other)."""
     from .heal_soak import HealSoak, check
 
-    soak = HealSoak(steps=250, every=40, pace=0.02, seed=2, scheme=scheme, ranks=n)
+    lanes = scheme == "transpose"
+    soak = HealSoak(steps=250, every=40, pace=0.02, seed=2, scheme=scheme, ranks=n,
+                    lanes=lanes)
     rep = soak.report(soak.run())
     assert rep["kills"] >= 2 and rep["steps_run_again"] == rep["kills"], rep
+    assert rep["lanes_as_at_start"] == (n if lanes else 0), rep
     assert check(rep) == [], (rep, soak.err[-40:])
 
 

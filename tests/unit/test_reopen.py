@@ -1,4 +1,4 @@
-"""Lanes opened again with a replacement (``schemes/reduce/reopen.py``), on the in-memory
+"""Lanes opened again with a replacement (``schemes/links/reopen.py``), on the in-memory
 network with links that open once both ends ask for them at the same step: the step both ends
 switch at, what each side holds back until then (and in what order it goes), and the ways an
 opening ends without lanes. The lanes themselves over real processes: ``tests/loopback/
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from aioreduce.schemes.base import BulkLink
-from aioreduce.schemes.reduce.reopen import Reopener
+from aioreduce.schemes.links.reopen import Reopener
 from aioreduce.transport.memory import MemoryNetwork
 
 

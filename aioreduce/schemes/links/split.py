@@ -1,10 +1,11 @@
 """Lanes for the peers that have them, the comm for those whose connection broke.
 
-A peer whose process dies takes its lanes with it; its replacement (see :mod:`aioreduce.heal`)
-opens none, and the live ranks' lanes are opened once, at a session's first step. So from the
-moment a peer's connection breaks, :class:`SplitLinks` routes everything to and from it
-through the comm (:class:`~.comm.CommLinks`), and the rest over the lanes as before: the
-replacement is taken back at the first step it sends in, over the event loop.
+A peer whose process dies takes its lanes with it. From the moment its connection breaks,
+:class:`SplitLinks` routes everything to and from it through the comm
+(:class:`~.comm.CommLinks`), and the rest over the lanes as before: its replacement (see
+:mod:`aioreduce.heal`) is taken back at the first step it sends in, over the event loop, until
+the two open lanes again (:mod:`.reopen`) and the scheme moves the peer back off ``on_comm``
+at the step agreed on.
 """
 
 from __future__ import annotations

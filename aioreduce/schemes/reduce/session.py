@@ -32,13 +32,13 @@ from ...errors import PeerLost
 from ...wire import Header, tags
 from ..base import LANES_FROM, BulkLink, Comm, Result, StepOptions, spans_hosts
 from ..links import LaneLinks, unopened
+from ..links.reopen import Reopener
 from ..outbox import Outbox
 from ..pool import BufferPool
 from .failover import Link, ParentFailover
 from .family import DOWN, REQUEST_TAG, VERDICT_TAG, Family
 from .history import Outcome, ResultLog
 from .paths import EMPTY, DownPath, Layout, UpPath
-from .reopen import Reopener
 from .report import Report, Verdict
 
 log = logging.getLogger("aioreduce.schemes")

@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...codes.hadamard import Rotation
-from ..base import Comm, FellBehind, Result, StragglerError, spans_hosts
+from ..base import BulkLink, Comm, FellBehind, Result, StragglerError, spans_hosts
 from ..links import CommLinks, LaneLinks, Links, SplitLinks, unopened
+from ..links.reopen import Reopener
 from ..members import MembersComm, real_error, real_result
 from ..pool import BufferPool
 from .clock import StageClock
@@ -77,6 +78,14 @@ class TransposeSession:
         self._changed_at = -1  # the step that began a block with another decision
         self._rot_cost = 0.0  # seconds this rank's forward rotation took (moving average)
         self._heard_rotating = (False, False)  # a peer rotated: (last step, this step)
+        # A replacement and each peer open lanes again (see links/reopen.py); a step sends
+        # and posts only for itself, so a peer's slices move to its new lanes at the start
+        # of the step agreed on (_lanes_from), never inside one.
+        self._lanes_from: dict[int, int] = {}
+        self.reopener = Reopener(comm, lambda: self._at,
+                                 lambda: isinstance(self.links, SplitLinks), self._reopened)
+        self._removers = self.reopener.listen(
+            p for p in range(comm.world_size) if p != comm.rank)
 
     @property
     def newest(self) -> int:
@@ -88,15 +97,51 @@ class TransposeSession:
         """Whether the slices travel over lanes (opened by the first step)."""
         return isinstance(self.links, SplitLinks)
 
+    @property
+    def lane_peers(self) -> list[int]:
+        """The peers whose slices travel over lanes now."""
+        links = self.links
+        if not isinstance(links, SplitLinks):
+            return []
+        return [p for p in range(self.comm.world_size)
+                if p != self.comm.rank and p not in links.on_comm]
+
     def known(self, step: int) -> bool:
         return False  # every step needs this rank's own vector
 
     def rejoined(self, step: int) -> None:
         """A replacement process (see :class:`~..base.Rejoins`): our peers' lanes went with
-        the dead process, so everything goes over the comm."""
+        the dead process, so everything goes over the comm until each peer and we open
+        lanes again (from the next step on, or later: see links/reopen.py)."""
+        if self._want_lanes and self.comm.bulk_links() is not None:
+            for peer in range(self.comm.world_size):
+                if peer != self.comm.rank and not self.comm.is_lost(peer):
+                    self.reopener.propose(peer, step + 1)
         self._want_lanes = False
 
+    def _reopened(self, peer: int, out: BulkLink, in_: BulkLink, start: int) -> None:
+        """Lanes with ``peer`` open again; its slices move to them at step ``start``."""
+        links = self.links
+        if self.comm is not self._base:  # re-formed meanwhile: the members' comm only
+            for lane in (out, in_):
+                lane.close()
+            return
+        if isinstance(links, SplitLinks):
+            links.lanes.add({peer: out}, {peer: in_})
+        else:  # a replacement's first: every other peer stays on the comm until its turn
+            assert isinstance(links, CommLinks)
+            self.links = SplitLinks(
+                LaneLinks(self.comm, {peer: out}, {peer: in_}, self.opts.backlog_steps,
+                          links.newest, opened_by=self.comm.bulk_links(),
+                          notice_tag=NOTICE_TAG, lending=True), links, self.comm)
+            self.links.on_comm.update(p for p in range(self.comm.world_size)
+                                      if p != self.comm.rank)
+        self._lanes_from[peer] = start
+
     async def close(self, timeout: float) -> None:
+        for remove in self._removers:
+            remove()
+        self.reopener.close()
         for links in [*self._retired, self.links]:
             await links.close(timeout)
         self._retired.clear()
@@ -117,6 +162,15 @@ class TransposeSession:
         self._rotation = None
         self.drifted.clear()
         self.clocks = self._new_clocks()
+
+    def _lanes_reopened(self, step: int) -> None:
+        """From this step on, the peers whose lanes opened again for it use them."""
+        links = self.links
+        for peer, start in list(self._lanes_from.items()):
+            if step >= start:
+                del self._lanes_from[peer]
+                if isinstance(links, SplitLinks) and not self.comm.is_lost(peer):
+                    links.on_comm.discard(peer)
 
     def _new_clocks(self) -> tuple[StageClock, ...]:
         """One clock per stage: stage 1 waits out the ranks' skew, stage 2 only a transfer."""
@@ -191,6 +245,10 @@ class TransposeSession:
         self._at = step
         if self._want_lanes:
             await self._open_lanes(step)
+            links = self.links
+        await self.reopener.ready(step)
+        if self._lanes_from:
+            self._lanes_reopened(step)
             links = self.links
         if opts.hadamard is True and like.dtype.kind != "f":
             raise TypeError(f"rank {me}: Transpose(hadamard=True) needs floating-point "

@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 import numpy as np
 
 from .schemes import Result
+
+ReduceOp = Literal["sum", "mean"]
+# A numpy array, a CPU torch tensor, or a function returning either (typed loosely so that
+# importing aioreduce never imports torch).
+Reducible: TypeAlias = "np.ndarray | Callable[[], np.ndarray] | Any"
 
 
 def is_tensor(obj: object) -> bool:

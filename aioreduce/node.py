@@ -19,20 +19,20 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal
 
 import numpy as np
 
 from .env import NodeEnv, discover
 from .heal import Healer, StateHooks
-from .inputs import Inputs
+from .inputs import Inputs, ReduceOp, Reducible
 from .peers import Peers
 from .schemes import CodedScheme, Result, Scheme, Session
 from .schemes.base import Arrival, Comm, SumsInPlace
 from .schemes.p2p import PointToPoint
 from .sessions import Sessions, preconnect
 from .settings import bind_for, env_extras
-from .stepper import Stepper, mean_divisor
+from .stepper import Stepper, finish_mean, mean_divisor
 from .straggle import StraggleModel
 from .telemetry import TracingComm
 from .transport import Mesh, MeshOptions, barrier, rendezvous
@@ -40,10 +40,6 @@ from .wire.incarnation import JOINING
 
 log = logging.getLogger("aioreduce")
 
-ReduceOp = Literal["sum", "mean"]
-# A numpy array, a CPU torch tensor, or a function returning either (typed loosely so that
-# importing aioreduce never imports torch).
-Reducible: TypeAlias = "np.ndarray | Callable[[], np.ndarray] | Any"
 
 
 class Node(Peers):
@@ -95,14 +91,11 @@ class Node(Peers):
         moves Python's garbage collection to after every N-th step (see
         :mod:`aioreduce.stepgc`; 0 leaves it alone) unless a ``gc_every`` argument is
         given."""
-        env_map = os.environ if environ is None else environ
         env = discover(environ)
-        for key, value in env_extras(env_map, env.max_frame).items():
-            if key == "options":
-                options = value if options is None else options
-            else:
-                kwargs.setdefault(key, value)
-        return cls(env, scheme=scheme, options=options, **kwargs)
+        extras = env_extras(os.environ if environ is None else environ, env.max_frame)
+        env_options = extras.pop("options", None)
+        return cls(env, scheme=scheme, options=options if options is not None else env_options,
+                   **{**extras, **kwargs})
 
     @property
     def scheme(self) -> Scheme | None:
@@ -154,10 +147,7 @@ class Node(Peers):
         await self.close_lanes(self.close_timeout)
         self._started = False
         await self.mesh.close()
-        if self.stepgc is not None:
-            self.stepgc.stop()
-        if self.tracer is not None:
-            self.tracer.close()
+        self._steps.close()
 
     async def __aenter__(self) -> Node:
         try:
@@ -285,10 +275,7 @@ class Node(Peers):
         res = await self._reduce(array, op, any_shape=any_shape, into=array, arrival=arrival,
                                  divisor=self.world_size if folded else 1, rerun=rerun,
                                  last=last)
-        if op == "mean" and not folded:
-            np.divide(array, mean_divisor(res, self.world_size), out=array)
-        elif folded and len(res.used) != self.world_size:  # a ring re-formed without some
-            np.multiply(array, self.world_size / max(len(res.used), 1), out=array)
+        finish_mean(array, res, self.world_size, mean=op == "mean", folded=folded)
         return self._inputs.in_place_result(target, array, res)
 
     async def _reduce(self, vector: Reducible, op: str, *, any_shape: bool,

@@ -57,6 +57,13 @@ class Stepper:
                    Tracer(rank, trace_path(trace, rank)) if trace else None,
                    StepGC(gc_every) if gc_every else None)
 
+    def close(self) -> None:
+        """The node leaves the job: collections back to Python's, the telemetry closed."""
+        if self.stepgc is not None:
+            self.stepgc.stop()
+        if self.tracer is not None:
+            self.tracer.close()
+
     def take(self) -> int:
         """A step number for a collective step (allgather, broadcast, exchange)."""
         step = self.step
@@ -203,6 +210,17 @@ def mean_divisor(res: Result, world_size: int) -> float:
     if res.received < 1.0:  # (of the ranks in the step: a re-formed one has fewer)
         return max(min(world_size, len(res.used) + len(res.late)) * res.received, 1.0)
     return float(max(len(res.used), 1))
+
+
+def finish_mean(array: np.ndarray, res: Result, world_size: int, *, mean: bool,
+                folded: bool) -> None:
+    """An in-place step's result in ``array`` as asked: ``mean`` divides a sum by the
+    contributions it holds; a session that sums in place divided by the world size as it
+    went (``folded``), which a ring re-formed without some ranks corrects here."""
+    if mean and not folded:
+        np.divide(array, mean_divisor(res, world_size), out=array)
+    elif folded and len(res.used) != world_size:
+        np.multiply(array, world_size / max(len(res.used), 1), out=array)
 
 
 @functools.cache

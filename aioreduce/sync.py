@@ -23,7 +23,8 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 
-from .node import Node, ReduceOp, Reducible
+from .inputs import ReduceOp, Reducible
+from .node import Node
 from .schemes import Result, Scheme
 from .transport.loop import loop_factory
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..node import ReduceOp
+from ..inputs import ReduceOp
 from ..schemes import Result
 from ..sync import SyncNode
 from ..tensors import to_numpy

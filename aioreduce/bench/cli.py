@@ -147,7 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--plot", action="store_true", help="only draw the PNGs from --out")
     do = sub.add_parser("dose", help="dose-response: coded tree, tree and ring as one leaf's "
                                      "delay (or slowdown) grows, with repeats and 95 %% CIs")
-    do.add_argument("--out", default="dose", help="directory for results.jsonl and table.md")
+    do.add_argument("--out", default="dose",
+                    help="directory for results.jsonl, table.md and dose.png")
+    do.add_argument("--plot", nargs="*", metavar="ROWS.jsonl",
+                    help="only draw: OUT/dose.png from OUT/results.jsonl, or each ROWS.jsonl "
+                         "given to ROWS.png")
     do.add_argument("--nodes", type=lambda t: [int(x) for x in t.split(",")], default=[7, 13],
                     help="cluster sizes with a full tree: 7, 13, 21, 31, 40 (default 7,13)")
     dose_kind = do.add_mutually_exclusive_group()
@@ -427,6 +431,14 @@ def _dose(opts: argparse.Namespace) -> int:
 
     from . import dose
 
+    if opts.plot is not None:
+        sources = ([Path(p) for p in opts.plot] if opts.plot
+                   else [Path(opts.out) / "results.jsonl"])
+        for src in sources:
+            rows = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
+            png = (src.with_suffix(".png") if opts.plot else Path(opts.out) / "dose.png")
+            print(dose.plot(rows, png))
+        return 0
     if opts.cpus_per_host is not None and not opts.netns:
         raise SystemExit("aioreduce-bench dose: --cpus-per-host needs --netns")
     kind, doses = (("slow", opts.slow) if opts.slow

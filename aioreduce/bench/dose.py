@@ -17,7 +17,8 @@ adds a model for every rank beside the dose, and ``--scheme`` takes any schemes:
 it compares gradient codes (m = 1 against the communication-efficient m = 2) under compute
 that grows with each rank's load. Tree shapes as the sweep's: 7 ranks (fan-out 2),
 13 (3), 21 (4), 31 (2, four levels), 40 (3, three levels). Rows go to ``OUT/results.jsonl``
-as they are measured and the table to ``OUT/table.md``.
+as they are measured, the table to ``OUT/table.md`` and its plot, with the intervals, to
+``OUT/dose.png`` (``--plot`` redraws it from the rows).
 
     aioreduce-bench dose --nodes 7,13 --delays 0,0.05,0.2,0.5 --repeats 3 --netns \\
         --latency 0.0001 --out dose
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..sim.config import Config
+from ..sim.config import Config, fmt_size
 from .allreduce import run_allreduce
 from .sweep import tree_shape
 
@@ -135,6 +136,88 @@ def table(summary: dict[tuple[int, float, str], Estimate], kind: str,
     return "\n".join(lines) + "\n"
 
 
+def ratios(rows: Iterable[dict[str, Any]], first: str
+           ) -> dict[tuple[int, float, str], Estimate]:
+    """Per (ranks, dose, other scheme): ``first``'s median over the other's, paired within
+    each launch (the schemes of a launch ran alternated, so they share its noise), and the
+    95 % interval over the launches."""
+    by_launch: dict[tuple[int, float, int], dict[str, float]] = {}
+    for row in rows:
+        key = (row["nodes"], row["dose"], row.get("repeat", 0))
+        by_launch.setdefault(key, {})[row["scheme"]] = row["median_s"]
+    runs: dict[tuple[int, float, str], list[float]] = {}
+    for (nodes, dose, _repeat), medians in sorted(by_launch.items()):
+        if first not in medians:
+            continue
+        for other, median in medians.items():
+            if other != first and median > 0:
+                runs.setdefault((nodes, dose, other), []).append(medians[first] / median)
+    return {key: estimate(v) for key, v in runs.items()}
+
+
+def plot(rows: Sequence[dict[str, Any]], path: Path,
+         schemes: Sequence[str] | None = None) -> Path:
+    """Draw ``rows`` (one kind of dose) to ``path``: per cluster size, each scheme's step
+    against the dose (mean of the launches' medians, 95 % interval as error bars, log
+    scale), and under it the first scheme's step over each other's, paired per launch,
+    with its interval (below 1: the first is faster). Returns ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not rows:
+        raise ValueError("no rows to plot")
+    kind = rows[0].get("kind", "delay")
+    if schemes is None:
+        schemes = list(dict.fromkeys(r["scheme"] for r in rows))
+    first = schemes[0]
+    summary, paired = summarize(rows), ratios(rows, first)
+    sizes = sorted({r["nodes"] for r in rows})
+    fig, axes = plt.subplots(2, len(sizes), squeeze=False, sharex="col",
+                             figsize=(4.2 * len(sizes), 6.4))
+    unit = "delay of the last rank per step (s)" if kind == "delay" else \
+        "the last rank's compute (x its own)"
+    fig.suptitle(f"dose-response, {fmt_size(rows[0]['size_bytes'])} vectors:\nmean of "
+                 f"{max(e.n for e in summary.values())} launches' median steps, 95 % "
+                 "intervals", fontsize=10)
+    for j, nodes in enumerate(sizes):
+        top, bottom = axes[0][j], axes[1][j]
+        for k, scheme in enumerate(schemes):
+            cells = sorted((d, e) for (n, d, s), e in summary.items()
+                           if n == nodes and s == scheme)
+            if not cells:
+                continue
+            xs = [d for d, _e in cells]
+            top.errorbar(xs, [1e3 * e.mean for _d, e in cells],
+                         yerr=[0.0 if math.isnan(e.half_width) else 1e3 * e.half_width
+                               for _d, e in cells],
+                         fmt="o-", color=f"C{k}", capsize=3, label=scheme)
+            if scheme == first:
+                continue
+            pairs = sorted((d, e) for (n, d, s), e in paired.items()
+                           if n == nodes and s == scheme)
+            if pairs:
+                bottom.errorbar([d for d, _e in pairs], [e.mean for _d, e in pairs],
+                                yerr=[0.0 if math.isnan(e.half_width) else e.half_width
+                                      for _d, e in pairs],
+                                fmt="o-", color=f"C{k}", capsize=3,
+                                label=f"{first} / {scheme}")
+        top.set_yscale("log")
+        top.set_title(f"{nodes} ranks", fontsize=9)
+        top.set_ylabel("step (ms, log scale)")
+        top.legend(fontsize=7)
+        bottom.axhline(1.0, color="grey", lw=0.8, ls=":")
+        bottom.set_yscale("log")
+        bottom.set_ylabel(f"{first}'s step / the other's")
+        bottom.set_xlabel(unit)
+        bottom.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def run_dose(nodes: Sequence[int], doses: Sequence[float], kind: str, repeats: int,
              out: Path, **kw: Any) -> Path:
     """Measure every cell ``repeats`` times (rows appended to ``out/results.jsonl`` as they
@@ -152,7 +235,9 @@ def run_dose(nodes: Sequence[int], doses: Sequence[float], kind: str, repeats: i
                     with results.open("a") as f:
                         f.write(json.dumps(row) + "\n")
     rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    mine = [r for r in rows if r.get("kind") == kind]
     path = out / "table.md"
-    path.write_text(table(summarize(r for r in rows if r.get("kind") == kind), kind,
-                          kw.get("schemes", SCHEMES)))
+    path.write_text(table(summarize(mine), kind, kw.get("schemes", SCHEMES)))
+    if any(r.get("repeat", 0) for r in mine):  # (an interval needs two launches)
+        plot(mine, out / "dose.png", kw.get("schemes", SCHEMES))
     return path

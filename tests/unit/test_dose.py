@@ -62,3 +62,20 @@ def test_the_table_gives_each_cell_its_estimates_and_the_coded_trees_ratios() ->
     assert lines[0].startswith("| ranks | dose (s delay) | coded-tree ms | tree ms | ring ms")
     assert lines[2].startswith("| 13 | 0 | 11.00 ± ") and lines[2].endswith("| 1.10 | 0.55 |")
     assert lines[3] == "| 13 | 0.2 | 11.00 | 211.00 | - | 0.05 | - |"  # one run, no ring
+
+
+def test_the_ratios_are_paired_within_each_launch_and_the_plot_is_drawn(tmp_path) -> None:
+    """The coded tree's step over another's is taken launch by launch (schemes alternated in
+    one launch share its noise), then averaged with its interval; the plot draws both."""
+    rows = []
+    for repeat, (coded, tree) in enumerate([(1.0, 4.0), (3.0, 6.0), (2.0, 10.0)]):
+        for scheme, median in (("coded-tree", coded), ("tree", tree)):
+            rows.append({"nodes": 7, "dose": 0.5, "scheme": scheme, "median_s": median,
+                         "repeat": repeat, "kind": "delay", "size_bytes": 40960})
+    est = dose.ratios(rows, "coded-tree")[(7, 0.5, "tree")]
+    pairs = [1 / 4, 3 / 6, 2 / 10]
+    assert est.n == 3 and math.isclose(est.mean, statistics.fmean(pairs))
+    # not the ratio of the means (6 / 20): the pairing is the point
+    assert not math.isclose(est.mean, 6 / 20)
+    png = dose.plot(rows, tmp_path / "dose.png")
+    assert png.stat().st_size > 10_000

@@ -102,6 +102,9 @@ class Healer:
         self._joins: dict[int, HealAsk] = {}
         self._reform: Reform | None = None
         self.healed_members: tuple[int, ...] | None = None
+        # A replacement that a re-formed ring took back (its steps ran without it): it joins
+        # at the step the members change, where every member opens the ring's lanes anew.
+        self.taken_back = False
         self._members = members  # the running session's, if it is a ring that can re-form
         # A group's last step (``last``) that succeeded here: its number, a copy of its result
         # and the ranks used and late, kept until a later group step succeeds. A peer whose
@@ -603,6 +606,7 @@ class Healer:
                     log.warning("rank %d: the job's steps left this rank out while it was "
                                 "away; asking rank %d to take it back", mesh.rank, source)
                     got = await self._fetch(source, join=True)
+                    self.taken_back = True
             except (PeerLost, TimeoutError) as exc:
                 failures.append(f"rank {source}: {exc}")
                 continue

@@ -130,7 +130,8 @@ class Node(Peers):
         if self.scheme is not None:
             self._sessions.open(self.scheme, self._steps.step)
             if self.mesh.incarnations.rejoined:
-                self._sessions.rejoined(self._steps.step, self.healer.healed_members)
+                self._sessions.rejoined(self._steps.step, self.healer.healed_members,
+                                        taken_back=self.healer.taken_back)
         if self.stepgc is not None:  # last: nothing after it can fail and leave it on
             self.stepgc.start()
         log.debug("rank %d joined job %s (%d ranks)", env.rank, env.job, env.world_size)

@@ -75,13 +75,15 @@ class Sessions:
                             f"{what}")
         return self.scheme
 
-    def rejoined(self, step: int, members: tuple[int, ...] | None = None) -> None:
+    def rejoined(self, step: int, members: tuple[int, ...] | None = None, *,
+                 taken_back: bool = False) -> None:
         """This process replaced a dead rank and starts at ``step``, in a ring over
-        ``members`` if it healed into one: tell the session."""
+        ``members`` if it healed into one (``taken_back``: one that ran without it, whose
+        members change at ``step``): tell the session."""
+        if members is not None and isinstance(self.current, Reforms):
+            self.current.reform(members, joined=taken_back)
         if isinstance(self.current, Rejoins):
             self.current.rejoined(step)
-        if members is not None and isinstance(self.current, Reforms):
-            self.current.reform(members)
 
     def members(self) -> tuple[int, ...] | None:
         """The ranks the running session's steps run over, for a session that can re-form

@@ -335,8 +335,10 @@ class Reforms(Protocol):
     def members(self) -> tuple[int, ...]:
         """The ranks the steps run over now, ascending."""
 
-    def reform(self, members: Sequence[int]) -> None:
-        """Run the steps from the next one over ``members`` (this rank among them)."""
+    def reform(self, members: Sequence[int], *, joined: bool = False) -> None:
+        """Run the steps from the next one over ``members`` (this rank among them).
+        ``joined``: this is a replacement's new session, taken back by members that ran
+        without it and change at that step (they open new lanes there, so it does too)."""
 
 
 @runtime_checkable

@@ -6,21 +6,21 @@ unchanged over ``members`` when its comm numbers them ``0 .. len(members) - 1``:
 errors and results name positions; :func:`real_result` and :func:`real_error` give them
 back in ranks (the healer and the caller think in ranks).
 
-No bulk links: a re-formed session goes over the event loop's connections (a replacement
-taken back opens no lanes, and every member must choose alike).
+Its bulk links are the comm's underneath, their ends numbered by position too: a re-formed
+session opens lanes with the members at the step it changes (every member changes there).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..wire import Header
-from .base import BulkLinks, Comm, CommWrapper, EarlyHandler, Result, StragglerError
+from .base import BulkLink, BulkLinks, Comm, CommWrapper, EarlyHandler, Result, StragglerError
 
 
 class MembersComm(CommWrapper):
@@ -65,11 +65,36 @@ class MembersComm(CommWrapper):
         return self.inner.on_early(self.members[rank], min_tag, handler, since=since)
 
     def bulk_links(self) -> BulkLinks | None:
-        return None
+        inner = self.inner.bulk_links()
+        return None if inner is None else MembersLinks(inner, self.members)
 
     def real(self, positions: Sequence[int]) -> list[int]:
         """The ranks at ``positions``."""
         return [self.members[p] for p in positions]
+
+
+class MembersLinks:
+    """``inner`` bulk links with their peers numbered by position among ``members``."""
+
+    def __init__(self, inner: BulkLinks, members: tuple[int, ...]) -> None:
+        self.inner, self.members = inner, members
+        self._position = {r: i for i, r in enumerate(members)}
+
+    async def open_links(self, send_to: Sequence[int], recv_from: Sequence[int], step: int,
+                         *, partial: bool = False
+                         ) -> tuple[Mapping[int, BulkLink], Mapping[int, BulkLink]]:
+        outs, ins = await self.inner.open_links([self.members[p] for p in send_to],
+                                                [self.members[p] for p in recv_from], step,
+                                                partial=partial)
+        return ({self._position[r]: lane for r, lane in outs.items()},
+                {self._position[r]: lane for r, lane in ins.items()})
+
+    @property
+    def spans_hosts(self) -> bool:
+        return self.inner.spans_hosts
+
+    def count_moved(self, step: int, sent: int, src: int, received: int, frames: int) -> None:
+        self.inner.count_moved(step, sent, self.members[src], received, frames)
 
 
 def real_result(comm: MembersComm, res: Result) -> Result:

@@ -260,9 +260,10 @@ class RingSession:
         self.members: tuple[int, ...] = tuple(range(comm.world_size))
         self._left_out: list[int] = []  # the others
 
-    def reform(self, members: Sequence[int]) -> None:
+    def reform(self, members: Sequence[int], *, joined: bool = False) -> None:
         """See :class:`~.base.Reforms`: the steps from the next one run over ``members``
-        (this rank among them), on new lanes."""
+        (this rank among them), on new lanes (a ring opens them at every change, and a
+        replacement's at its first step, ``joined`` or not)."""
         if self.comm.rank not in members:
             raise ValueError(f"rank {self.comm.rank}: a ring re-formed without this rank")
         self.members = tuple(sorted(set(members)))

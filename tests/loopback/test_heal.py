@@ -254,14 +254,18 @@ def test_chaos_soak_short_ring_and_transpose(scheme: str, n: int) -> None:
 def test_chaos_soak_short_that_goes_on_without_the_victims(scheme: str, n: int) -> None:
     """The short soaks with a rejoin wait shorter than a restart: after every kill the steps
     run without the victim (re-formed) until its replacement healed and was taken back;
-    every step exact over the ranks it used, identical models."""
+    every step exact over the ranks it used, identical models. The transpose's members open
+    new lanes at every change, the replacement taken back too (every rank ends with lanes
+    to every other)."""
     from .heal_soak import HealSoak, check
 
+    lanes = scheme == "transpose"
     # (0.05 s: shorter than any replacement takes to start Python and rejoin)
     soak = HealSoak(steps=250, every=40, pace=0.02, seed=3, scheme=scheme, ranks=n,
-                    rejoin_wait=0.05)
+                    rejoin_wait=0.05, lanes=lanes)
     rep = soak.report(soak.run())
     assert rep["kills"] >= 2 and rep["kills_left_out"] == rep["kills"], rep
+    assert rep["lanes_as_at_start"] == (n if lanes else 0), rep
     assert check(rep) == [], (rep, soak.err[-40:])
 
 

@@ -56,7 +56,7 @@ class Side:
         self.opened: list[tuple[int, str, str, int]] = []
         self.sent: list[str] = []
         self.reopener = Reopener(self.comm, lambda: self.touched, lambda: self.has_lanes,
-                                 self._opened)
+                                 self._opened, held_steps=2)
         self.removers = self.reopener.listen([1 - rank])
 
     def _opened(self, peer: int, out: BulkLink, in_: BulkLink, start: int) -> None:
@@ -68,7 +68,7 @@ class Side:
             self.sent.append(what)
 
         if self.reopener.holds(peer, step):
-            self.reopener.hold(peer, now)
+            self.reopener.hold(peer, step, now)
             return None
         now()
         return now
@@ -163,5 +163,23 @@ def test_closing_drops_what_was_held_and_removes_every_handler() -> None:
             for remove in side.removers:
                 remove()
             assert side.comm.installed() == 0
+
+    asyncio.run(main())
+
+
+def test_sends_held_for_more_steps_than_the_bound_are_dropped() -> None:
+    """A peer's lanes that take long to open hold at most ``held_steps`` steps of sends to
+    it (memory stays bounded; a tree asks again for what it missed)."""
+
+    async def main() -> None:
+        net, _links, _peer, new = _pair()
+        net.hold(1, 0)  # no answer comes: the sends wait
+        new.reopener.propose(0, 5)
+        for step in (5, 5, 6, 7, 8):
+            new.send(0, step, f"s{step}")
+        assert new.reopener._pending[0].held_steps == {5, 6}
+        new.comm._lost(0)
+        await asyncio.wait_for(new.reopener.ready(8), 5)
+        assert new.sent == ["s5", "s5", "s6"]
 
     asyncio.run(main())

@@ -572,7 +572,8 @@ class LaneLinks:
                     break
             try:
                 got += lane.recv_now(post.view[got:], unit)
-                self._heard_at[lane.peer] = time.perf_counter()
+                # (the post's source: a re-formed scheme numbers its peers by position)
+                self._heard_at[post.key[0]] = time.perf_counter()
             finally:
                 with self._lock:
                     post.landed = got

@@ -52,6 +52,7 @@ class _Pending:
     done: asyncio.Future[None]
     answer: asyncio.Future[int] | None = None  # the proposer's, until the peer answers
     held: list[Callable[[], None]] = field(default_factory=list)  # sends, in order
+    held_steps: set[int] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
 
 
@@ -61,8 +62,12 @@ class Reopener:
     ``opened(peer, out, in, start)``: lanes with ``peer`` are open, for steps >= ``start``."""
 
     def __init__(self, comm: Comm, touched: Callable[[], int], has_lanes: Callable[[], bool],
-                 opened: Callable[[int, BulkLink, BulkLink, int], None]) -> None:
+                 opened: Callable[[int, BulkLink, BulkLink, int], None], *,
+                 held_steps: int | None = None) -> None:
         self.comm = comm
+        # Sends held for at most this many steps per peer (None: no bound); later ones are
+        # dropped, as an outbox skips a peer that does not read (the tree asks again).
+        self._max_held = held_steps
         self._touched, self._has_lanes, self._opened = touched, has_lanes, opened
         self._pending: dict[int, _Pending] = {}
         self._closed = False
@@ -88,9 +93,18 @@ class Reopener:
         pending = self._pending.get(peer)
         return pending is not None and step >= pending.start
 
-    def hold(self, peer: int, send: Callable[[], None]) -> None:
-        """Run ``send`` once the lanes with ``peer`` are open or failed (in order)."""
-        self._pending[peer].held.append(send)
+    def hold(self, peer: int, step: int, send: Callable[[], None]) -> bool:
+        """Run ``send`` (of ``step``) once the lanes with ``peer`` are open or failed, in
+        order; False (dropped) if that would hold more steps than the bound."""
+        pending = self._pending[peer]
+        if (step not in pending.held_steps and self._max_held is not None
+                and len(pending.held_steps) >= self._max_held):
+            log.warning("rank %d: rank %d's lanes are still opening; its step %d is not "
+                        "sent", self.comm.rank, peer, step)
+            return False
+        pending.held_steps.add(step)
+        pending.held.append(send)
+        return True
 
     async def ready(self, step: int) -> None:
         """Return once no opening holds ``step`` back (call before posting for it)."""
@@ -98,13 +112,18 @@ class Reopener:
         if waits:
             await asyncio.wait(waits)
 
-    def close(self) -> None:
-        self._closed = True
+    def cancel(self) -> None:
+        """Give up every opening under way (held sends dropped: the session that held them
+        is being replaced, e.g. a re-formed transpose's, which opens lanes of its own)."""
         for peer in list(self._pending):
             task = self._pending[peer].task
             if task is not None:
                 task.cancel()
             self._settle(peer, run=False)
+
+    def close(self) -> None:
+        self._closed = True
+        self.cancel()
 
     # -- both sides -----------------------------------------------------------------------------
     def _heard(self, header: Header, _payload: memoryview) -> None:

@@ -81,7 +81,7 @@ class ReduceSession:
         self._removers.append(comm.on_peer_lost(self._lane_peers.discard))
         self._touched = -1  # the latest step posted or sent for (see .reopen)
         self.reopener = Reopener(comm, lambda: self._touched, lambda: self.lanes is not None,
-                                 self._reopened)
+                                 self._reopened, held_steps=opts.backlog_steps)
         self._removers += self.reopener.listen(family_peers)
         for src in (family.parent, family.grandparent):
             if src is not None:
@@ -201,8 +201,8 @@ class ReduceSession:
                   meta: dict[str, object] | None) -> None:
         """Send in the background (over ``peer``'s lane, if any; a verdict never is)."""
         if self.reopener.holds(peer, step):  # lanes with it opening again: once they are
-            self.reopener.hold(peer, functools.partial(self.send_data, peer, array, step, tag,
-                                                       meta))
+            self.reopener.hold(peer, step, functools.partial(self.send_data, peer, array, step,
+                                                             tag, meta))
             return
         self._touched = max(self._touched, step)
         lanes = self._lanes_for(peer, step, tag)
@@ -300,8 +300,9 @@ class ReduceSession:
 
     def rejoined(self, step: int) -> None:
         """A replacement process starting at ``step`` (see :class:`~aioreduce.schemes.base.
-        Rejoins`): the parent sent the dead one what we need; ask it again. Everything goes
-        over the comm (the peers' lanes to the dead process are gone)."""
+        Rejoins`): the parent sent the dead one what we need; ask it again. The peers'
+        lanes to the dead process are gone: everything goes over the comm until each peer
+        and we open them again (see links/reopen.py)."""
         if self.family.parent is not None:
             self.request(self.family.parent, step)
         # Our peers' lanes went with the dead process: none at the first step, but ask each

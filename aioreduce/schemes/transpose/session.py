@@ -82,6 +82,7 @@ class TransposeSession:
         # and posts only for itself, so a peer's slices move to its new lanes at the start
         # of the step agreed on (_lanes_from), never inside one.
         self._lanes_from: dict[int, int] = {}
+        self._joined = False  # a replacement taken back by a re-formed transpose
         self.reopener = Reopener(comm, lambda: self._at,
                                  lambda: isinstance(self.links, SplitLinks), self._reopened)
         self._removers = self.reopener.listen(
@@ -99,12 +100,12 @@ class TransposeSession:
 
     @property
     def lane_peers(self) -> list[int]:
-        """The peers whose slices travel over lanes now."""
-        links = self.links
+        """The peers (ranks) whose slices travel over lanes now."""
+        links, comm = self.links, self.comm
         if not isinstance(links, SplitLinks):
             return []
-        return [p for p in range(self.comm.world_size)
-                if p != self.comm.rank and p not in links.on_comm]
+        mine = [p for p in range(comm.world_size) if p != comm.rank and p not in links.on_comm]
+        return comm.real(mine) if isinstance(comm, MembersComm) else mine
 
     def known(self, step: int) -> bool:
         return False  # every step needs this rank's own vector
@@ -112,7 +113,11 @@ class TransposeSession:
     def rejoined(self, step: int) -> None:
         """A replacement process (see :class:`~..base.Rejoins`): our peers' lanes went with
         the dead process, so everything goes over the comm until each peer and we open
-        lanes again (from the next step on, or later: see links/reopen.py)."""
+        lanes again (from the next step on, or later: see links/reopen.py). Taken back by a
+        re-formed transpose (``reform(joined=True)``, first), it opens them with every
+        member at its first step instead, as they all do there."""
+        if self._joined:
+            return
         if self._want_lanes and self.comm.bulk_links() is not None:
             for peer in range(self.comm.world_size):
                 if peer != self.comm.rank and not self.comm.is_lost(peer):
@@ -122,7 +127,7 @@ class TransposeSession:
     def _reopened(self, peer: int, out: BulkLink, in_: BulkLink, start: int) -> None:
         """Lanes with ``peer`` open again; its slices move to them at step ``start``."""
         links = self.links
-        if self.comm is not self._base:  # re-formed meanwhile: the members' comm only
+        if self.comm is not self._base:  # re-formed meanwhile: the members' lanes only
             for lane in (out, in_):
                 lane.close()
             return
@@ -146,11 +151,15 @@ class TransposeSession:
             await links.close(timeout)
         self._retired.clear()
 
-    def reform(self, members: Sequence[int]) -> None:
+    def reform(self, members: Sequence[int], *, joined: bool = False) -> None:
         """See :class:`~..base.Reforms`: from the next step on, shard ``k`` is the ``k``-th
-        member's, the members talk over the event loop (no lanes: a replacement taken back
-        has none), and the stage clocks learn again."""
+        member's, the members open new lanes with each other at that step (every member
+        applies the change there: see aioreduce.heal; a replacement taken back is
+        ``joined`` and opens its lanes there too), and the stage clocks learn again."""
         members = tuple(sorted(set(members)))
+        if joined:  # a replacement's new session: everything it has is fresh already
+            self._joined = True
+            self._want_lanes = self.opts.lanes and len(members) > 1
         if members == self.members:
             return
         self.comm = (self._base if len(members) == self._base.world_size
@@ -158,7 +167,9 @@ class TransposeSession:
         self.members = members
         self._retired.append(self.links)
         self.links = CommLinks(self.comm, self.opts.backlog_steps)
-        self._want_lanes = False
+        self._want_lanes = self.opts.lanes and len(members) > 1
+        self.reopener.cancel()  # (pairwise openings: the new lanes replace them)
+        self._lanes_from.clear()
         self._rotation = None
         self.drifted.clear()
         self.clocks = self._new_clocks()

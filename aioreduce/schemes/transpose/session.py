@@ -118,7 +118,9 @@ class TransposeSession:
         member at its first step instead, as they all do there."""
         if self._joined:
             return
-        if self._want_lanes and self.comm.bulk_links() is not None:
+        # (Healed into a re-formed transpose without being taken back: its members' comm
+        # numbers peers by position, which the reopening does not: the event loop's.)
+        if self._want_lanes and self.comm is self._base and self.comm.bulk_links() is not None:
             for peer in range(self.comm.world_size):
                 if peer != self.comm.rank and not self.comm.is_lost(peer):
                     self.reopener.propose(peer, step + 1)
@@ -167,7 +169,9 @@ class TransposeSession:
         self.members = members
         self._retired.append(self.links)
         self.links = CommLinks(self.comm, self.opts.backlog_steps)
-        self._want_lanes = self.opts.lanes and len(members) > 1
+        # Every member that ran steps changes at the same one: new lanes there. (A new
+        # session healed into these members changes alone: see rejoined.)
+        self._want_lanes = self.opts.lanes and len(members) > 1 and self._at >= 0
         self.reopener.cancel()  # (pairwise openings: the new lanes replace them)
         self._lanes_from.clear()
         self._rotation = None
@@ -204,8 +208,8 @@ class TransposeSession:
         outs, ins = await links.open_links(peers, peers, step, partial=True)
         old = self.links
         assert isinstance(old, CommLinks)
-        # A peer whose connection breaks goes on through the comm (its replacement, see
-        # aioreduce.heal, opens no lanes).
+        # A peer whose connection breaks goes on through the comm until its replacement and
+        # we open lanes again (see rejoined, _reopened).
         self.links = SplitLinks(
             LaneLinks(self.comm, outs, ins, self.opts.backlog_steps, old.newest,
                       opened_by=links, notice_tag=NOTICE_TAG,

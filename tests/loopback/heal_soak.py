@@ -69,6 +69,7 @@ class HealSoak:
     # default): every replacement and its peers open them again, checked at the end (each
     # rank's lane peers as at its start).
     lanes: bool = False
+    dim: int = 1000  # the vector's elements (float32): larger shows what a heal costs later
     steps_of: dict[int, list[dict]] = field(default_factory=dict)
     finals: dict[int, dict] = field(default_factory=dict)
     err: list[str] = field(default_factory=list)
@@ -123,7 +124,7 @@ class HealSoak:
         cmd = [sys.executable, "-m", "aioreduce_launch.cli", "-n", str(self.ranks),
                "--restart", "50", "--", sys.executable, SCHEMEPROG, self.scheme, "--state",
                "--steps",
-               str(self.steps), "--pace", str(self.pace), "--deadline", "2", "--dim", "1000"]
+               str(self.steps), "--pace", str(self.pace), "--deadline", "2", "--dim", str(self.dim)]
         if self.lanes and self.scheme == "coded-tree":  # (the transpose's are on anyway)
             cmd += ["--options", json.dumps({"lanes": True})]
         env = dict(os.environ)
@@ -205,12 +206,23 @@ class HealSoak:
             "root_steps_without_a_rank": sum(len(s["used"]) < self.ranks for s in root
                                              if "used" in s),
             "lanes": self.lanes,
+            # the observer's median step (its own part: Result.seconds) before the first
+            # kill and over the last 100 steps (every victim back): what healing left behind
+            "step_ms_before_kills": _median_ms([s for s in root if s.get("t1", 0) <
+                                                min((k.wall for k in self.kills),
+                                                    default=float("inf"))][5:]),
+            "step_ms_last_100": _median_ms(root[-100:]),
             # ranks whose last step had lanes to the same peers as their first
             "lanes_as_at_start": sum(
                 bool(steps) and steps[0].get("lane_peers") == steps[-1].get("lane_peers")
                 and bool(steps[-1].get("lane_peers"))
                 for steps in (self.steps_of.get(r, []) for r in range(self.ranks))),
         }
+
+
+def _median_ms(steps: list[dict]) -> float | None:
+    xs = [s["seconds"] for s in steps if "seconds" in s and "error" not in s]
+    return round(1e3 * statistics.median(xs), 2) if xs else None
 
 
 def _stats(xs: list[float]) -> dict[str, float] | None:
@@ -256,6 +268,7 @@ def main() -> int:
     p.add_argument("--rejoin-wait", type=float, default=None,
                    help="seconds a failed ring step waits for a replacement (default: the "
                         "launcher's 60); shorter than a restart: the ring re-forms")
+    p.add_argument("--dim", type=int, default=1000, help="vector elements (float32)")
     p.add_argument("--lanes", action="store_true",
                    help="the coded tree's chunks on lanes (the transpose's are anyway), "
                         "opened again with every replacement (checked)")
@@ -264,7 +277,8 @@ def main() -> int:
                         "rank is not")
     args = p.parse_args()
     soak = HealSoak(args.steps, args.every, args.pace, args.seed, args.scheme, args.ranks,
-                    rejoin_wait=args.rejoin_wait, root_too=args.root_too, lanes=args.lanes)
+                    rejoin_wait=args.rejoin_wait, root_too=args.root_too, lanes=args.lanes,
+                    dim=args.dim)
     rep = soak.report(soak.run())
     print(json.dumps(rep, indent=1))
     bad = check(rep)

@@ -470,6 +470,12 @@ def test_control_events_round_trip_and_malformed_ones_are_named() -> None:
                       {"port": 1, "nonce": "ab" * 16, "host": 7}):
         with pytest.raises(c.MalformedControl):
             c.decode_offer(bad_offer)
+    for reopen in (c.LaneReopen(7), c.LaneReopen(9, answer=True), c.LaneReopen(-1, True)):
+        assert c.decode_reopen(c.reopen_meta(reopen)) == reopen
+    for bad_reopen in ({"start": 7}, {"start": "7", "answer": False},
+                       {"start": -2, "answer": True}, {"start": 7, "answer": 1}, {}):
+        with pytest.raises(c.MalformedControl):
+            c.decode_reopen(bad_reopen)
 
 
 def test_a_step_failure_reads_back_and_an_unreadable_one_names_its_sender() -> None:

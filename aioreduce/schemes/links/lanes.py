@@ -94,9 +94,6 @@ class LaneLinks:
         self.comm = comm
         # Sends may be lent (see Links.lends): the lanes' sends then time out, see Lane.
         self._lending = lending
-        if lending:
-            for lane in outs.values():
-                lane.allow_lending()
         self._opened_by = opened_by
         self._notice_tag = notice_tag
         # (peer, first, last): a peer we skipped reads again; steps first..last were skipped.
@@ -105,42 +102,43 @@ class LaneLinks:
         self._staged: dict[tuple[int, int, int], tuple[Header, memoryview]] = {}
         self._staging = 0  # bytes staged or being read into staging buffers
         self._loop = asyncio.get_running_loop()
-        self._outs, self._ins = dict(outs), dict(ins)  # (add() replaces a peer's)
         self._backlog = backlog_steps
         # One lock; on its conditions wait the session for a withdrawn chunk's copy
         # (_cond) and each peer's reader for a post (_posted[src]): see "Waking" above.
         lock = threading.RLock()
         self._lock = lock  # (taken directly where nobody waits: a Condition's with is Python)
         self._cond = threading.Condition(lock)
-        self._posted = {src: threading.Condition(lock) for src in ins}
         self._book = PostBook()  # what each incoming slice fills (see .posts)
         self._closed = False
-        # peer -> why its lane (either way) ended, or never opened (``lost``)
-        self._gone: dict[int, PeerLost] = dict(lost or {})
         self._heard_at: dict[int, float] = {}  # peer -> perf_counter of its last bytes
         self.newest = newest
-        # Per peer, the step of every message queued on its lane, oldest first; the lane
-        # counts what it sent, in the same order.
-        self._queued: dict[int, deque[int]] = {p: deque() for p in outs}
-        self._forgotten: dict[int, int] = dict.fromkeys(outs, 0)
         self._skipping: dict[int, list[int]] = {}  # peer -> [first, last] step skipped
         self._sent: dict[int, int] = {}  # step -> bytes queued
         self._got: dict[int, dict[int, list[int]]] = {}  # step -> src -> [bytes, messages]
         self._told: dict[int, int] = {}  # peer -> the step we last told it we are at
         # Which step the peers are at, from their frames on the comm too (a scheme's verdicts
         # and notices); a user of the comm's other frames (exact exchanges) leaves them be.
-        self._removers = [comm.on_early(p, 0, self._heard) for p in ins] if hear_comm else []
+        self._hear_comm = hear_comm
+        self._removers: list[Callable[[], None]] = []
         # Without reader threads, the thread that waits for a message reads (see recv()).
         self._inline = not readers
-        self._skip_left: dict[int, int] = dict.fromkeys(ins, 0)  # of a stale message
-        # src -> (step, tag) of the message recv is reading now (discard_before waits)
-        self._reading: dict[int, tuple[int, int] | None] = dict.fromkeys(ins)
         self._discarding = 0  # discard_before calls waiting for a copy to end
-        self._hear_comm = hear_comm
         self._readers: list[threading.Thread] = []
-        if readers:
-            for src, lane in ins.items():
-                self._start_reader(src, lane)
+        # Per peer (set up by add, for these lanes and any opened later): its lanes, its
+        # reader's condition, the step of every message queued on its lane (oldest first;
+        # the lane counts what it sent, in the same order) and how many of those are
+        # forgotten, what is left of a stale message, and the message recv is reading now.
+        self._outs: dict[int, BulkLink] = {}
+        self._ins: dict[int, BulkLink] = {}
+        self._posted: dict[int, threading.Condition] = {}
+        self._queued: dict[int, deque[int]] = {}
+        self._forgotten: dict[int, int] = {}
+        self._skip_left: dict[int, int] = {}
+        self._reading: dict[int, tuple[int, int] | None] = {}
+        self._gone: dict[int, PeerLost] = {}
+        self.add(outs, ins)
+        # peer -> why its lane (either way) ended, or never opened (``lost``)
+        self._gone.update(lost or {})
 
     def _start_reader(self, src: int, lane: BulkLink) -> None:
         reader = threading.Thread(target=self._read, args=(src, lane), daemon=True,
@@ -149,11 +147,12 @@ class LaneLinks:
         reader.start()
 
     def add(self, outs: Mapping[int, BulkLink], ins: Mapping[int, BulkLink]) -> None:
-        """Lanes opened after this object was, with peers whose lanes ended (a replacement
-        process of a dead rank, see :mod:`aioreduce.heal`): they replace those peers' old
-        lanes, which are closed. The old lanes' reader can no longer claim a post (it checks
-        that its lane is still the peer's), so nothing the dead process sent lands in a
-        receive meant for its replacement."""
+        """Take over lanes ``outs`` and ``ins``: those given at construction, and lanes
+        opened later with peers whose lanes ended (a replacement process of a dead rank, see
+        :mod:`aioreduce.heal`), which replace those peers' old lanes (closed). The old
+        lanes' reader can no longer claim a post (it checks that its lane is still the
+        peer's), so nothing the dead process sent lands in a receive meant for its
+        replacement."""
         old: list[BulkLink] = []
         with self._cond:
             for peer, lane in outs.items():

@@ -41,7 +41,6 @@ from .wire.incarnation import JOINING
 log = logging.getLogger("aioreduce")
 
 
-
 class Node(Peers):
     """One rank of an aioreduce job."""
 
@@ -132,8 +131,7 @@ class Node(Peers):
             if self.mesh.incarnations.rejoined:
                 self._sessions.rejoined(self._steps.step, self.healer.healed_members,
                                         taken_back=self.healer.taken_back)
-        if self.stepgc is not None:  # last: nothing after it can fail and leave it on
-            self.stepgc.start()
+        self._steps.start()  # last: nothing after it can fail with the collector held off
         log.debug("rank %d joined job %s (%d ranks)", env.rank, env.job, env.world_size)
 
     async def close(self, *, wait_for_peers: bool = True) -> None:

@@ -57,6 +57,11 @@ class Stepper:
                    Tracer(rank, trace_path(trace, rank)) if trace else None,
                    StepGC(gc_every) if gc_every else None)
 
+    def start(self) -> None:
+        """The node joined the job: collections between steps from now on (if asked)."""
+        if self.stepgc is not None:
+            self.stepgc.start()
+
     def close(self) -> None:
         """The node leaves the job: collections back to Python's, the telemetry closed."""
         if self.stepgc is not None:

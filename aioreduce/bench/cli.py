@@ -435,9 +435,8 @@ def _dose(opts: argparse.Namespace) -> int:
         sources = ([Path(p) for p in opts.plot] if opts.plot
                    else [Path(opts.out) / "results.jsonl"])
         for src in sources:
-            rows = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
             png = (src.with_suffix(".png") if opts.plot else Path(opts.out) / "dose.png")
-            print(dose.plot(rows, png))
+            print(dose.plot(dose.read_rows(src), png))
         return 0
     if opts.cpus_per_host is not None and not opts.netns:
         raise SystemExit("aioreduce-bench dose: --cpus-per-host needs --netns")

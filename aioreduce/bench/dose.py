@@ -218,6 +218,11 @@ def plot(rows: Sequence[dict[str, Any]], path: Path,
     return path
 
 
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a dose run's JSON lines file (``OUT/results.jsonl``)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def run_dose(nodes: Sequence[int], doses: Sequence[float], kind: str, repeats: int,
              out: Path, **kw: Any) -> Path:
     """Measure every cell ``repeats`` times (rows appended to ``out/results.jsonl`` as they
@@ -234,8 +239,7 @@ def run_dose(nodes: Sequence[int], doses: Sequence[float], kind: str, repeats: i
                     row.pop("steps_s", None)
                     with results.open("a") as f:
                         f.write(json.dumps(row) + "\n")
-    rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
-    mine = [r for r in rows if r.get("kind") == kind]
+    mine = [r for r in read_rows(results) if r.get("kind") == kind]
     path = out / "table.md"
     path.write_text(table(summarize(mine), kind, kw.get("schemes", SCHEMES)))
     if any(r.get("repeat", 0) for r in mine):  # (an interval needs two launches)

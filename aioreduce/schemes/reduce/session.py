@@ -30,7 +30,7 @@ import numpy as np
 
 from ...errors import PeerLost
 from ...wire import Header, tags
-from ..base import LANES_FROM, BulkLink, Comm, Result, StepOptions, spans_hosts
+from ..base import LANES_FROM, BulkLink, BulkLinks, Comm, Result, StepOptions, spans_hosts
 from ..links import LaneLinks, unopened
 from ..links.reopen import Reopener
 from ..outbox import Outbox
@@ -147,13 +147,13 @@ class ReduceSession:
         # A peer dead before this first step has no lanes: it is lost to them, as a peer that
         # dies later is (the tree goes on without it where its code allows).
         outs, ins = await links.open_links(peers, peers, step, partial=True)
-        self._new_lanes(outs, ins, unopened(peers, outs, ins, step))
+        self._new_lanes(outs, ins, links, unopened(peers, outs, ins, step))
 
     def _new_lanes(self, outs: Mapping[int, BulkLink], ins: Mapping[int, BulkLink],
-                   lost: dict[int, PeerLost]) -> None:
+                   opened_by: BulkLinks | None, lost: dict[int, PeerLost]) -> None:
         parent = self.family.parent
         self.lanes = LaneLinks(
-            self.comm, outs, ins, self.opts.backlog_steps, opened_by=self.comm.bulk_links(),
+            self.comm, outs, ins, self.opts.backlog_steps, opened_by=opened_by,
             lost=lost, on_resumed=self._drained,
             # A result from the parent before we asked (we still compute): forward it now.
             early=lambda src, _step, tag: src == parent and DOWN <= tag < VERDICT_TAG,
@@ -163,7 +163,7 @@ class ReduceSession:
         """Lanes with ``peer`` (a replacement, or our peer if we are one) open again: its
         chunks from step ``start`` on travel on them."""
         if self.lanes is None:  # a replacement's first
-            self._new_lanes({peer: out}, {peer: in_}, {})
+            self._new_lanes({peer: out}, {peer: in_}, self.comm.bulk_links(), {})
         else:
             self.lanes.add({peer: out}, {peer: in_})
         self._lanes_from[peer] = start

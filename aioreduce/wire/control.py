@@ -104,7 +104,7 @@ class LaneOffer:
 
 @dataclass(frozen=True)
 class LaneReopen:
-    """A replacement process to a tree or star peer whose lanes went with the dead one
+    """A replacement process to a tree, star or transpose peer whose lanes went with the dead one
     (``answer`` False): open lanes again, the chunks between us on them from step ``start``
     on; the peer's answer (``answer`` True): from step ``start`` (at least the one asked,
     past every step the peer has touched), or -1: not at all (its session has no lanes)."""

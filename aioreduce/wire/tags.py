@@ -38,7 +38,7 @@ LANE_OFFER = ABORT + 8
 """Where to open a lane and the nonce to prove (meta), from its receiver to its sender."""
 
 REOPEN = ABORT + 9
-"""A replacement process and a tree or star peer agree on the step from which the chunks
+"""A replacement process and a tree, star or transpose peer agree on the step from which the chunks
 between them travel on lanes again (meta: :class:`~aioreduce.wire.control.LaneReopen`)."""
 
 P2P = 1 << 40

@@ -1,10 +1,11 @@
-"""Lanes opened again between a replacement process and its tree or star peers.
+"""Lanes opened again between a replacement process and its tree, star or transpose
+peers (the ones it would have lanes with).
 
-Why. A tree's chunks travel on lanes opened at the session's first step. A process that dies
-takes its lanes with it; without this, its replacement and its parent and children would talk
-over the event loop's connections for the rest of the job, at more CPU per byte than a lane
-(docs/schemes.md), and a long job on spot machines would slow down with every death it
-healed.
+Why. A tree's chunks (a transpose's slices) travel on lanes opened at the session's first
+step. A process that dies takes its lanes with it; without this, its replacement and its
+peers would talk over the event loop's connections for the rest of the job, at more CPU per
+byte than a lane (docs/schemes.md), and a long job on spot machines would slow down with
+every death it healed.
 
 How. Both ends of a path must switch at the same step, since a receive is posted on the path
 its sender uses: a chunk sent on a lane for a receive posted on the comm never lands. So the
@@ -20,7 +21,8 @@ held sends go out, on whichever path the session now routes them.
 
 A peer that dies meanwhile ends the wait (its lanes do not open; the tree goes on without it,
 as with any dead peer). Not here: two neighbours replaced at once (each asks the other, and
-neither has lanes to answer with), and the transpose, whose peers keep the comm.
+neither has lanes to answer with). A re-formed transpose opens all its lanes anew instead
+(every member changes at one step).
 """
 
 from __future__ import annotations

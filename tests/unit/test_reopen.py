@@ -36,10 +36,9 @@ class Links:
                 links.steps.append((rank, step))
                 key = (min(rank, peer), step)
                 fut = links.asked.setdefault(key, asyncio.get_running_loop().create_future())
-                if not fut.done() and len(
-                        [r for r, s in links.steps if s == step and r in (rank, peer)]) == 2:
+                if not fut.done() and {r for r, s in links.steps if s == step} == {rank, peer}:
                     fut.set_result(None)
-                await fut
+                await asyncio.shield(fut)  # (a cancelled opening leaves the pair's alone)
                 return {peer: f"{rank}->{peer}@{step}"}, {peer: f"{peer}->{rank}@{step}"}
 
         return Mine()
@@ -181,5 +180,30 @@ def test_sends_held_for_more_steps_than_the_bound_are_dropped() -> None:
         new.comm._lost(0)
         await asyncio.wait_for(new.reopener.ready(8), 5)
         assert new.sent == ["s5", "s5", "s6"]
+
+    asyncio.run(main())
+
+
+def test_a_peer_that_asks_again_has_one_opening_under_way_not_two() -> None:
+    """Asked twice (a replacement's proposal repeated, or a hostile peer's flood), a rank
+    gives up the first opening (its task cancelled) before it starts the next: one opening
+    per peer at a time, however often it asks."""
+
+    async def main() -> None:
+        net, _links, peer, new = _pair(touched=3)
+        net.hold(0, 1)  # the answers wait: the replacement asks again meanwhile
+        new.reopener.propose(0, 5)
+        await _until(lambda: 1 in peer.reopener._pending)
+        first = peer.reopener._pending[1].task
+        new.reopener.propose(0, 5)
+        await _until(lambda: peer.reopener._pending.get(1) is not None
+                     and peer.reopener._pending[1].task is not first)
+        await _until(lambda: first is not None and first.done())
+        assert first is not None and first.cancelled()
+        net.release(0, 1)
+        await asyncio.wait_for(new.reopener.ready(5), 5)
+        await asyncio.wait_for(peer.reopener.ready(5), 5)
+        assert peer.opened == [(1, "0->1@5", "1->0@5", 5)]
+        assert new.opened == [(0, "1->0@5", "0->1@5", 5)]
 
     asyncio.run(main())

@@ -85,7 +85,7 @@ class Reopener:
         """Ask ``peer`` to open lanes with us again, from step ``start`` at the earliest."""
         loop = asyncio.get_running_loop()
         pending = _Pending(start, loop.create_future(), answer=loop.create_future())
-        self._settle(peer)
+        self._drop(peer, run=True)
         self._pending[peer] = pending
         self._send(peer, start, LaneReopen(start))
         pending.task = asyncio.ensure_future(self._asked(peer, pending))
@@ -118,10 +118,7 @@ class Reopener:
         """Give up every opening under way (held sends dropped: the session that held them
         is being replaced, e.g. a re-formed transpose's, which opens lanes of its own)."""
         for peer in list(self._pending):
-            task = self._pending[peer].task
-            if task is not None:
-                task.cancel()
-            self._settle(peer, run=False)
+            self._drop(peer, run=False)
 
     def close(self) -> None:
         self._closed = True
@@ -145,7 +142,7 @@ class Reopener:
         # Asked: from the step asked, or the first this session has not touched yet.
         start = max(event.start, self._touched() + 1) if self._has_lanes() else -1
         self._send(peer, max(start, event.start), LaneReopen(start, answer=True))
-        self._settle(peer)
+        self._drop(peer, run=True)  # (one opening per peer, however often it asks)
         if start >= 0:
             pending = _Pending(start, asyncio.get_running_loop().create_future())
             self._pending[peer] = pending
@@ -188,6 +185,13 @@ class Reopener:
         finally:
             if self._pending.get(peer) is pending:
                 self._settle(peer)
+
+    def _drop(self, peer: int, *, run: bool) -> None:
+        """Give up the opening with ``peer`` under way, if any (its task cancelled)."""
+        pending = self._pending.get(peer)
+        if pending is not None and pending.task is not None:
+            pending.task.cancel()
+        self._settle(peer, run=run)
 
     def _settle(self, peer: int, *, run: bool = True) -> None:
         """The opening with ``peer`` is over: release what it held back."""

@@ -125,12 +125,14 @@ class Lending:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, answered: bool = False) -> None:
         self.lent: list[tuple[int, np.ndarray, np.ndarray]] = []  # (peer, array, as sent)
+        self.kept: list[np.ndarray] = []  # what went out not lent: read until it is sent
         self.released = self.sent = 0
         send = CommLinks.send
 
         def lending_send(links: CommLinks, peer: int, array: np.ndarray, step: int, tag: int,
                          meta: dict, *, lent: bool = False) -> bool:
             if not lent:
+                self.kept.append(array)
                 return send(links, peer, array, step, tag, meta)
             self.sent += 1
             self.lent.append((peer, array, array.copy()))
@@ -182,6 +184,12 @@ async def test_exact_sums_with_and_without_hadamard(world: int, in_place: bool, 
             assert err < tol, (hadamard, err)
         if lending is not None:  # lent without the rotation, apart or in place; released
             assert lending.released == world and lending.sent and not lending.lent
+            # A send not lent may still be read after the step returns (a slow peer): never
+            # from the caller's vector (in place, the reduced shard is summed there and sent
+            # from a copy).
+            assert lending.kept and not any(np.shares_memory(k, x)
+                                            for k in lending.kept for x in xs)
+            lending.kept.clear()
         await asyncio.gather(*(s.close(1.0) for s in sessions))
 
 

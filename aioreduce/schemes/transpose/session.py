@@ -312,10 +312,15 @@ class TransposeSession:
             # have everything (docs/transpose.md has what that cost). Over the comm's links,
             # or with the rotation, the vector is copied whole.
             apart = rot is None and not np.may_share_memory(mine, out)
-            acc = out if apart and hi <= like.size else y  # where our shard is summed
             lends = all(links.lends(k) for k in peers)
             over = (rot is None and not apart and lends
                     and self.opts.inject_loss <= 0)  # (experiments drop arrived slices)
+            # Where our shard is summed: in the result when it is apart, and in place (over)
+            # in the caller's array itself, where our own values already are; phase 2 then
+            # sends from a copy in `y` (copy_out), made as each reduced slice is complete:
+            # one pass over our shard instead of two (into `y`, and back into `out`).
+            acc = out if (apart or over) and hi <= like.size else y
+            copy_out = y if over and acc is out else None
             send_from = mine if (apart or over) and lends else None
             lent = send_from is not None
             meta: dict[str, Any] = {"c": [clock.advert() for clock in self.clocks],
@@ -333,7 +338,8 @@ class TransposeSession:
                     rot.forward_part(k, mine, y)
                     rotating += time.perf_counter() - t
                 elif k == me:
-                    _copy_part(mine, acc, a, b)
+                    if acc is not mine:
+                        _copy_part(mine, acc, a, b)
                 elif send_from is None:
                     _copy_part(mine, y, a, b)
                 if k != me:
@@ -367,7 +373,7 @@ class TransposeSession:
                                   else 0.0)
             stage1 = Stage(phase1, (n - 1) * (hi - lo),
                            on_arrival=self._adder(step, acc, scratch, layout, rot is not None,
-                                                  sent_early))
+                                                  sent_early, copy_out))
             await stage1.run(d1, self._idle(0), self._need(), opts.max_wait, since=ready,
                              grace=grace, heard=links.heard_at)
             if stage1.reason != "complete":
@@ -380,7 +386,8 @@ class TransposeSession:
                                                    rot is not None)
             if rot is not None:  # the layout's shards are the rotation's parts
                 rot.inverse_part(me, y[lo:hi])
-            self._send_phase2(step, layout, acc, shard_fraction, missing, skip=sent_early)
+            self._send_phase2(step, layout, acc, shard_fraction, missing, skip=sent_early,
+                              copy_out=copy_out)
             end = min(hi, like.size)
             if lo < end and acc is not out:
                 out[lo:end] = y[lo:end]
@@ -466,7 +473,8 @@ class TransposeSession:
         return self._block[1]
 
     def _adder(self, step: int, y: np.ndarray, scratch: np.ndarray, layout: Layout,
-               rotating: bool, sent_early: set[int]) -> Callable[[Slot], None] | None:
+               rotating: bool, sent_early: set[int], copy_out: np.ndarray | None = None
+               ) -> Callable[[Slot], None] | None:
         """What stage 1 calls with each slice of our shard as it arrives: added to our copy
         at once, so the sum is done when the stage ends (the adds overlap the wait). Not a
         slice of a sender in the other rotation state (its row is converted whole, in
@@ -475,7 +483,8 @@ class TransposeSession:
         Without the rotation a reduced slice needs nothing else of the shard: once every
         peer's copy of slice ``i`` is in, it goes to every rank at once (phase 2 of that
         slice overlaps the rest of stage 1), with the fraction 1 and nobody missing; its
-        index goes into ``sent_early``. The stage calls this only while it is open, so
+        index goes into ``sent_early`` (sent from ``copy_out`` when ``y`` is the caller's
+        array, see :meth:`_send_phase2`). The stage calls this only while it is open, so
         nothing is sent from here once :meth:`_send_phase2` has begun."""
         if self.opts.inject_loss > 0:
             return None
@@ -493,7 +502,8 @@ class TransposeSession:
                 counts[slot.index] += 1
                 if counts[slot.index] == n - 1 and not rotating:
                     sent_early.add(slot.index)
-                    self._send_slice(step, slot.index, y[a:b], {"f": 1.0, "m": []})
+                    self._send_slice(step, slot.index, _sendable(y, copy_out, a, b),
+                                     {"f": 1.0, "m": []})
 
         return add
 
@@ -566,13 +576,15 @@ class TransposeSession:
             self._lossy_block = max(self._lossy_block, lossy)
 
     def _send_phase2(self, step: int, layout: Layout, out: np.ndarray, fraction: float,
-                     missing: list[int], skip: set[int]) -> None:
+                     missing: list[int], skip: set[int], copy_out: np.ndarray | None = None
+                     ) -> None:
         """Our reduced shard to every rank, interleaved, with what it lacks (but the slices
-        in ``skip``: sent already)."""
+        in ``skip``: sent already); from ``copy_out`` when ``out`` is the caller's array,
+        which goes back to the caller while a send to a slow peer may still read."""
         meta = {"f": fraction, "m": missing}
         for i, (a, b) in enumerate(layout.slices_of(self.comm.rank)):
             if i not in skip:
-                self._send_slice(step, i, out[a:b], meta)
+                self._send_slice(step, i, _sendable(out, copy_out, a, b), meta)
 
     def _send_slice(self, step: int, index: int, values: np.ndarray,
                     meta: dict[str, Any]) -> None:
@@ -661,6 +673,15 @@ class TransposeSession:
 
     def _need(self) -> float:
         return 1.0 - self.opts.max_loss if self.opts.on_excess_loss == "wait" else 0.0
+
+
+def _sendable(summed: np.ndarray, copy_out: np.ndarray | None, a: int, b: int) -> np.ndarray:
+    """``summed[a:b]`` to send: itself, or copied into ``copy_out`` first (``summed`` is the
+    caller's array, which it may change once the step returns)."""
+    if copy_out is None:
+        return summed[a:b]
+    copy_out[a:b] = summed[a:b]
+    return copy_out[a:b]
 
 
 def _copy_part(mine: np.ndarray, y: np.ndarray, a: int, b: int) -> None:

@@ -395,10 +395,15 @@ def _print_p2p(results: list[dict[str, Any]]) -> None:
                   f"{r['ratio']:>6.2f} {r['lanes_gbps']:>9.2f} {r['lanes_ratio']:>6.2f} "
                   f"{r['raw_gbps']:>7.2f}")
         else:
-            print(f"round trip of {r['message_bytes']} B: event loop {r['aioreduce_rtt_us']:.0f} "
-                  f"us, blocking {r['lanes_rtt_us']:.0f} us, raw {r['raw_rtt_us']:.0f} us; "
-                  f"a bare protocol on the event loop {r['loop_floor_rtt_us']:.0f} us "
-                  f"(median of {r['rounds']})")
+            raw = r["raw_rtt_us"]
+            print(f"round trip of {r['message_bytes']} B (median of {r['rounds']}), and its "
+                  "ratio to raw: event loop "
+                  f"{r['aioreduce_rtt_us']:.0f} us ({r['aioreduce_rtt_us'] / raw:.2f}), "
+                  f"blocking {r['lanes_rtt_us']:.0f} ({r['lanes_rtt_us'] / raw:.2f}), raw "
+                  f"{raw:.0f}; on the event loop, a bare protocol "
+                  f"{r['loop_floor_rtt_us']:.0f} ({r['loop_floor_rtt_us'] / raw:.2f}) and a "
+                  f"minimal framed one {r['framed_floor_rtt_us']:.0f} "
+                  f"({r['framed_floor_rtt_us'] / raw:.2f})")
 
 
 def _sweep(opts: argparse.Namespace) -> int:

@@ -10,10 +10,13 @@ order of the three (raw first, then second, then third) so that all see the same
 noise and none always goes first; every trial streams enough messages to move at least
 ``--min-bytes`` and ends with an 8-byte ack, and the receiver lands every message in one
 preallocated array. Reported: medians, GB/s and each driver's ratio to raw; then the
-small-message round trip of all three, and of a bare protocol on the event loop (an 8-byte
-read and write on a connection of the same kind, no framing, no matching): the floor of any
-event-loop driver on this host, so that what aioreduce's own layers add is seen apart from
-what waking through the loop costs.
+small-message round trip of all three, and of two floors on the event loop, each on a
+connection of the same kind: a bare protocol (an 8-byte read and write, no framing, no
+matching), the floor of any event-loop driver on this host, and a minimal framed one (our wire
+format, :func:`~aioreduce.wire.frame.encode_data`; the receiver parses the prefix and the
+msgpack header in one function and completes the future posted for its step: no checks, no
+timeout, no back-pressure), the floor of a framed, matched Python driver on the loop. So what
+aioreduce's own layers add is seen apart from what waking through the loop and framing cost.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ import sys
 import time
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from ..node import Node
 from ..schemes.links import LaneLinks
 from ..transport.loop import run
+from ..wire.frame import PREFIX, PREFIX_SIZE, encode_data
 
 ACK = 8
 MODES = ("raw", "aioreduce", "lanes")
@@ -54,6 +59,42 @@ class _Bare(asyncio.BufferedProtocol):
         if self.got == ACK and self.arrived is not None:
             self.got = 0
             self.arrived.set_result(None)
+
+
+class _Framed(asyncio.BufferedProtocol):
+    """The floor of a framed driver: whole frames parsed in one call, each payload copied
+    into the array posted for its step, that receive's future resolved. Nothing checked."""
+
+    def __init__(self) -> None:
+        self.stage = bytearray(1 << 16)
+        self.view = memoryview(self.stage)
+        self.hi = 0
+        self.posted: dict[int, tuple[asyncio.Future[None], memoryview]] = {}
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.view[self.hi:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.hi += nbytes
+        lo = 0
+        while self.hi - lo >= PREFIX_SIZE:
+            _magic, _version, _flags, hlen, plen = PREFIX.unpack_from(self.stage, lo)
+            start = lo + PREFIX_SIZE + hlen
+            if start + plen > self.hi:
+                break
+            header = msgpack.unpackb(self.view[lo + PREFIX_SIZE:start])
+            fut, dest = self.posted.pop(header["step"])
+            dest[:] = self.view[start:start + plen]
+            fut.set_result(None)
+            lo = start + plen
+        if lo:
+            self.stage[:self.hi - lo] = self.stage[lo:self.hi]
+            self.hi -= lo
+
+    def post(self, step: int, into: np.ndarray) -> asyncio.Future[None]:
+        fut = asyncio.get_running_loop().create_future()
+        self.posted[step] = (fut, into.data.cast("B"))
+        return fut
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -88,6 +129,7 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
             await node.send(0, nothing, step=0, tag=1, meta={"where": where})
             raw, _ = await asyncio.get_running_loop().run_in_executor(None, lsock.accept)
             floor, _ = await asyncio.get_running_loop().run_in_executor(None, lsock.accept)
+            framed, _ = await asyncio.get_running_loop().run_in_executor(None, lsock.accept)
             lsock.close()
         else:
             where = str((await node.recv_into(1, nothing, step=0, tag=1, timeout=30)
@@ -97,17 +139,24 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
                 raw.connect(where)
                 floor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 floor.connect(where)
+                framed = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                framed.connect(where)
             else:
                 raw = socket.create_connection(("127.0.0.1", int(where)))
                 floor = socket.create_connection(("127.0.0.1", int(where)))
+                framed = socket.create_connection(("127.0.0.1", int(where)))
         if not unix:
-            for sock in (raw, floor):
+            for sock in (raw, floor, framed):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         raw_ack = memoryview(bytearray(ACK))
-        floor.setblocking(False)
         loop = asyncio.get_running_loop()
+        for sock in (floor, framed):
+            sock.setblocking(False)
         bare_transport, bare = await (loop.create_unix_connection(_Bare, sock=floor) if unix
                                       else loop.create_connection(_Bare, sock=floor))
+        framed_transport, framed_proto = await (
+            loop.create_unix_connection(_Framed, sock=framed) if unix
+            else loop.create_connection(_Framed, sock=framed))
 
         # The blocking driver: a lane each way over the comm's bulk links, read by the
         # thread that waits (no reader thread), as the ring reads its lanes.
@@ -183,14 +232,21 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
                        "raw_gbps": moved / r / 1e9, "ratio": r / a, "lanes_ratio": r / lane})
 
         small = np.zeros(ACK, np.uint8)
-        kinds = (*MODES, "loop")
+        kinds = (*MODES, "loop", "framed")
         rtts: dict[str, list[float]] = {m: [] for m in kinds}
-        # Round by round, the four in turn (the order rotating): a round trip's time on
-        # this host swings with where the two processes run, and all four see the same.
+        # Round by round, the five in turn (the order rotating): a round trip's time on
+        # this host swings with where the two processes run, and all five see the same.
         for i in range(len(kinds) * rtt_rounds):
             for mode in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
                 t0 = time.perf_counter()
-                if mode == "loop":
+                if mode == "framed":
+                    arrived = framed_proto.post(step, small)
+                    if me == 1:
+                        await arrived
+                    framed_transport.writelines(encode_data(step, 0, me, small))
+                    if me == 0:
+                        await arrived
+                elif mode == "loop":
                     bare.arrived = loop.create_future()
                     if me == 0:
                         bare_transport.write(raw_ack)
@@ -229,9 +285,11 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
             _emit({"kind": "latency", "message_bytes": ACK, "rounds": len(rtts["raw"]),
                    "aioreduce_rtt_us": a * 1e6, "lanes_rtt_us": lane * 1e6,
                    "raw_rtt_us": r * 1e6, "loop_floor_rtt_us": floor_rtt * 1e6,
+                   "framed_floor_rtt_us": statistics.median(rtts["framed"]) * 1e6,
                    "ratio": r / a, "lanes_ratio": r / lane})
         await links.close(1.0)
         bare_transport.close()
+        framed_transport.close()
         raw.close()
 
 

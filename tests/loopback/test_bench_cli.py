@@ -33,9 +33,9 @@ def test_p2p_json_has_every_field() -> None:
         assert r["aioreduce_gbps"] > 0 and r["lanes_gbps"] > 0 and r["raw_gbps"] > 0
         assert r["ratio"] == pytest.approx(r["aioreduce_gbps"] / r["raw_gbps"])
         assert r["lanes_ratio"] == pytest.approx(r["lanes_gbps"] / r["raw_gbps"])
-    assert rows[2]["kind"] == "latency" and rows[2]["rounds"] == 20  # 5 rounds of four
+    assert rows[2]["kind"] == "latency" and rows[2]["rounds"] == 25  # 5 rounds of five
     assert rows[2]["aioreduce_rtt_us"] > 0 and rows[2]["lanes_rtt_us"] > 0
-    assert rows[2]["loop_floor_rtt_us"] > 0
+    assert rows[2]["loop_floor_rtt_us"] > 0 and rows[2]["framed_floor_rtt_us"] > 0
 
 
 def test_allreduce_bench_json_verify() -> None:

@@ -107,15 +107,18 @@ def test_a_replacement_on_another_host_cuts_chunks_as_the_job_began(ranks) -> No
     assert len({lines[r].tagged("FINAL")[0]["digest"] for r in range(13)}) == 1
 
 
-@pytest.mark.parametrize("extra", [[], ["--options", '{"lanes": true}']],
-                         ids=["event-loop", "lanes"])
+@pytest.mark.parametrize("extra, victims", [
+    ([], (5, 2)),  # a leaf (parent 1) and an intermediate (heads 7, 8, 9)
+    (["--options", '{"lanes": true}'], (5, 2)),
+    (["--options", '{"lanes": true}'], (1, 5)),  # a parent and its child at once
+], ids=["event-loop", "lanes", "lanes-neighbours"])
 def test_killed_ranks_rejoin_heal_and_contribute_again_and_impostors_are_named(
-        ranks, extra) -> None:
+        ranks, extra, victims) -> None:
     """With lanes, each replacement and its parent and children open lanes again (from a
     step they agree on), and the job ends with every rank's chunks on lanes to its whole
-    family, as it began; without (small vectors), nobody opens any."""
+    family, as it began, also between two neighbours replaced at once; without (small
+    vectors), nobody opens any."""
     job: Ranks = ranks(13)
-    victims = (5, 2)  # a leaf (parent 1) and an intermediate (heads 7, 8, 9)
     lines: dict[int, Lines] = {}
     for r in range(13):
         die = ["--die", str(r), "--die-step", str(DIE_AT)] if r in victims else []

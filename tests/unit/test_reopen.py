@@ -66,8 +66,8 @@ class Side:
         def now() -> None:
             self.sent.append(what)
 
-        if self.reopener.holds(peer, step):
-            self.reopener.hold(peer, step, now)
+        if self.reopener.holds(peer, step):  # (run later as a session's: asking again)
+            self.reopener.hold(peer, step, lambda: self.send(peer, step, what))
             return None
         now()
         return now
@@ -185,16 +185,22 @@ def test_sends_held_for_more_steps_than_the_bound_are_dropped() -> None:
 
 
 def test_a_peer_that_asks_again_has_one_opening_under_way_not_two() -> None:
-    """Asked twice (a replacement's proposal repeated, or a hostile peer's flood), a rank
-    gives up the first opening (its task cancelled) before it starts the next: one opening
-    per peer at a time, however often it asks."""
+    """Asked again for the same step, a rank answers the same and keeps its opening; asked
+    for another (or a hostile peer's flood), it gives up the first opening (its task
+    cancelled) before it starts the next: one opening per peer at a time, however often it
+    asks."""
 
     async def main() -> None:
         net, _links, peer, new = _pair(touched=3)
         net.hold(0, 1)  # the answers wait: the replacement asks again meanwhile
-        new.reopener.propose(0, 5)
+        new.reopener.propose(0, 4)
         await _until(lambda: 1 in peer.reopener._pending)
         first = peer.reopener._pending[1].task
+        new.reopener.propose(0, 4)  # the same again: the same opening
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert peer.reopener._pending[1].task is first and first is not None
+        assert not first.done()
         new.reopener.propose(0, 5)
         await _until(lambda: peer.reopener._pending.get(1) is not None
                      and peer.reopener._pending[1].task is not first)
@@ -205,5 +211,66 @@ def test_a_peer_that_asks_again_has_one_opening_under_way_not_two() -> None:
         await asyncio.wait_for(peer.reopener.ready(5), 5)
         assert peer.opened == [(1, "0->1@5", "1->0@5", 5)]
         assert new.opened == [(0, "1->0@5", "0->1@5", 5)]
+
+    asyncio.run(main())
+
+
+def test_two_ends_replaced_at_once_open_at_the_lower_ranks_step_and_keep_their_order() -> None:
+    """Both ends of a path were replaced: each proposes to the other (crossing). The lower
+    rank's proposal stands: the higher answers it and gives its own up, and what its own had
+    held goes through the agreed opening, held again from its step, in order. One opening a
+    side, at one step."""
+
+    async def main() -> None:
+        net, links = MemoryNetwork(2), Links()
+        low = Side(net, links, 0, touched=4, has_lanes=True)
+        high = Side(net, links, 1, touched=6, has_lanes=True)
+        net.hold(1, 0)  # high's proposal and answer wait: low's gets there first
+        low.reopener.propose(1, 5)
+        high.reopener.propose(0, 7)
+        high.send(0, 6, "high:6")  # before its own step: at once
+        high.send(0, 7, "high:7a")  # held by its own proposal
+        high.send(0, 8, "high:8")
+        low.send(1, 7, "low:7")
+        await _until(lambda: 0 in high.reopener._pending
+                     and high.reopener._pending[0].answer is None)  # it answered low's
+        for _ in range(20):
+            await asyncio.sleep(0)
+        # What its own proposal held is held again by the agreed opening (from 7), not sent
+        # over the comm while low expects it on the lanes.
+        assert high.sent == ["high:6"] and high.reopener._pending[0].held_steps == {7, 8}
+        net.release(1, 0)
+        await asyncio.wait_for(asyncio.gather(low.reopener.ready(99),
+                                              high.reopener.ready(99)), 5)
+        # high answered low's 5 with the first step it had not touched: 7
+        assert low.opened == [(1, "0->1@7", "1->0@7", 7)]
+        assert high.opened == [(0, "1->0@7", "0->1@7", 7)]
+        assert sorted(links.steps) == [(0, 7), (1, 7)]
+        assert high.sent == ["high:6", "high:7a", "high:8"] and low.sent == ["low:7"]
+        assert not low.reopener._pending and not high.reopener._pending
+
+    asyncio.run(main())
+
+
+def test_a_replacement_that_does_not_know_yet_whether_it_has_lanes_answers_once_it_does(
+        ) -> None:
+    """A replacement asked before its first step (which tells whether its session uses
+    lanes) answers at :meth:`Reopener.decided`: then the lanes open, at the step asked."""
+
+    async def main() -> None:
+        net, links = MemoryNetwork(2), Links()
+        asker = Side(net, links, 0, touched=4, has_lanes=True)
+        unsure = Side(net, links, 1, touched=-1, has_lanes=None)  # type: ignore[arg-type]
+        asker.reopener.propose(1, 5)
+        asker.send(1, 5, "held")
+        await _until(lambda: 0 in unsure.reopener._deferred)
+        for _ in range(20):  # no answer while it does not know
+            await asyncio.sleep(0)
+        assert asker.sent == [] and links.steps == []
+        unsure.has_lanes = True
+        unsure.reopener.decided()
+        await asyncio.wait_for(asker.reopener.ready(5), 5)
+        assert asker.opened == [(1, "0->1@5", "1->0@5", 5)] and asker.sent == ["held"]
+        assert unsure.opened == [(0, "1->0@5", "0->1@5", 5)]
 
     asyncio.run(main())

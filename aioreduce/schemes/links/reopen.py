@@ -15,14 +15,19 @@ answer; the peer answers with the step from which the chunks go on lanes: the on
 if it has touched that one already (sent or posted for it), the first it has not (or -1 if its
 session has no lanes: small vectors). Both then open the lanes at once, in the background
 (``BulkLinks.open_links``, keyed by that step), and until they are open each side holds back
-its sends to the other of that step or later (in order) and starts no such step. Once they
+its sends to the other of that step or later (in order) and starts no such step. (An answer
+travels at the step it answers, so an answer to an earlier ask is told apart.) Once they
 are open, or failed (then both sides stay on the comm: an opening fails on both ends), the
 held sends go out, on whichever path the session now routes them.
 
 A peer that dies meanwhile ends the wait (its lanes do not open; the tree goes on without it,
-as with any dead peer). Not here: two neighbours replaced at once (each asks the other, and
-neither has lanes to answer with). A re-formed transpose opens all its lanes anew instead
-(every member changes at one step).
+as with any dead peer). Two neighbours replaced at once ask each other: the lower rank's
+proposal stands (the higher answers it and gives its own up; the lower asks again when it hears
+the higher's, in case its first went to the dead process), a repeated ask gets the same answer
+and keeps the opening under way, and a replacement that does not
+know yet whether its session uses lanes (that is decided at its first step, by the vector's
+size) answers once it does (:meth:`Reopener.decided`). A re-formed transpose opens all its
+lanes anew instead (every member changes at one step).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class _Pending:
     start: int
     done: asyncio.Future[None]
     answer: asyncio.Future[int] | None = None  # the proposer's, until the peer answers
+    asked: int = -1  # the answerer's: the step the peer asked for
     held: list[Callable[[], None]] = field(default_factory=list)  # sends, in order
     held_steps: set[int] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
@@ -60,10 +66,12 @@ class _Pending:
 
 class Reopener:
     """One session's reopenings. ``touched()``: the latest step the session has posted or
-    sent for; ``has_lanes()``: whether its chunks travel on lanes (it answers -1 if not);
+    sent for; ``has_lanes()``: whether its chunks travel on lanes (it answers -1 if not), or
+    None while it does not know yet (the answer then waits for :meth:`decided`);
     ``opened(peer, out, in, start)``: lanes with ``peer`` are open, for steps >= ``start``."""
 
-    def __init__(self, comm: Comm, touched: Callable[[], int], has_lanes: Callable[[], bool],
+    def __init__(self, comm: Comm, touched: Callable[[], int],
+                 has_lanes: Callable[[], bool | None],
                  opened: Callable[[int, BulkLink, BulkLink, int], None], *,
                  held_steps: int | None = None) -> None:
         self.comm = comm
@@ -72,6 +80,7 @@ class Reopener:
         self._max_held = held_steps
         self._touched, self._has_lanes, self._opened = touched, has_lanes, opened
         self._pending: dict[int, _Pending] = {}
+        self._deferred: dict[int, int] = {}  # peer -> the step it asked, answered at decided()
         self._closed = False
 
     def listen(self, peers: Iterable[int]) -> list[Callable[[], None]]:
@@ -114,9 +123,18 @@ class Reopener:
         if waits:
             await asyncio.wait(waits)
 
+    def decided(self) -> None:
+        """The session knows now whether it has lanes: answer the peers that asked before."""
+        deferred, self._deferred = self._deferred, {}
+        lanes = bool(self._has_lanes())
+        for peer, asked in deferred.items():
+            if not self.comm.is_lost(peer) and not self._closed:
+                self._answer(peer, asked, lanes)
+
     def cancel(self) -> None:
         """Give up every opening under way (held sends dropped: the session that held them
         is being replaced, e.g. a re-formed transpose's, which opens lanes of its own)."""
+        self._deferred.clear()
         for peer in list(self._pending):
             self._drop(peer, run=False)
 
@@ -135,20 +153,47 @@ class Reopener:
             log.warning("rank %d: from rank %d: %s", self.comm.rank, peer, exc)
             return
         if event.answer:
+            # (An answer travels at the step it answers: one to an earlier ask is not ours.)
             pending = self._pending.get(peer)
-            if pending is not None and pending.answer is not None and not pending.answer.done():
+            if (pending is not None and pending.answer is not None
+                    and not pending.answer.done() and header.step == pending.start):
                 pending.answer.set_result(event.start)
             return
-        # Asked: from the step asked, or the first this session has not touched yet.
-        start = max(event.start, self._touched() + 1) if self._has_lanes() else -1
-        self._send(peer, max(start, event.start), LaneReopen(start, answer=True))
-        self._drop(peer, run=True)  # (one opening per peer, however often it asks)
+        ours = self._pending.get(peer)
+        if ours is not None and ours.answer is not None and not ours.answer.done():
+            if self.comm.rank < peer:
+                # Both ends replaced, asking each other: ours stands, the peer answers it.
+                # Asked again, in case ours went to the peer's dead process and was lost.
+                self._send(peer, ours.start, LaneReopen(ours.start))
+                return
+        elif ours is not None and ours.answer is None and ours.asked == event.start:
+            # The same ask again (see above): the same answer, the opening under way kept.
+            self._send(peer, ours.asked, LaneReopen(ours.start, answer=True))
+            return
+        lanes = self._has_lanes()
+        if lanes is None:  # (one per peer: a repeated ask replaces the last)
+            self._deferred[peer] = event.start
+            return
+        self._answer(peer, event.start, lanes)
+
+    def _answer(self, peer: int, asked: int, lanes: bool) -> None:
+        """Agree with ``peer`` on a step: the one asked or, if this session has touched it,
+        the first it has not (-1: no lanes); and open the lanes from there."""
+        start = max(asked, self._touched() + 1) if lanes else -1
+        self._send(peer, asked, LaneReopen(start, answer=True))
+        # One opening per peer, however often it asks: an earlier one (or our own proposal,
+        # given up) is cancelled, and what it held goes through the new one, which holds it
+        # again from its own start on.
+        earlier = self._pending.pop(peer, None)
         if start >= 0:
-            pending = _Pending(start, asyncio.get_running_loop().create_future())
+            pending = _Pending(start, asyncio.get_running_loop().create_future(), asked=asked)
             self._pending[peer] = pending
             pending.task = asyncio.ensure_future(self._open(peer, pending))
+        if earlier is not None:
+            self._retire(earlier, run=True)
 
     def _peer_lost(self, peer: int) -> None:
+        self._deferred.pop(peer, None)
         pending = self._pending.get(peer)
         if pending is not None and pending.answer is not None and not pending.answer.done():
             pending.answer.set_exception(PeerLost(peer, "lost before it answered"))
@@ -188,16 +233,22 @@ class Reopener:
 
     def _drop(self, peer: int, *, run: bool) -> None:
         """Give up the opening with ``peer`` under way, if any (its task cancelled)."""
-        pending = self._pending.get(peer)
-        if pending is not None and pending.task is not None:
-            pending.task.cancel()
-        self._settle(peer, run=run)
+        pending = self._pending.pop(peer, None)
+        if pending is not None:
+            self._retire(pending, run=run)
 
     def _settle(self, peer: int, *, run: bool = True) -> None:
         """The opening with ``peer`` is over: release what it held back."""
         pending = self._pending.pop(peer, None)
-        if pending is None:
-            return
+        if pending is not None:
+            self._retire(pending, run=run, cancel=False)
+
+    @staticmethod
+    def _retire(pending: _Pending, *, run: bool, cancel: bool = True) -> None:
+        """End an opening no longer in the book: its task cancelled (unless it is the one
+        ending), its waiters released, its held sends run in order (``run``)."""
+        if cancel and pending.task is not None:
+            pending.task.cancel()
         if not pending.done.done():
             pending.done.set_result(None)
         if pending.answer is not None and not pending.answer.done():

@@ -80,7 +80,11 @@ class ReduceSession:
         self.lanes: LaneLinks | None = None
         self._removers.append(comm.on_peer_lost(self._lane_peers.discard))
         self._touched = -1  # the latest step posted or sent for (see .reopen)
-        self.reopener = Reopener(comm, lambda: self._touched, lambda: self.lanes is not None,
+        # A replacement's lanes: None until its first step tells (by the vector's size)
+        # whether this session uses them; a peer replaced with it that asks meanwhile is
+        # answered then (Reopener.decided).
+        self._rejoined_lanes: bool | None = False
+        self.reopener = Reopener(comm, lambda: self._touched, self._has_lanes,
                                  self._reopened, held_steps=opts.backlog_steps)
         self._removers += self.reopener.listen(family_peers)
         for src in (family.parent, family.grandparent):
@@ -101,6 +105,9 @@ class ReduceSession:
             self._want_lanes = False  # decided at the first step, alike on every rank
             if self.opts.lanes or like.nbytes >= LANES_FROM:
                 await self._open_lanes(step)
+        elif self._rejoined_lanes is None:  # a replacement's first step
+            self._rejoined_lanes = bool(self.opts.lanes or like.nbytes >= LANES_FROM)
+            self.reopener.decided()
         await self.reopener.ready(step)  # lanes that open again from this step on
         self._touched = max(self._touched, step)
         lay = Layout.of(like, fam, *self._chunking)
@@ -158,6 +165,11 @@ class ReduceSession:
             # A result from the parent before we asked (we still compute): forward it now.
             early=lambda src, _step, tag: src == parent and DOWN <= tag < VERDICT_TAG,
             on_early=self._early_outcome, stage_bytes=self.opts.history_bytes)
+
+    def _has_lanes(self) -> bool | None:
+        """Whether our chunks travel on lanes (what a reopening is answered; see .reopen):
+        None while a replacement has not run its first step."""
+        return True if self.lanes is not None else self._rejoined_lanes
 
     def _reopened(self, peer: int, out: BulkLink, in_: BulkLink, start: int) -> None:
         """Lanes with ``peer`` (a replacement, or our peer if we are one) open again: its
@@ -311,6 +323,7 @@ class ReduceSession:
         peers = sorted(self._lane_peers)
         self._lane_peers.clear()
         if self._want_lanes and self.comm.bulk_links() is not None:
+            self._rejoined_lanes = None  # (known at our first step: see _has_lanes)
             for peer in peers:
                 if not self.comm.is_lost(peer):
                     self.reopener.propose(peer, step + 1)

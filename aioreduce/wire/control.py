@@ -106,7 +106,8 @@ class LaneOffer:
 class LaneReopen:
     """A replacement process to a tree, star or transpose peer whose lanes went with the dead one
     (``answer`` False): open lanes again, the chunks between us on them from step ``start``
-    on; the peer's answer (``answer`` True): from step ``start`` (at least the one asked,
+    on (-1: the ask of the frame's step is withdrawn, the asker gave up waiting); the peer's
+    answer (``answer`` True, at the step asked): from step ``start`` (at least the one asked,
     past every step the peer has touched), or -1: not at all (its session has no lanes)."""
 
     start: int

@@ -13,8 +13,11 @@ from typing import Any
 import pytest
 
 from aioreduce.schemes.base import BulkLink
-from aioreduce.schemes.links.reopen import Reopener
+from aioreduce.schemes.links.reopen import ANSWER_TIMEOUT_S, Reopener
 from aioreduce.transport.memory import MemoryNetwork
+
+from . import clockloop
+from .clockloop import ClockLoop, advance
 
 
 class Links:
@@ -274,3 +277,28 @@ def test_a_replacement_that_does_not_know_yet_whether_it_has_lanes_answers_once_
         assert unsure.opened == [(0, "1->0@5", "0->1@5", 5)]
 
     asyncio.run(main())
+
+
+def test_an_asker_that_gives_up_waiting_withdraws_and_the_late_answerer_drops_its_opening(
+        ) -> None:
+    """The answer is held past the asker's timeout (fake clock): the asker gives up (its
+    held sends go over the comm) and withdraws its ask; the peer, which had answered and was
+    opening lanes and holding its steps with the asker, drops that opening at once instead
+    of holding them until it times out."""
+
+    async def main(loop: ClockLoop) -> None:
+        net, links, peer, new = _pair(touched=3)
+        net.hold(0, 1)  # the answer never gets there in time
+        new.reopener.propose(0, 5)
+        new.send(0, 5, "new:5")
+        await _until(lambda: 1 in peer.reopener._pending)
+        peer.send(1, 5, "peer:5")  # held: its lanes with the replacement are opening
+        assert peer.sent == [] and peer.reopener.holds(1, 5)
+        await advance(loop, ANSWER_TIMEOUT_S + 1)
+        await _until(lambda: new.sent == ["new:5"])  # gave up: over the comm
+        await _until(lambda: 1 not in peer.reopener._pending)
+        assert peer.sent == ["peer:5"] and not peer.reopener.holds(1, 5)
+        await asyncio.wait_for(peer.reopener.ready(5), 5)
+        assert peer.opened == new.opened == [] and links.steps == [(0, 5)]
+
+    clockloop.run(main)

@@ -26,8 +26,10 @@ proposal stands (the higher answers it and gives its own up; the lower asks agai
 the higher's, in case its first went to the dead process), a repeated ask gets the same answer
 and keeps the opening under way, and a replacement that does not
 know yet whether its session uses lanes (that is decided at its first step, by the vector's
-size) answers once it does (:meth:`Reopener.decided`). A re-formed transpose opens all its
-lanes anew instead (every member changes at one step).
+size) answers once it does (:meth:`Reopener.decided`). An asker that gives up waiting for the
+answer (``ANSWER_TIMEOUT_S``) withdraws its ask (``LaneReopen(-1)`` at the step asked), so a
+peer that answered late drops its opening instead of holding its steps until it times out.
+A re-formed transpose opens all its lanes anew instead (every member changes at one step).
 """
 
 from __future__ import annotations
@@ -152,6 +154,15 @@ class Reopener:
         except MalformedControl as exc:
             log.warning("rank %d: from rank %d: %s", self.comm.rank, peer, exc)
             return
+        if event.start < 0 and not event.answer:
+            # The asker gave up waiting for our answer to its ask of ``header.step`` (lost or
+            # late): drop that opening now rather than hold our steps with it until the
+            # opening times out.
+            ours = self._pending.get(peer)
+            if ours is not None and ours.answer is None and ours.asked == header.step:
+                self._drop(peer, run=True)
+            self._deferred.pop(peer, None)
+            return
         if event.answer:
             # (An answer travels at the step it answers: one to an earlier ask is not ours.)
             pending = self._pending.get(peer)
@@ -205,6 +216,8 @@ class Reopener:
         except (PeerLost, TimeoutError) as exc:
             log.warning("rank %d: rank %d did not answer our lanes' reopening (%s): its "
                         "chunks stay on the comm", self.comm.rank, peer, exc)
+            if isinstance(exc, TimeoutError):  # it may have answered late: withdraw the ask
+                self._send(peer, pending.start, LaneReopen(-1))
             start = -1
         if start < 0:
             self._settle(peer)

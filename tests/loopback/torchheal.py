@@ -1,7 +1,7 @@
 """A torch training run whose ranks may die and come back, for the heal tests.
 
-    torchheal.py [--mode optimizer|ddp] [--steps N] [--bucket-bytes B] [--kill RANK:ITER]
-                 [--pace SECONDS] [--device cpu|cuda]
+    torchheal.py [--mode optimizer|ddp] [--model mlp|transformer] [--steps N]
+                 [--bucket-bytes B] [--kill RANK:ITER] [--pace SECONDS] [--device cpu|cuda]
 
 Each iteration's gradient goes through :class:`aioreduce.torch.DistributedOptimizer`
 (``optimizer``) or DDP (``aioreduce.torch.DistributedDataParallel``, ``ddp``) over the ring, in
@@ -11,7 +11,9 @@ that healed computes what the dead process would have: the run ends as an undist
 ``--kill R:I``: rank R's first process SIGKILLs itself in iteration I, in the middle of its
 backward pass (once the middle layer's gradient is in: the last layer's bucket is summing).
 ``--kill-in forward|step`` moves the kill to the forward pass or the optimizer's step.
-Prints ``FINAL {"rank": R, "params": DIGEST, "iterations": N}`` per rank.
+``--model transformer``: a small transformer encoder (two layers) classifying token
+sequences, instead of the MLP. Prints ``FINAL {"rank": R, "params": DIGEST, "iterations": N,
+"loss": L}`` per rank, L the model's loss at the end on a batch every rank holds alike.
 """
 
 from __future__ import annotations
@@ -32,9 +34,37 @@ import aioreduce as ar
 import aioreduce.torch as art
 
 
+class Transformer(torch.nn.Module):
+    """Token sequences to one of 10 classes: an embedding, two encoder layers (no dropout:
+    the ranks' replicas stay alike), the mean over the sequence, a linear head."""
+
+    def __init__(self, vocab: int = 50, width: int = 32) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        layer = torch.nn.TransformerEncoderLayer(width, 4, 64, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(width, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens)).mean(dim=1))
+
+
+def _batch(model: str, seed: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch that depends only on ``seed`` (a rank's iteration, or the final check)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randint(0, 50, (64, 16), generator=gen) if model == "transformer"
+         else torch.randn(64, 32, generator=gen))
+    # Labels the transformer can learn (how many of the sequence's tokens are below 5: its
+    # mean pooling sees that), so its loss falls.
+    y = ((x < 5).sum(dim=1).clamp(max=9) if model == "transformer"
+         else torch.randint(0, 10, (64,), generator=gen))
+    return x.to(device), y.to(device)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=("optimizer", "ddp"), default="optimizer")
+    ap.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
     ap.add_argument("--steps", type=int, default=60, help="training iterations")
     ap.add_argument("--bucket-bytes", type=int, default=8_000)
     ap.add_argument("--kill", default="", help="RANK:ITERATION")
@@ -52,9 +82,15 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
-                                torch.nn.Linear(64, 64), torch.nn.ReLU(),
-                                torch.nn.Linear(64, 10)).to(a.device)
+    model: torch.nn.Module
+    if a.model == "transformer":
+        model = Transformer().to(a.device)
+        middle: torch.nn.Module = model.encoder.layers[1].linear1  # where a kill lands
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 10)).to(a.device)
+        middle = model[2]
     sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     it = 0
 
@@ -75,9 +111,9 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
 
             if a.kill_in == "backward":
-                model[2].weight.register_post_accumulate_grad_hook(die)
+                middle.weight.register_post_accumulate_grad_hook(die)  # type: ignore[operator]
             elif a.kill_in == "forward":
-                model[2].register_forward_pre_hook(die)
+                middle.register_forward_pre_hook(die)
             else:
                 sgd.register_step_pre_hook(die)
         if a.mode == "ddp":
@@ -87,9 +123,7 @@ def main() -> None:
             net = model
             opt = art.DistributedOptimizer(sgd, node, bucket_bytes=a.bucket_bytes)
         while it < a.steps:
-            gen = torch.Generator().manual_seed(1000 * node.rank + it)
-            x = torch.randn(64, 32, generator=gen).to(a.device)
-            y = torch.randint(0, 10, (64,), generator=gen).to(a.device)
+            x, y = _batch(a.model, 1000 * node.rank + it, a.device)
             opt.zero_grad()
             loss = F.cross_entropy(net(x), y)
             if a.pace:
@@ -109,11 +143,15 @@ def main() -> None:
                    else len(opt._buckets))  # type: ignore[union-attr]
         digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes()
                                          for p in model.parameters())).hexdigest()
+        with torch.no_grad():  # the same batch on every rank, none trained on
+            x, y = _batch(a.model, 10**9, a.device)
+            final_loss = float(F.cross_entropy(model(x), y))
         if a.save:  # the parameters, for comparisons within rounding
             np.save(f"{a.save}.{node.rank}.npy", torch.cat(
                 [p.detach().reshape(-1).double().cpu() for p in model.parameters()]).numpy())
         sys.stdout.write("FINAL " + json.dumps({"rank": node.rank, "params": digest[:16],
-                                                "iterations": it, "buckets": buckets})
+                                                "iterations": it, "buckets": buckets,
+                                                "loss": final_loss})
                          + "\n")
         sys.stdout.flush()
 

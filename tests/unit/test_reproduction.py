@@ -59,3 +59,30 @@ def test_the_held_out_cell_is_set_against_the_simulator_from_the_files(tmp_path:
         assert (f"{c.measured.scheme} {c.measured.median:.2f} s against {c.predicted:.2f} s "
                 f"({c.error:+.0%})") in sentence
     assert "40 ranks at 64 MiB" in sentence and "5 steps" in sentence
+
+
+def test_the_coded_tree_rows_conditions_come_from_the_dose_response_runs(tmp_path: Path
+                                                                          ) -> None:
+    """Where the claim holds is read from the dose-response runs: a cell holds when the
+    lower end of its 95 % interval (over launches, each launch's coded tree paired with its
+    own baseline) reaches the claim, fails when the upper end is below it, and is undecided
+    otherwise; the verdict is "partly" when only the dose-response runs reach it."""
+    rows = []
+    for repeat, (calm, slow, near) in enumerate(((2.0, 20.0, 6.0), (2.2, 21.0, 9.0),
+                                                 (1.8, 19.0, 7.0))):
+        for dose, speedup in ((0.0, calm), (0.5, slow), (0.05, near)):
+            rows += [{"nodes": 13, "dose": dose, "repeat": repeat, "scheme": "coded-tree",
+                      "median_s": 0.01},
+                     {"nodes": 13, "dose": dose, "repeat": repeat, "scheme": "ring",
+                      "median_s": 0.01 * speedup}]
+    (tmp_path / "delay.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cells = reproduction.dose_cells(tmp_path, "ring")
+    assert [(c.nodes, c.dose) for c in cells] == [(13, 0.0), (13, 0.05), (13, 0.5)]
+    text = reproduction.conditions(cells, 7.0)
+    assert text.startswith("7x or more with 95 % confidence in 1 of 3 dose-response cells "
+                           "(13 ranks, 0.5s delay: 20.0x")
+    assert "less in 1 (13 ranks, 0s delay: 2.0x" in text
+    assert "undecided in 1 (13 ranks, 0.05s delay:" in text
+    assert reproduction.verdict(7.0, 2.0, [0.5], cells) == "**partly**"
+    assert reproduction.verdict(7.0, 2.0, [0.5], []) == "**not reproduced**"
+    assert reproduction.conditions([], 7.0) == "no dose-response runs"

@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("reproduction",
                                                ROOT / "benchmarks" / "reproduction.py")
@@ -86,3 +88,21 @@ def test_the_coded_tree_rows_conditions_come_from_the_dose_response_runs(tmp_pat
     assert reproduction.verdict(7.0, 2.0, [0.5], cells) == "**partly**"
     assert reproduction.verdict(7.0, 2.0, [0.5], []) == "**not reproduced**"
     assert reproduction.conditions([], 7.0) == "no dose-response runs"
+
+
+def test_the_codes_row_reads_paired_launches_and_says_where_the_saving_holds(
+        tmp_path: Path) -> None:
+    rows = []
+    for repeat, gain in enumerate((0.75, 0.78, 0.76)):  # m=2 over m=1, per launch
+        rows += [{"nodes": 40, "dose": 1.0, "repeat": repeat, "size_bytes": 40960,
+                  "scheme": reproduction.GAUSSIAN, "median_s": 0.1 * gain},
+                 {"nodes": 40, "dose": 1.0, "repeat": repeat, "size_bytes": 40960,
+                  "scheme": reproduction.DEFAULT, "median_s": 0.1}]
+    (tmp_path / "codes-40k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    codes = reproduction.measured_codes(tmp_path)
+    mean, lo, hi = codes[(40, 40960)]
+    assert mean == pytest.approx(0.7633, abs=1e-3) and lo < mean < hi < 0.84
+    text = reproduction.codes_conditions(codes, 0.16)
+    assert text.startswith("16% or more saved with 95 % confidence in 1 of 1 cells "
+                           "(n=39, 41 KB: -24 %")
+    assert "less in 0 (none)" in text

@@ -13,7 +13,8 @@ MiB at both, 64 MiB at 13; five straggler models):
   or seed the simulator's models were not tuned on (``docs/sweep/heldout-params``).
 
 Writes a Markdown report (errors per split, the advisor's picks from the out-of-sample
-predictions, every cell) to ``--out`` and prints its summary.
+predictions, every cell) to ``--out``, each split's figures as JSON beside it (``.json``), and
+prints its summary.
 
     python benchmarks/sim_out_of_sample.py [--sweep docs/sweep] [--out docs/sweep/out_of_sample.md]
         [--fit-nodes 13]
@@ -27,6 +28,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 from aioreduce.bench.sweep import row_config
 from aioreduce.sim.calibrate import Check, Measured, compare, emulation_start, fit, from_sweep
@@ -60,15 +62,24 @@ def rule_hits(checks: list[Check], measured: list[Measured]) -> int:
     return right
 
 
-def summary(name: str, checks: list[Check], measured: list[Measured]) -> str:
+def scores(name: str, checks: list[Check], measured: list[Measured]) -> dict[str, Any]:
+    """One split's figures (what the report's summary row shows, and ``--out``'s JSON
+    beside it holds for other reports: ``benchmarks/reproduction.py``)."""
     errs = [abs(c.error) for c in checks]
     worst = max(checks, key=lambda c: abs(c.error))
     hits = advisor_hits(checks)
-    right = sum(h[3] for h in hits)
-    return (f"| {name} | {len(checks)} | {statistics.median(errs):.0%} | "
-            f"{sum(e <= 0.25 for e in errs)} of {len(errs)} | {worst.measured.label} "
-            f"{worst.error:+.0%} | {right} of {len(hits)} | "
-            f"{rule_hits(checks, measured)} of {len(hits)} |")
+    return {"split": name, "axis": name.split(":")[0], "cells": len(checks),
+            "median_abs_error": statistics.median(errs),
+            "within_25": sum(e <= 0.25 for e in errs), "worst": worst.measured.label,
+            "worst_error": worst.error, "advisor_right": sum(h[3] for h in hits),
+            "rule_right": rule_hits(checks, measured), "picks": len(hits)}
+
+
+def summary(score: dict[str, Any]) -> str:
+    return (f"| {score['split']} | {score['cells']} | {score['median_abs_error']:.0%} | "
+            f"{score['within_25']} of {score['cells']} | {score['worst']} "
+            f"{score['worst_error']:+.0%} | {score['advisor_right']} of {score['picks']} | "
+            f"{score['rule_right']} of {score['picks']} |")
 
 
 def main() -> None:
@@ -130,7 +141,8 @@ def main() -> None:
              "the scheme measured fastest in the same ranks and size without stragglers.", "",
              "| split | cells | median abs error | within 25 % | worst | advisor right | "
              "simple rule right |", "|---|---|---|---|---|---|---|"]
-    lines += [summary(name, checks, measured) for name, checks in splits]
+    scored = [scores(name, checks, measured) for name, checks in splits]
+    lines += [summary(score) for score in scored]
     lines += ["", "## Every cell", "", "| split | ranks | size | stragglers | scheme | measured "
               "ms | simulated ms | error |", "|---|---|---|---|---|---|---|---|"]
     for name, checks in splits:
@@ -140,6 +152,7 @@ def main() -> None:
                          f" | {m.straggler} | {m.scheme} | {m.median * 1e3:.1f} | "
                          f"{c.predicted * 1e3:.1f} | {c.error:+.0%} |")
     opts.out.write_text("\n".join(lines) + "\n")
+    opts.out.with_suffix(".json").write_text(json.dumps(scored, indent=1) + "\n")
     print("\n".join(lines[8:8 + len(splits) + 2]))
     print(f"({time.perf_counter() - t0:.0f} s; report in {opts.out})")
 

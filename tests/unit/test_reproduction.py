@@ -106,3 +106,21 @@ def test_the_codes_row_reads_paired_launches_and_says_where_the_saving_holds(
     assert text.startswith("16% or more saved with 95 % confidence in 1 of 1 cells "
                            "(n=39, 41 KB: -24 %")
     assert "less in 0 (none)" in text
+
+
+def test_the_out_of_sample_sentence_is_made_from_the_scores_file(tmp_path: Path) -> None:
+    path = tmp_path / "out_of_sample.json"
+    assert "not scored out of sample" in reproduction.held_out_scores(path)
+    score = {"cells": 50, "median_abs_error": 0.11, "worst": "40/40960/slow3/ring",
+             "worst_error": 0.76, "picks": 10}
+    path.write_text(json.dumps([
+        {**score, "split": "in sample: 40 ranks", "axis": "in sample", "advisor_right": 10,
+         "rule_right": 8},
+        {**score, "split": "ranks: 40 ranks", "axis": "ranks", "advisor_right": 9,
+         "rule_right": 8}]))
+    text = reproduction.held_out_scores(path)
+    assert "ranks: 40 ranks: median error 11% over 50 cells, worst 40/40960/slow3/ring +76%" \
+        in text
+    assert "In sample: 40 ranks: median error 11%" in text
+    assert "the advisor was right in 9 of 10 picks and the simple rule in 8: the advisor " \
+        "ahead." in text

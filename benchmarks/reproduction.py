@@ -346,6 +346,9 @@ def main() -> None:
                     help="the transpose's measured runs: tail.jsonl (aioreduce-bench "
                          "allreduce --json) and tta.jsonl (benchmarks/time_to_accuracy.py "
                          "--json)")
+    ap.add_argument("--scores", default="",
+                    help="the simulator's out-of-sample scores (benchmarks/sim_out_of_sample.py"
+                         "'s JSON; default SWEEP/out_of_sample.json)")
     ap.add_argument("--heldout", default="docs/sweep/heldout-40x64m",
                     help="the cell the sweep leaves out, run apart (aioreduce-bench sweep "
                          "--nodes 40 --sizes 64M --stragglers none --skip '')")
@@ -376,7 +379,8 @@ def main() -> None:
     lines = [
         "# The papers' claims, reproduced where we can",
         "",
-        f"Made by `python benchmarks/reproduction.py --sweep {opts.sweep}` from the sweep in "
+        f"Made by `python benchmarks/reproduction.py --sweep {opts.sweep}` (the experiments "
+        "behind it from one command: `python benchmarks/papers.py`) from the sweep in "
         f"`{opts.sweep}` (emulated hosts, 1 Gbit/s links, 2 shared cores, emulated compute "
         f"{compute * 1e3:.0f} ms for the whole data set) and the simulator with the costs fitted "
         f"to it at {big} ranks, run at the papers' sizes with a host per rank and a real hop's "
@@ -450,7 +454,8 @@ def main() -> None:
         lines.append(f"| ({fanout},2) | {n} | {mbit / 1000:g} Gbit/s | {model} | "
                      f"{d['ring'] * 1e3:.1f} | {d['coded-tree'] * 1e3:.1f} | "
                      f"{d['gc'] * 1e3:.1f} |")
-    lines += ["", held_out_scores(sweep / "out_of_sample.json") + heldout_sentence(
+    scores = Path(opts.scores) if opts.scores else sweep / "out_of_sample.json"
+    lines += ["", held_out_scores(scores) + heldout_sentence(
         Path(opts.heldout), platforms)]
     Path(opts.out).write_text("\n".join(lines) + "\n")
     print(opts.out)

@@ -14,12 +14,14 @@ and its held-out cell are not run again (hours on this machine): they are read f
 ``--quick`` (CI): the same steps at the smallest sizes that still make every table (one or
 two cluster sizes, two doses, two launches, a few steps), emulated hosts only as root, no time
 to accuracy, the simulator's out-of-sample scores read from ``docs/sweep``: minutes, and a
-check that the whole chain runs, not figures to quote.
+check that the whole chain runs, not figures to quote. Without torch (an optional extra),
+the tail runs without Gloo and there is no time to accuracy; ``commands.md`` says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -46,7 +48,7 @@ class Step:
     lines: str = ""
 
 
-def steps(out: Path, quick: bool, root: bool) -> list[Step]:
+def steps(out: Path, quick: bool, root: bool, torch: bool) -> list[Step]:
     netns = NETNS if root else []
     dose = out / "dose"
     if quick:
@@ -72,11 +74,12 @@ def steps(out: Path, quick: bool, root: bool) -> list[Step]:
                  dose / f"{name}.jsonl", dose / name / "results.jsonl")
             for name, extra in runs]
     plan.append(Step("OptiReduce: tail", [
-        *BENCH, "allreduce", *tail, "--scheme", "transpose,ring", "--vs-gloo",
+        *BENCH, "allreduce", *tail, "--scheme", "transpose,ring",
+        *(["--vs-gloo"] if torch else []),
         "--compute", "0.2", "--straggle", "all:shifted-exp=0.002,500;all:spike=0.005,0.2",
         "--options", '{"max_loss": 1}', "--gc-every", "50", "--json"],
         out / "optireduce" / "tail.jsonl", lines="{"))
-    if not quick and root:
+    if not quick and root and torch:
         plan.append(Step("OptiReduce: time to accuracy", [
             sys.executable, str(ROOT / "benchmarks" / "time_to_accuracy.py"), "--hosts", "8",
             "--flows", "16", "--repeats", "1", "--json"],
@@ -120,13 +123,16 @@ def main() -> None:
         shutil.rmtree(out)
     (out / "optireduce").mkdir(parents=True)
     root = os.geteuid() == 0
+    torch = importlib.util.find_spec("torch") is not None  # Gloo, and DDP's time to accuracy
     log = ["# Commands behind this directory", "",
            f"`python benchmarks/papers.py --out {opts.out}{' --quick' if opts.quick else ''}`"
-           f"{'' if root else ' (not root: no emulated hosts)'}; the sweep and its held-out "
+           f"{'' if root else ' (not root: no emulated hosts)'}"
+           f"{'' if torch else ' (no torch: no Gloo, no time to accuracy)'}; the sweep and "
+           "its held-out "
            "cell are read from `docs/sweep` (its README has their commands).", "",
            "| step | command | results | seconds |", "|---|---|---|---|"]
     total = 0.0
-    for step in steps(out, opts.quick, root):
+    for step in steps(out, opts.quick, root, torch):
         took = run(step)
         total += took
         shown = " ".join(a if " " not in a and '"' not in a else repr(a) for a in step.argv)

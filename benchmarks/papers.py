@@ -44,7 +44,7 @@ class Step:
     name: str
     argv: list[str]
     results: Path | None = None
-    moved_from: Path | None = None  # the command's own output file, moved to ``results``
+    moved_from: Path | None = None  # the command's own output file, copied to ``results``
     lines: str = ""
 
 

@@ -338,7 +338,7 @@ class TransposeSession:
                     rot.forward_part(k, mine, y)
                     rotating += time.perf_counter() - t
                 elif k == me:
-                    if acc is not mine:
+                    if copy_out is None:  # (summed in place: our values are there already)
                         _copy_part(mine, acc, a, b)
                 elif send_from is None:
                     _copy_part(mine, y, a, b)

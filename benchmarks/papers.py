@@ -44,7 +44,7 @@ class Step:
     name: str
     argv: list[str]
     results: Path | None = None
-    moved_from: Path | None = None  # the command's own output file, copied to ``results``
+    copied_from: Path | None = None  # the command's own output file, copied to ``results``
     lines: str = ""
 
 
@@ -108,8 +108,8 @@ def run(step: Step) -> float:
         with step.results.open("a") as f:
             f.writelines(line + "\n" for line in proc.stdout.splitlines()
                          if line.startswith(step.lines))
-    if step.moved_from is not None and step.results is not None:
-        shutil.copyfile(step.moved_from, step.results)
+    if step.copied_from is not None and step.results is not None:
+        shutil.copyfile(step.copied_from, step.results)
     return time.perf_counter() - t0
 
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -69,6 +70,7 @@ def verdict(claim: float, emulated: float | None, simulated: list[float],
             else "**not reproduced**")
 
 
+T = TypeVar("T")
 GAUSSIAN, DEFAULT = 'gc+code="gaussian"', 'gc+code="default"'
 
 
@@ -96,15 +98,30 @@ def codes_conditions(codes: dict[tuple[int, int], tuple[float, float, float]], c
         spread = "" if math.isnan(lo) else f" ({(lo - 1) * 100:+.0f} to {(hi - 1) * 100:+.0f})"
         return f"n={n - 1}, {label(size)}: {(mean - 1) * 100:+.0f} %{spread}"
     keys = sorted(codes)
-    held = [k for k in keys if codes[k][2] <= 1 - claim]
-    failed = [k for k in keys if codes[k][1] > 1 - claim]
-    open_ = [k for k in keys if k not in held and k not in failed]
+    # As savings (1 - ratio), the interval's ends swap.
+    return decided(f"{claim:.0%} or more saved", "cells", keys,
+                   lambda k: (1 - codes[k][2], 1 - codes[k][1]), claim, cell)
 
-    def where(group: list[tuple[int, int]]) -> str:
-        return "; ".join(cell(k) for k in group) if group else "none"
 
-    return (f"{claim:.0%} or more saved with 95 % confidence in {len(held)} of {len(keys)} "
-            f"cells ({where(held)}); less in {len(failed)} ({where(failed)})"
+def decided(what: str, cells: str, items: Sequence[T],
+            interval: Callable[[T], tuple[float, float]], claim: float,
+            show: Callable[[T], str] = str) -> str:
+    """The sentence saying where ``items`` reach ``claim`` with 95 % confidence (the
+    interval's lower end at least the claim), where they cannot (its upper end below), and
+    where that is undecided (the interval straddles the claim, or there is none: one
+    launch). From the data, nothing written by hand."""
+    held, failed, open_ = [], [], []
+    for item in items:
+        low, high = interval(item)
+        group = (open_ if math.isnan(low) or math.isnan(high) else held if low >= claim
+                 else failed if high < claim else open_)
+        group.append(item)
+
+    def where(group: list[T]) -> str:
+        return "; ".join(show(i) for i in group) if group else "none"
+
+    return (f"{what} with 95 % confidence in {len(held)} of {len(items)} {cells} "
+            f"({where(held)}); less in {len(failed)} ({where(failed)})"
             + (f"; undecided in {len(open_)} ({where(open_)})" if open_ else ""))
 
 
@@ -166,27 +183,12 @@ def dose_cells(dose: Path, base: str) -> list[DoseCell]:
 
 
 def conditions(cells: list[DoseCell], claim: float) -> str:
-    """Where the dose-response runs reach ``claim`` (the lower end of the 95 % interval at
-    least the claim: holds), where they cannot (its upper end below it: fails), and where
-    the interval straddles it; from the data, nothing written by hand."""
+    """Where the dose-response runs reach ``claim``, where they cannot, and where undecided
+    (see :func:`decided`)."""
     if not cells:
         return "no dose-response runs"
-    def ok(c: DoseCell) -> bool:
-        return not math.isnan(c.low) and c.low >= claim
-
-    def no(c: DoseCell) -> bool:
-        return (c.high if not math.isnan(c.high) else c.speedup) < claim
-
-    held = [c for c in cells if ok(c)]
-    failed = [c for c in cells if no(c)]
-    open_ = [c for c in cells if not ok(c) and not no(c)]
-
-    def where(group: list[DoseCell]) -> str:
-        return "; ".join(str(c) for c in group) if group else "none"
-
-    return (f"{claim:g}x or more with 95 % confidence in {len(held)} of {len(cells)} "
-            f"dose-response cells ({where(held)}); less in {len(failed)} ({where(failed)})"
-            + (f"; undecided in {len(open_)} ({where(open_)})" if open_ else ""))
+    return decided(f"{claim:g}x or more", "dose-response cells", cells,
+                   lambda c: (c.low, c.high), claim)
 
 
 def ring_note(platform: Platform, ranks: int, simulated: list[float]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -88,6 +89,19 @@ def test_the_coded_tree_rows_conditions_come_from_the_dose_response_runs(tmp_pat
     assert reproduction.verdict(7.0, 2.0, [0.5], cells) == "**partly**"
     assert reproduction.verdict(7.0, 2.0, [0.5], []) == "**not reproduced**"
     assert reproduction.conditions([], 7.0) == "no dose-response runs"
+
+
+def test_a_cell_of_one_launch_is_undecided_in_both_rows(tmp_path: Path) -> None:
+    """One launch gives no interval: the cell is neither held nor failed, whether it is a
+    dose-response cell or a code cell (the two rows decide through the same rule)."""
+    rows = [{"nodes": 13, "dose": 0.0, "repeat": 0, "scheme": "coded-tree", "median_s": 0.01},
+            {"nodes": 13, "dose": 0.0, "repeat": 0, "scheme": "ring", "median_s": 0.02}]
+    (tmp_path / "delay.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = reproduction.conditions(reproduction.dose_cells(tmp_path, "ring"), 7.0)
+    assert "in 0 of 1" in text and "less in 0 (none); undecided in 1 (13 ranks, 0s" in text
+    codes = {(13, 40960): (0.9, math.nan, math.nan)}
+    text = reproduction.codes_conditions(codes, 0.16)
+    assert "in 0 of 1" in text and "less in 0 (none); undecided in 1 (n=12, 41 KB: -10 %)" in text
 
 
 def test_the_codes_row_reads_paired_launches_and_says_where_the_saving_holds(

@@ -110,7 +110,9 @@ def decided(what: str, cells: str, items: Sequence[T],
     interval's lower end at least the claim), where they cannot (its upper end below), and
     where that is undecided (the interval straddles the claim, or there is none: one
     launch). From the data, nothing written by hand."""
-    held, failed, open_ = [], [], []
+    held: list[T] = []
+    failed: list[T] = []
+    open_: list[T] = []
     for item in items:
         low, high = interval(item)
         group = (open_ if math.isnan(low) or math.isnan(high) else held if low >= claim
@@ -128,7 +130,7 @@ def decided(what: str, cells: str, items: Sequence[T],
 def sweep_conditions(rows: list[dict[str, Any]], base: str, claim: float) -> str:
     """The coded tree's speedup over ``base`` in every cell of the sweep (one run each):
     how many reach ``claim``, and the largest."""
-    cells = {}
+    cells: dict[tuple[int, int, str], dict[str, float]] = {}
     for r in rows:
         cells.setdefault((r["nodes"], r["size_bytes"], r["straggler"]), {})[r["scheme"]] = (
             r["median_s"])

@@ -136,9 +136,14 @@ def test_a_killed_rank_costs_the_others_only_their_bounds(ranks, die_at: int) ->
         assert all(s["lanes"] is True for s in got), rank  # the path under test
         assert all(2 in s["late"] and not s["exact"] for s in after), rank
         assert all(s["seconds"] <= s["deadline"] + 0.05 for s in after), rank
-        # Rank 2's quarter of every shard is missing, nothing more (a stand-in for its own
-        # shard: its reduced slices never come).
-        assert all(0.5 <= s["received"] < 1 for s in after), rank
+        # Rank 2's quarter of every shard is missing (a stand-in for its own shard: its
+        # reduced slices never come), and nothing more unless the step names who else was
+        # late: the deadline adapts to the measured stages, and on a busy 2-core machine it
+        # may also cut a live rank now and then (seen once in a whole-suite run), which the
+        # step then says.
+        more = [(s["step"], s["received"], s["late"]) for s in after
+                if not 0.5 <= s["received"] < 1 and not set(s["late"]) - {2}]
+        assert not more, (rank, more)
 
 
 async def test_use_keep_resumes_a_kept_session_with_its_learned_state() -> None:

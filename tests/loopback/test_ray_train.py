@@ -1,7 +1,9 @@
 """Ray Train with ``TorchConfig(backend="aioreduce")`` on a local Ray cluster (its own GCS,
 raylet and worker processes, on 127.0.0.1): ``examples/ray_train.py`` over Gloo and over
-aioreduce, 2 and 3 workers, ends at the same loss. The workers never import aioreduce before
-Ray creates their process group: torch's backend autoload must have registered it."""
+aioreduce, 3 workers, ends at the same loss. The workers never import aioreduce before Ray
+creates their process group: torch's backend autoload must have registered it. (One worker
+count: a fit is mostly Ray Train's own start-up, about 30 s on a 2-core machine, and what is
+tested does not depend on the count.)"""
 
 from __future__ import annotations
 
@@ -29,9 +31,8 @@ def _fit(backend: str, workers: int) -> dict[str, object]:
     return result
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_ray_train_over_aioreduce_reaches_gloos_loss(workers: int) -> None:
-    gloo, ours = _fit("gloo", workers), _fit("aioreduce", workers)
+def test_ray_train_over_aioreduce_reaches_gloos_loss() -> None:
+    gloo, ours = _fit("gloo", 3), _fit("aioreduce", 3)
     assert ours["backend"] == "aioreduce" and gloo["backend"] == "gloo"
     assert abs(float(ours["loss"]) - float(gloo["loss"])) <= 1e-4 * float(gloo["loss"])
     assert float(ours["accuracy"]) > 0.9

@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -42,14 +43,30 @@ def _run(mode: str, save: Path, *launch: str, kill: str = "", kill_in: str = "ba
     return finals, out.stderr
 
 
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory: pytest.TempPathFactory
+                ) -> Callable[[str, str], tuple[list[dict], Path]]:
+    """The undisturbed run of (mode, model), made once for the cases that compare with it
+    (it does not depend on where the kill lands): its finals and its saved parameters."""
+    runs: dict[tuple[str, str], tuple[list[dict], Path]] = {}
+
+    def get(mode: str, model: str) -> tuple[list[dict], Path]:
+        if (mode, model) not in runs:
+            save = tmp_path_factory.mktemp("calm") / "calm"
+            runs[(mode, model)] = (_run(mode, save, model=model)[0], save)
+        return runs[(mode, model)]
+    return get
+
+
 @pytest.mark.parametrize("mode, kill_in, model", [
     ("optimizer", "backward", "mlp"), ("optimizer", "step", "mlp"),
     ("ddp", "backward", "mlp"), ("ddp", "step", "mlp"), ("ddp", "backward", "transformer")])
 def test_a_rank_killed_inside_an_iteration_heals_to_the_undisturbed_run(
-        mode: str, kill_in: str, model: str, tmp_path: Path) -> None:
+        mode: str, kill_in: str, model: str, tmp_path: Path,
+        undisturbed: Callable[[str, str], tuple[list[dict], Path]]) -> None:
     # backward: a bucket summing, the next not started; step: in the optimizer's step, every
     # sum of the iteration done (the live ranks run the next iteration again).
-    calm, _ = _run(mode, tmp_path / "calm", model=model)
+    calm, calm_save = undisturbed(mode, model)
     assert calm[0]["buckets"] >= 2  # an iteration is several sums: the kill lands between
     finals, err = _run(mode, tmp_path / "healed", "--restart", "2", kill="2:10",
                        kill_in=kill_in, model=model)
@@ -64,7 +81,7 @@ def test_a_rank_killed_inside_an_iteration_heals_to_the_undisturbed_run(
     if mode == "optimizer":  # the iteration's buckets ran again as they were: bit for bit
         assert finals[0]["params"] == calm[0]["params"]
     else:  # ran again as one vector: the ring adds in another order, and rounds otherwise
-        got, want = (np.load(tmp_path / f"{run}.0.npy") for run in ("healed", "calm"))
+        got, want = np.load(tmp_path / "healed.0.npy"), np.load(f"{calm_save}.0.npy")
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     # The model's loss at the end, on a batch no rank trained on, as the undisturbed run's.
     assert finals[0]["loss"] == pytest.approx(calm[0]["loss"], rel=0.01)

@@ -100,11 +100,12 @@ def steps(out: Path, quick: bool, root: bool, torch: bool) -> list[Step]:
 def run(step: Step) -> float:
     """Run ``step``; its seconds. Raises if the command fails."""
     t0 = time.perf_counter()
+    if step.results is not None:
+        step.results.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(step.argv, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     if proc.returncode:
         raise SystemExit(f"{step.name}: exit {proc.returncode}: {' '.join(step.argv)}")
     if step.lines and step.results is not None:
-        step.results.parent.mkdir(parents=True, exist_ok=True)
         with step.results.open("a") as f:
             f.writelines(line + "\n" for line in proc.stdout.splitlines()
                          if line.startswith(step.lines))

@@ -151,6 +151,7 @@ def main() -> None:
             lines.append(f"| {name.split(':')[0]} | {m.cfg.nodes} | {fmt_size(m.cfg.size_bytes)}"
                          f" | {m.straggler} | {m.scheme} | {m.median * 1e3:.1f} | "
                          f"{c.predicted * 1e3:.1f} | {c.error:+.0%} |")
+    opts.out.parent.mkdir(parents=True, exist_ok=True)
     opts.out.write_text("\n".join(lines) + "\n")
     opts.out.with_suffix(".json").write_text(json.dumps(scored, indent=1) + "\n")
     print("\n".join(lines[8:8 + len(splits) + 2]))

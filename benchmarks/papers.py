@@ -122,7 +122,7 @@ def main() -> None:
     out = opts.out.resolve()
     if out.exists():
         shutil.rmtree(out)
-    (out / "optireduce").mkdir(parents=True)
+    out.mkdir(parents=True)  # (each step makes its results folder: run)
     root = os.geteuid() == 0
     torch = importlib.util.find_spec("torch") is not None  # Gloo, and DDP's time to accuracy
     log = ["# Commands behind this directory", "",

@@ -3,8 +3,8 @@
 Acceptance: with one rank delayed past the others every step, each step's decoded gradient
 equals the single-process gradient of the same global mini-batch within 1e-4 relative
 (float32), over several epochs of an awkward data-set size (1797 samples, batches of 128: the
-last one has 5); a rank SIGKILLed mid-training does not stop training, the loss keeps going
-down and every surviving rank holds identical parameters.
+last one has 5); a rank SIGKILLed mid-training (in the same job, in another family) does not
+stop training, the loss keeps going down and every surviving rank holds identical parameters.
 """
 
 from __future__ import annotations
@@ -30,31 +30,16 @@ def _steps(out: str) -> list[dict]:
     return [json.loads(line[5:]) for line in out.splitlines() if line.startswith("STEP ")]
 
 
-def test_decoded_minibatch_gradient_is_exact_with_a_delayed_rank(tmp_path: Path) -> None:
-    job = Ranks(13)
-    try:
-        job.start_all("--epochs", "3", "--batch", "128", "--out", str(tmp_path), prog=PROG,
-                      AIOREDUCE_STRAGGLE="rank=5:delay=0.2")
-        done = job.wait(300)
-    finally:
-        job.kill()
-    assert all(d.returncode == 0 for d in done.values()), {r: d.err[-2000:]
-                                                            for r, d in done.items()}
-    steps = _steps(done[0].out)
-    assert len(steps) == 3 * 15  # 14 full batches and one of 5, per epoch
-    assert {s["batch"] for s in steps} == {128, 1797 - 14 * 128}
-    assert max(s["rel_err"] for s in steps) < 1e-4, steps
-    # The path we mean: the delayed rank was skipped (decoded without it) at least once.
-    assert sum(5 in s["late"] for s in steps) >= 10, [s["late"] for s in steps]
-    params = [np.load(tmp_path / f"coded.{r}.npy") for r in range(13)]
-    assert all(np.array_equal(p, params[0]) for p in params)
-
-
-def test_a_killed_rank_does_not_stop_coded_training(tmp_path: Path) -> None:
+def test_exact_with_a_delayed_rank_and_training_goes_on_past_a_killed_one(tmp_path: Path
+                                                                         ) -> None:
+    # One job for both paths (13 torch processes are most of a run's cost): rank 5 (under
+    # rank 1) is delayed every step; rank 7 (under rank 2, another family) is SIGKILLed once
+    # 10 steps are done.
     job = Ranks(13)
     victim = 7
     try:
-        job.start_all("--epochs", "4", "--batch", "128", "--out", str(tmp_path), prog=PROG)
+        job.start_all("--epochs", "4", "--batch", "128", "--out", str(tmp_path), prog=PROG,
+                      AIOREDUCE_STRAGGLE="rank=5:delay=0.2")
         job.drain()
         end = time.monotonic() + 120
         while time.monotonic() < end and len(_steps(job.output(0))) < 10:
@@ -68,8 +53,12 @@ def test_a_killed_rank_does_not_stop_coded_training(tmp_path: Path) -> None:
     alive = [r for r in range(13) if r != victim]
     assert all(done[r].returncode == 0 for r in alive), {r: done[r].err[-2000:] for r in alive}
     steps = _steps(done[0].out)
-    assert len(steps) == 4 * 15 and max(s["rel_err"] for s in steps) < 1e-4
-    assert any(victim in s["late"] for s in steps)  # the path: decoded without it
+    assert len(steps) == 4 * 15  # 14 full batches and one of 5, per epoch
+    assert {s["batch"] for s in steps} == {128, 1797 - 14 * 128}
+    assert max(s["rel_err"] for s in steps) < 1e-4, steps
+    # The paths we mean: decoded without the delayed rank, and without the dead one.
+    assert sum(5 in s["late"] for s in steps) >= 10, [s["late"] for s in steps]
+    assert any(victim in s["late"] for s in steps)
     first, last = steps[:15], steps[-15:]
     assert np.mean([s["loss"] for s in last]) < 0.8 * np.mean([s["loss"] for s in first])
     params = [np.load(tmp_path / f"coded.{r}.npy") for r in alive]

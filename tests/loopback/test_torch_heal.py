@@ -58,9 +58,11 @@ def undisturbed(tmp_path_factory: pytest.TempPathFactory
     return get
 
 
+# DDP's kill in the backward pass on the transformer only (the same path as the MLP's, on the
+# model the issue names): each case starts 4 torch processes and a replacement.
 @pytest.mark.parametrize("mode, kill_in, model", [
     ("optimizer", "backward", "mlp"), ("optimizer", "step", "mlp"),
-    ("ddp", "backward", "mlp"), ("ddp", "step", "mlp"), ("ddp", "backward", "transformer")])
+    ("ddp", "step", "mlp"), ("ddp", "backward", "transformer")])
 def test_a_rank_killed_inside_an_iteration_heals_to_the_undisturbed_run(
         mode: str, kill_in: str, model: str, tmp_path: Path,
         undisturbed: Callable[[str, str], tuple[list[dict], Path]]) -> None:

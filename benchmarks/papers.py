@@ -69,7 +69,7 @@ def steps(out: Path, quick: bool, root: bool, torch: bool) -> list[Step]:
                 ("codes-4m", ["--nodes", "13,40", "--slow", "1", "--compute", "0.05",
                               "--straggle", "all:load-exp=2", "--scheme", CODES,
                               "--size", "4M"])]
-        tail = ["--nodes", "4", "--size", "1M", "--iters", "100"]
+        tail = ["--nodes", "4", "--size", "1M", "--iters", "300"]
     plan = [Step(f"dose: {name}", [*BENCH, "dose", "--out", str(dose / name), *common, *extra],
                  dose / f"{name}.jsonl", dose / name / "results.jsonl")
             for name, extra in runs]

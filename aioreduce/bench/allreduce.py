@@ -37,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -321,9 +321,19 @@ def _predict(cfg: Config, name: str, scheme: Scheme | None, world: int) -> float
     return None
 
 
-def run_allreduce(cfg: Config, timeout: float = 3600.0) -> list[dict[str, Any]]:
-    """Run ``cfg.nodes`` ranks (locally with aioreduce-launch, or one per emulated host);
-    return rank 0's result objects."""
+@dataclass(frozen=True)
+class Hosts:
+    """Real hosts to run the ranks on: a hostfile for aioreduce-launch, which starts them over
+    SSH, and more options for it (an identity file, known hosts)."""
+
+    hostfile: str
+    launch_args: tuple[str, ...] = ()
+
+
+def run_allreduce(cfg: Config, timeout: float = 3600.0, *, hosts: Hosts | None = None
+                  ) -> list[dict[str, Any]]:
+    """Run ``cfg.nodes`` ranks (on ``hosts`` over SSH, else locally with aioreduce-launch, or
+    one per emulated host with ``cfg.netns``); return rank 0's result objects."""
     worker = [sys.executable, "-m", "aioreduce.bench.allreduce", "--worker",
               json.dumps(asdict(cfg))]
     env = dict(os.environ)
@@ -332,7 +342,15 @@ def run_allreduce(cfg: Config, timeout: float = 3600.0) -> list[dict[str, Any]]:
     if cfg.latency > 0:
         env["AIOREDUCE_LATENCY"] = repr(cfg.latency)
     env.setdefault("OMP_NUM_THREADS", "1")  # 2 cores shared by many ranks: no thread storms
-    if cfg.netns:
+    if hosts is not None:  # the launcher places cfg.nodes ranks on the hostfile's slots
+        cmd = [sys.executable, "-m", "aioreduce_launch.cli", hosts.hostfile, "-n",
+               str(cfg.nodes), *hosts.launch_args, "--", *worker]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout, env=env)
+        if proc.returncode:
+            raise RuntimeError(f"benchmark ranks on {hosts.hostfile} failed (exit code "
+                               f"{proc.returncode})")
+        out, tag = proc.stdout, "[0] RESULT "
+    elif cfg.netns:
         out = run_on_cluster(cfg.nodes, cfg.link_mbit, cfg.background, worker, env, timeout,
                              cpus_per_host=cfg.cpus_per_host)
         tag = "RESULT "

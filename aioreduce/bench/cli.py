@@ -196,6 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
                      "127.0.0.1 with --no-netns), fitted; saved to --costs")
     adv.add_argument("--no-netns", action="store_true",
                      help="with --measure: ranks on 127.0.0.1 instead of emulated hosts")
+    adv.add_argument("--hostfile", metavar="FILE",
+                     help="with --measure: measure your cluster instead, --nodes ranks "
+                          "started on FILE's hosts by aioreduce-launch over SSH (give "
+                          "--link-mbit, their links' rate: the fit keeps it fixed)")
+    adv.add_argument("--launch-args", default="", metavar="ARGS",
+                     help="with --hostfile: more aioreduce-launch options, e.g. "
+                          "'-I ~/.ssh/cluster_key'")
     adv.add_argument("--top", type=int, default=10, help="how many options to print")
     return p
 
@@ -280,14 +287,26 @@ def _sim(opts: argparse.Namespace) -> int:
 def _advise(opts: argparse.Namespace) -> int:
     from ..sim.advise import advise
 
+    if opts.hostfile is not None and not opts.measure:
+        raise SystemExit("aioreduce-bench advise: --hostfile is where --measure runs; give "
+                         "--measure too")
+    if opts.hostfile is not None and opts.link_mbit is None:
+        raise SystemExit("aioreduce-bench advise: --hostfile needs --link-mbit, the rate of "
+                         "your hosts' links in Mbit/s (the fit keeps the links' rate fixed "
+                         "and fits what the software costs)")
     if opts.measure:
+        import shlex
         from pathlib import Path
 
         from ..sim.report import save_platforms
+        from .allreduce import Hosts
         from .measure import measure_costs
 
+        hosts = None
+        if opts.hostfile is not None:
+            hosts = Hosts(opts.hostfile, tuple(shlex.split(opts.launch_args)))
         save_platforms({opts.nodes: measure_costs(opts.nodes, netns=not opts.no_netns,
-                                                  link_mbit=opts.link_mbit)},
+                                                  link_mbit=opts.link_mbit, hosts=hosts)},
                        Path(opts.costs or "costs.json"))
     cfg, platform = _sim_config(opts)
     ranked = advise(cfg, platform)

@@ -268,3 +268,35 @@ def test_host_with_sshd_down_fails_fast_naming_it(cluster, tmp_path) -> None:
     assert cl.addr(3) in res.stderr and "nothing started" in res.stderr, res.stderr
     assert "ready" not in res.stdout
     assert not list(tmp_path.glob("secret.*"))  # no rank started anywhere
+
+
+def test_advise_measures_the_hosts_of_a_hostfile(cluster, tmp_path) -> None:
+    # `advise --measure --hostfile`: the short measurement runs on the hostfile's hosts,
+    # started over SSH by the launcher (4 ranks on two of them), and the fitted costs are
+    # that cluster's: a host per rank (no shared cores), the links at the rate given. The
+    # path only: these hosts share this machine's cores and their links are not shaped to
+    # the rate given, so the fitted values say nothing of the fit (test_netns checks it on
+    # shaped emulated hosts).
+    import json
+
+    cl, access, hostfile = cluster
+    costs = tmp_path / "costs.json"
+    launch = (f"-I {access.client_key} --ssh-known-hosts {access.known_hosts} "
+              "-x GLOO_SOCKET_IFNAME=eth0")  # (a namespace's hostname is 127.0.0.1)
+    out = subprocess.run(cl.exec_argv(0, [
+        sys.executable, "-m", "aioreduce.bench.cli", "advise", "--measure", "--nodes", "4",
+        "--hostfile", hostfile, "--link-mbit", "1000", "--launch-args", launch,
+        "--costs", str(costs), "--top", "3"]), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    saved = json.loads(costs.read_text())
+    assert list(saved) == ["4"]
+    for side in ("ours", "gloo"):
+        assert saved["4"][side]["cores"] is None  # the hosts' path: nobody shares cores
+        assert saved["4"][side]["bandwidth"] == 1000e6 / 8
+    assert "advice: " in out.stdout, out.stdout
+    # Refused without the links' rate, and without --measure.
+    for args in (["--measure"], ["--link-mbit", "1000"]):
+        bad = subprocess.run([sys.executable, "-m", "aioreduce.bench.cli", "advise",
+                              "--hostfile", hostfile, *args], capture_output=True, text=True,
+                             timeout=60)
+        assert bad.returncode != 0 and "--hostfile" in bad.stderr, bad.stderr

@@ -6,6 +6,7 @@ same on CUDA tensors where a GPU is present (ranks share it).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +36,13 @@ def _run(prog: str, *args: str) -> dict[int, str]:
 
 
 def _train(mode: str, backend: str, out: Path, *extra: str) -> list[np.ndarray]:
+    """Each rank's saved parameters (or error) of ``mode``; several modes, comma-separated,
+    run one after the other in one launch and are read from ``out`` after (none returned)."""
     outs = _run(PROG, mode, backend, str(out), *extra)
-    assert all(f"BACKEND {backend}" in o for o in outs.values())
+    modes = mode.split(",")
+    assert all(o.count(f"BACKEND {backend}") == len(modes) for o in outs.values())
+    if len(modes) > 1:
+        return []
     return [np.load(out / f"{mode}.{backend}.{r}.npy") for r in range(N)]
 
 
@@ -44,20 +50,35 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-def test_fsdp2_matches_gloo_and_runs_a_bf16_policy(tmp_path: Path) -> None:
-    gloo = _train("fsdp", "gloo", tmp_path)
-    ours = _train("fsdp", "aioreduce", tmp_path)
+# The CPU runs of the three tests below: one launch per backend, every mode in it (each as it
+# runs alone: its own seeds), as each launch costs 4 torch start-ups.
+GLOO = ("fsdp", "ddp", "ddp-bf16", "sum-bf16")
+OURS = ("fsdp", "fsdp-bf16", "ddp-bf16", "sum-bf16")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], list[np.ndarray]]:
+    out = tmp_path_factory.mktemp("trained")
+    _train(",".join(GLOO), "gloo", out)
+    _train(",".join(OURS), "aioreduce", out)
+
+    def saved(mode: str, backend: str) -> list[np.ndarray]:
+        return [np.load(out / f"{mode}.{backend}.{r}.npy") for r in range(N)]
+    return saved
+
+
+def test_fsdp2_matches_gloo_and_runs_a_bf16_policy(trained) -> None:
+    gloo, ours = trained("fsdp", "gloo"), trained("fsdp", "aioreduce")
     for r in range(N):  # each rank's own shards
         assert _rel(ours[r], gloo[r]) < 1e-5, r
-    half = _train("fsdp-bf16", "aioreduce", tmp_path)
+    half = trained("fsdp-bf16", "aioreduce")
     for r in range(N):  # trained in bf16, near the float32 run
         assert np.isfinite(half[r]).all() and np.abs(half[r] - ours[r]).max() < 0.2
 
 
-def test_ddp_of_a_bf16_model_is_within_bf16_rounding_of_gloo(tmp_path: Path) -> None:
-    f32 = _train("ddp", "gloo", tmp_path)[0]
-    gloo = _train("ddp-bf16", "gloo", tmp_path)
-    ours = _train("ddp-bf16", "aioreduce", tmp_path)
+def test_ddp_of_a_bf16_model_is_within_bf16_rounding_of_gloo(trained) -> None:
+    f32 = trained("ddp", "gloo")[0]
+    gloo, ours = trained("ddp-bf16", "gloo"), trained("ddp-bf16", "aioreduce")
     for r in range(N):
         assert _rel(ours[r], gloo[r]) <= 2.0 ** -7  # one bf16 step of the largest value
         np.testing.assert_array_equal(ours[r], ours[0])  # the replicas agree
@@ -67,10 +88,9 @@ def test_ddp_of_a_bf16_model_is_within_bf16_rounding_of_gloo(tmp_path: Path) -> 
     assert ours_off <= gloo_off * 1.001, (ours_off, gloo_off)
 
 
-def test_a_bf16_sum_is_rounded_once(tmp_path: Path) -> None:
+def test_a_bf16_sum_is_rounded_once(trained) -> None:
     """Gloo rounds every partial sum to bf16; we accumulate in float32 and round once."""
-    gloo = _train("sum-bf16", "gloo", tmp_path)
-    ours = _train("sum-bf16", "aioreduce", tmp_path)
+    gloo, ours = trained("sum-bf16", "gloo"), trained("sum-bf16", "aioreduce")
     assert ours[0].mean() < 0.75 * gloo[0].mean()
     for r in range(N):
         np.testing.assert_array_equal(ours[r], ours[0])

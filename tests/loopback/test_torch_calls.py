@@ -22,23 +22,39 @@ PROG = str(HERE / "torchcalls.py")
 N = 4
 
 
-def _calls(backend: str, dtype: str, out: Path) -> dict[int, dict[str, np.ndarray]]:
+DTYPES = ("float32", "bfloat16")
+
+
+def _calls(backend: str, dtypes: tuple[str, ...], out: Path
+           ) -> dict[str, dict[int, dict[str, np.ndarray]]]:
+    """Every call's results per dtype and rank, from one launch that runs ``dtypes`` one
+    after the other."""
     job = Ranks(N)
     try:
-        job.start_all(backend, dtype, str(out), prog=PROG)
+        job.start_all(backend, ",".join(dtypes), str(out), prog=PROG)
         done = job.wait(240)
     finally:
         job.kill()
     for d in done.values():
-        assert d.returncode == 0, (backend, dtype, d.rank, d.err[-3000:])
-        assert f"BACKEND {backend}" in d.out  # the backend we mean ran every call
-    return {r: dict(np.load(out / f"{backend}.{dtype}.{r}.npz")) for r in range(N)}
+        assert d.returncode == 0, (backend, dtypes, d.rank, d.err[-3000:])
+        # the backend we mean ran every call, once per dtype
+        assert d.out.count(f"BACKEND {backend}") == len(dtypes), d.out
+    return {dtype: {r: dict(np.load(out / f"{backend}.{dtype}.{r}.npz")) for r in range(N)}
+            for dtype in dtypes}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_every_call_gives_gloos_values(dtype: str, tmp_path: Path) -> None:
-    gloo = _calls("gloo", dtype, tmp_path)
-    ours = _calls("aioreduce", dtype, tmp_path)
+@pytest.fixture(scope="module")
+def called(tmp_path_factory: pytest.TempPathFactory
+           ) -> dict[tuple[str, str], dict[int, dict[str, np.ndarray]]]:
+    # One launch per backend, both dtypes in it (a launch is 4 torch start-ups).
+    out = tmp_path_factory.mktemp("calls")
+    return {(backend, dtype): got for backend in ("gloo", "aioreduce")
+            for dtype, got in _calls(backend, DTYPES, out).items()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_call_gives_gloos_values(dtype: str, called) -> None:
+    gloo, ours = called["gloo", dtype], called["aioreduce", dtype]
     for r in range(N):
         assert len(ours[r]) >= len(gloo[r]) >= 34  # Gloo of torch 2.11: no list all_to_all
         want = [[10.0 * j + r, float(j)] for j in range(N)]  # rank j's part for us

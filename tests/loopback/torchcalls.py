@@ -1,11 +1,11 @@
 """One rank of a generic torch.distributed program that makes every call trainers make.
 
-    torchcalls.py BACKEND DTYPE OUT [--device cpu|cuda]
+    torchcalls.py BACKEND DTYPE[,DTYPE] OUT [--device cpu|cuda]
 
 Runs under ``init_process_group(BACKEND)`` (``gloo`` or ``aioreduce``) with tensors of DTYPE
 (``float32`` or ``bfloat16``), and saves every call's result on this rank to
 ``OUT/BACKEND.DTYPE.RANK.npz`` (each as float64), so a test can compare the backends value
-for value. The values are small integers, exact in bfloat16 whatever the order of the sums.
+for value; several dtypes run one after the other in one process group. The values are small integers, exact in bfloat16 whatever the order of the sums.
 """
 
 from __future__ import annotations
@@ -37,12 +37,20 @@ def keep(name: str, value: object) -> None:
 
 
 def main() -> None:
-    backend, dtype_name, out = sys.argv[1:4]
+    backend, dtype_names, out = sys.argv[1:4]
     device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cpu"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    dtype = getattr(torch, dtype_name)
     dist.init_process_group(backend, timeout=timedelta(seconds=120))
+    for dtype_name in dtype_names.split(","):  # one after the other, in one process group
+        got.clear()
+        calls(backend, dtype_name, out, device)
+    dist.destroy_process_group()
+
+
+def calls(backend: str, dtype_name: str, out: str, device: str) -> None:
+    """Every call with tensors of ``dtype_name``; saves their results."""
+    dtype = getattr(torch, dtype_name)
     r, n = dist.get_rank(), dist.get_world_size()
 
     def t(values: object) -> torch.Tensor:
@@ -221,7 +229,6 @@ def main() -> None:
         torch.cuda.synchronize()
     np.savez(os.path.join(out, f"{backend}.{dtype_name}.{r}.npz"), **got)
     print(f"CALLS {len(got)} BACKEND {dist.get_backend()}", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 Runs under ``init_process_group(BACKEND)`` (``gloo`` or ``aioreduce``) with tensors of DTYPE
 (``float32`` or ``bfloat16``), and saves every call's result on this rank to
 ``OUT/BACKEND.DTYPE.RANK.npz`` (each as float64), so a test can compare the backends value
-for value; several dtypes run one after the other in one process group. The values are small integers, exact in bfloat16 whatever the order of the sums.
+for value; several dtypes run one after the other in one process group. The values are small
+integers, exact in bfloat16 whatever the order of the sums.
 """
 
 from __future__ import annotations

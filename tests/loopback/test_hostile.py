@@ -24,8 +24,10 @@ pytestmark = pytest.mark.loopback
 
 
 def test_hostile_flood_against_a_live_ring_changes_nothing() -> None:
-    rep = ring_under_flood(1500, steps=2500)
-    assert rep["steps_when_flood_ended"] < 2500, rep  # the flood hit a running job
+    # 1000 steps: the flood of 1500 connections ends after about 300 here (3 s), and the ring
+    # runs on past it for the rest.
+    rep = ring_under_flood(1500, steps=1000)
+    assert rep["steps_when_flood_ended"] < 1000, rep  # the flood hit a running job
     assert set(rep["codes"].values()) == {0}, rep
     assert rep["wrong"] == 0 and rep["tracebacks"] == 0, rep
     assert rep["rss_growth_mib"] <= 50, rep

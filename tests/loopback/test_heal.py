@@ -178,12 +178,12 @@ def test_killed_ranks_rejoin_heal_and_contribute_again_and_impostors_are_named(
 
 def test_a_rank_that_fell_behind_the_window_heals_by_itself(ranks) -> None:
     """Rank 5 is stopped while the job runs on past its peers' result window (two results;
-    vectors large enough that the results sent meanwhile do not all fit in its socket buffers):
+    the 35 or so results sent meanwhile, 240 KB each, do not all fit in its socket buffers):
     resumed, it gets FellBehind, already healed from its parent (nobody else's code asked for
     anything), and ends with the same model as every other rank."""
     job: Ranks = ranks(13)
     args = ("coded-tree", "--state", "--steps", "60", "--pace", "0.02", "--deadline", "2",
-            "--dim", "100000", "--options", '{"history_bytes": 1600000}')
+            "--dim", "30000", "--options", '{"history_bytes": 480000}')
     lines = {r: Lines(job.start(r, *args, *(["--stop", "5", "--die-step", "5"] if r == 5
                                             else []), prog=SCHEMEPROG))
              for r in range(13)}

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location(
-    "papers", Path(__file__).resolve().parents[2] / "benchmarks" / "papers.py")
-assert _spec is not None and _spec.loader is not None
-papers = importlib.util.module_from_spec(_spec)
-sys.modules["papers"] = papers
-_spec.loader.exec_module(papers)
+from .scripts import load
+
+papers = load("papers")
 
 
 def test_a_step_lands_its_results_in_a_folder_nobody_made_yet(tmp_path: Path) -> None:

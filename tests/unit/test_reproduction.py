@@ -3,21 +3,16 @@ figures are the files', the verdict follows from them, and without files it says
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
+from .scripts import load
+
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("reproduction",
-                                               ROOT / "benchmarks" / "reproduction.py")
-assert _spec is not None and _spec.loader is not None
-reproduction = importlib.util.module_from_spec(_spec)
-sys.modules["reproduction"] = reproduction  # (its dataclasses look their module up)
-_spec.loader.exec_module(reproduction)
+reproduction = load("reproduction")
 
 
 def _tta(run: str, seconds: float) -> dict[str, object]:

@@ -5,6 +5,7 @@ Ctrl-C, a dropped SSH connection, an unreachable host, and the secret off every 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -277,8 +278,6 @@ def test_advise_measures_the_hosts_of_a_hostfile(cluster, tmp_path) -> None:
     # path only: these hosts share this machine's cores and their links are not shaped to
     # the rate given, so the fitted values say nothing of the fit (test_netns checks it on
     # shaped emulated hosts).
-    import json
-
     cl, access, hostfile = cluster
     costs = tmp_path / "costs.json"
     launch = (f"-I {access.client_key} --ssh-known-hosts {access.known_hosts} "

@@ -35,15 +35,20 @@ def _run(prog: str, *args: str) -> dict[int, str]:
     return {r: d.out for r, d in done.items()}
 
 
-def _train(mode: str, backend: str, out: Path, *extra: str) -> list[np.ndarray]:
-    """Each rank's saved parameters (or error) of ``mode``; several modes, comma-separated,
-    run one after the other in one launch and are read from ``out`` after (none returned)."""
-    outs = _run(PROG, mode, backend, str(out), *extra)
-    modes = mode.split(",")
+def _launch(modes: tuple[str, ...], backend: str, out: Path, *extra: str) -> None:
+    """One launch that runs ``modes`` one after the other, each rank saving to ``out``."""
+    outs = _run(PROG, ",".join(modes), backend, str(out), *extra)
     assert all(o.count(f"BACKEND {backend}") == len(modes) for o in outs.values())
-    if len(modes) > 1:
-        return []
+
+
+def _saved(mode: str, backend: str, out: Path) -> list[np.ndarray]:
+    """Each rank's saved parameters (or error) of ``mode``."""
     return [np.load(out / f"{mode}.{backend}.{r}.npy") for r in range(N)]
+
+
+def _train(mode: str, backend: str, out: Path, *extra: str) -> list[np.ndarray]:
+    _launch((mode,), backend, out, *extra)
+    return _saved(mode, backend, out)
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -59,12 +64,9 @@ OURS = ("fsdp", "fsdp-bf16", "ddp-bf16", "sum-bf16")
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], list[np.ndarray]]:
     out = tmp_path_factory.mktemp("trained")
-    _train(",".join(GLOO), "gloo", out)
-    _train(",".join(OURS), "aioreduce", out)
-
-    def saved(mode: str, backend: str) -> list[np.ndarray]:
-        return [np.load(out / f"{mode}.{backend}.{r}.npy") for r in range(N)]
-    return saved
+    _launch(GLOO, "gloo", out)
+    _launch(OURS, "aioreduce", out)
+    return lambda mode, backend: _saved(mode, backend, out)
 
 
 def test_fsdp2_matches_gloo_and_runs_a_bf16_policy(trained) -> None:

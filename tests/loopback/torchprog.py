@@ -50,7 +50,9 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     dev = torch.device(a.device)
     node = None
-    if modes[0] in ("hook", "optimizer"):
+    if modes[0] in ("gloo", "backend"):
+        dist.init_process_group("aioreduce" if modes[0] == "backend" else "gloo")
+    else:
         node = ar.connect(scheme=ar.Ring())
         if a.device == "cuda":  # the node's own call takes a GPU tensor too
             res = node.allreduce(torch.full((3,), float(rank), device=dev), op="mean")
@@ -77,7 +79,6 @@ def train(mode: str, node: ar.Node | None, rank: int, dev: torch.device, steps: 
     elif mode == "optimizer":
         model = mlp().to(dev)
     else:
-        dist.init_process_group("aioreduce" if mode == "backend" else "gloo")
         model = DistributedDataParallel(mlp().to(dev))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if mode == "optimizer":
@@ -100,6 +101,7 @@ def train(mode: str, node: ar.Node | None, rank: int, dev: torch.device, steps: 
         print(f"BUCKETS {len(opt.results)}", flush=True)
     else:
         print(f"BACKEND {dist.get_backend()}", flush=True)
+
 
 if __name__ == "__main__":
     main()

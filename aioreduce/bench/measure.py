@@ -43,8 +43,7 @@ def measure_costs(nodes: int, *, netns: bool = True, link_mbit: float | None = N
         measured += [Measured(row["scheme"], replace(cfg, schemes=[row["scheme"]],
                                                      vs_gloo=False), row["median_s"])
                      for row in run_allreduce(cfg, hosts=hosts)]
-    if hosts is not None:  # a host per rank: nobody's cores are shared
-        return fit(measured, emulation_start(link or 1e5).on_cluster(cores=None))
-    # every rank of this machine shares its cores, emulated hosts or not
-    start = emulation_start(link if link is not None else 1e5, cores=os.cpu_count() or 1)
-    return fit(measured, start)
+    # Every rank of this machine shares its cores, emulated hosts or not; on the user's
+    # hosts nobody's are shared.
+    cores = None if hosts is not None else os.cpu_count() or 1
+    return fit(measured, emulation_start(link if link is not None else 1e5, cores=cores))

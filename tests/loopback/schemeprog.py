@@ -75,7 +75,8 @@ async def main(args: argparse.Namespace) -> None:
         model[:] = np.frombuffer(blob, np.float64)
 
     hooks = ar.StateHooks(lambda: model.tobytes(), load) if args.state else None
-    async with ar.Node.from_env(scheme=scheme, state=hooks) as node:
+    closing = {} if args.close_timeout is None else {"close_timeout": args.close_timeout}
+    async with ar.Node.from_env(scheme=scheme, state=hooks, **closing) as node:
         import asyncio
 
         asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, _debug_dump, node)
@@ -237,6 +238,9 @@ if __name__ == "__main__":
     p.add_argument("--die", type=lambda s: [int(x) for x in s.split(",") if x], default=[])
     p.add_argument("--stop", type=lambda s: [int(x) for x in s.split(",") if x], default=[])
     p.add_argument("--die-step", type=int, default=5)
+    p.add_argument("--close-timeout", type=float, default=None,
+                   help="Node(close_timeout=...): how long the closing barrier waits for a rank "
+                        "(one --stop left stopped never comes; default Node's)")
     p.add_argument("--pace", type=float, default=0.0)
     p.add_argument("--gap", type=float, default=0.0,
                    help="seconds between steps (a trainer's compute outside the step)")

@@ -117,9 +117,9 @@ def test_emulated_latency_delays_every_hop_and_sums_stay_exact(ranks, scheme: st
 @pytest.mark.parametrize("extra", [[], LANES], ids=["event-loop", "lanes"])
 def test_coded_tree_does_not_wait_for_one_slow_child_per_family(ranks, extra) -> None:
     # One child in each of the four families a second late.
-    done = run(ranks, 13, "coded-tree", "--steps", "10", *extra,
+    done = run(ranks, 13, "coded-tree", "--steps", "4", *extra,
                AIOREDUCE_STRAGGLE="rank=3,6,9,12:delay=1.0")
-    assert_all_exact(done, 10)
+    assert_all_exact(done, 4)
     assert_path(done, bool(extra))
     # No parent waited for its slow child: on every step each slow child of a fast parent (a
     # second late) is among the root's late ranks, its share decoded from its siblings'. (A
@@ -130,9 +130,9 @@ def test_coded_tree_does_not_wait_for_one_slow_child_per_family(ranks, extra) ->
 
 
 def test_gc_does_not_wait_for_a_slow_worker(ranks) -> None:
-    done = run(ranks, 7, "gc-cyclic", "--steps", "10", "--stragglers", "1",
+    done = run(ranks, 7, "gc-cyclic", "--steps", "4", "--stragglers", "1",
                AIOREDUCE_STRAGGLE="rank=4:delay=1.0")
-    assert_all_exact(done, 10)
+    assert_all_exact(done, 4)
     # The master never waited for it: a second late on every step, it is never used.
     assert all(4 in s["late"] and 4 not in s["used"] for s in steps_of(done[0])), steps_of(done[0])
 
@@ -256,7 +256,8 @@ def test_s_plus_one_silent_children_raise_within_the_deadline(ranks, extra) -> N
     # SIGSTOP: no connection breaks, only the deadline can tell.
     job: Ranks = ranks(7)
     job.start_all("gc-cyclic", "--steps", "4", "--stragglers", "1", "--stop", "2,5",
-                  "--die-step", "2", "--deadline", "1.5", *extra, prog=SCHEMEPROG)
+                  "--die-step", "2", "--deadline", "1.5", "--close-timeout", "2", *extra,
+                  prog=SCHEMEPROG)  # (2 s, not 10, for the stopped ranks at the close)
     try:
         for rank in (0, 1, 3, 4, 6):
             out, _err = job.procs[rank].communicate(timeout=60)
@@ -300,8 +301,9 @@ def test_stopped_intermediate_rank_does_not_strand_its_children(ranks, extra) ->
     # passes nothing on: its children ask rank 0 to adopt them and get every result from it
     # (over the mesh: with lanes, only parent and children have them).
     job: Ranks = ranks(13)
+    # (Rank 3 never reaches the closing barrier: the others wait 2 s for it, not 10.)
     job.start_all("coded-tree", "--steps", "14", "--stop", "3", "--die-step", "3",
-                  "--deadline", "0.5", *extra, prog=SCHEMEPROG,
+                  "--deadline", "0.5", "--close-timeout", "2", *extra, prog=SCHEMEPROG,
                   AIOREDUCE_STRAGGLE="all:delay=0.2")
     try:
         for rank, proc in job.procs.items():
@@ -312,7 +314,10 @@ def test_stopped_intermediate_rank_does_not_strand_its_children(ranks, extra) ->
             assert [s["step"] for s in got] == list(range(14)), (rank, err[-2000:])
             assert all("error" not in s and s["rel_err"] < 1e-9 for s in got), (rank, got)
             assert all(s["lanes"] is bool(extra) for s in got), rank
-            # The orphans lose about one deadline once, not one per step.
-            assert sum(s["seconds"] for s in got) < 14 * 0.2 + 4, (rank, got)
+            # The orphans lose a deadline once, not one per step: from the stop on they take
+            # every result from rank 0 without asking their silent parent first.
+            links = ["bypassed"] * 11 if rank in (10, 11, 12) else [None] * 11 if rank == 0 \
+                else ["healthy"] * 11
+            assert [s["link"] for s in got][3:] == links, (rank, got)
     finally:
         job.kill()

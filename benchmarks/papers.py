@@ -93,7 +93,8 @@ def steps(out: Path, quick: bool, root: bool, torch: bool) -> list[Step]:
         sys.executable, str(ROOT / "benchmarks" / "reproduction.py"), "--sweep",
         str(ROOT / "docs" / "sweep"), "--dose", str(dose), "--optireduce",
         str(out / "optireduce"), "--scores", str(scores), "--out",
-        str(out / "reproduction.md")], out / "reproduction.md"))
+        str(out / "reproduction.md"), *(["--sim-steps", "3"] if quick else [])],
+        out / "reproduction.md"))
     return plan
 
 

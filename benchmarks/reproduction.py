@@ -356,13 +356,16 @@ def main() -> None:
     ap.add_argument("--heldout", default="docs/sweep/heldout-40x64m",
                     help="the cell the sweep leaves out, run apart (aioreduce-bench sweep "
                          "--nodes 40 --sizes 64M --stragglers none --skip '')")
+    ap.add_argument("--sim-steps", type=int, default=20,
+                    help="steps per simulated cell at the papers' sizes (the median's sample; "
+                         "fewer for a check that the chain runs, as papers.py --quick)")
     opts = ap.parse_args()
     sweep = Path(opts.sweep)
     rows = [json.loads(x) for x in (sweep / "results.jsonl").read_text().splitlines() if x]
     platforms = load_platforms(sweep / COSTS)
     big = max(platforms)
     compute = rows[0]["compute_s"]
-    sim = Sim(platforms[big], compute)
+    sim = Sim(platforms[big], compute, opts.sim_steps)
     small = min(r["size_bytes"] for r in rows)
     large = max(r["size_bytes"] for r in rows)
     large_n = max(r["nodes"] for r in rows if r["size_bytes"] == large)

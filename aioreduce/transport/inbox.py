@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..delayline import LINE, Timer
 from ..errors import PeerLost, VectorMismatch
 from ..wire import DEFER, Frame, Header, Kind, ProtocolError, is_p2p
 from ..wire.control import OUT_OF_BAND, Notice
@@ -87,11 +88,15 @@ class Inbox:
     def __init__(self, rank: int, stage_limit: int,
                  on_lost: Callable[[int], None] | None = None,
                  budget: PeerBudget | None = None, latency: float = 0.0,
-                 on_control: Callable[[int, dict[str, object]], None] | None = None) -> None:
+                 on_control: Callable[[int, dict[str, object]], None] | None = None,
+                 timer: Timer = LINE) -> None:
         self.rank = rank
         # Out-of-band control messages but notices (a rank moved, a heal request) go here.
         self._on_control = on_control
         self.latency = latency  # emulated one-way latency, seconds (see the module docstring)
+        # What times it: by default the precise delay line, not the loop's timers (uvloop's
+        # count whole milliseconds, and the latencies emulated are often a fraction of one).
+        self._timer = timer
         self.budget = budget or PeerBudget()
         self.staged_bytes = 0  # payload bytes in _staged
         self._on_lost = on_lost
@@ -401,7 +406,7 @@ class Inbox:
         return any(header.tag >= lo for lo, _h in self._early)
 
     def _now(self) -> float:
-        return asyncio.get_running_loop().time() if self.latency > 0 else 0.0
+        return self._timer.now() if self.latency > 0 else 0.0
 
     def _resolve(self, fut: asyncio.Future[Header], header: Header, arrived: float) -> None:
         """Resolve a receive whose frame arrived at ``arrived``: now, or once the emulated
@@ -409,19 +414,19 @@ class Inbox:
         if self.latency <= 0:
             fut.set_result(header)
             return
-        loop = asyncio.get_running_loop()
         due = arrived + self.latency
-        if due <= loop.time():
+        if due <= self._timer.now():
             fut.set_result(header)
         else:
-            loop.call_at(due, _settle, fut, header)
+            self._timer.at(due, asyncio.get_running_loop(), _settle, fut, header)
 
     def _hand_early_after(self, header: Header, payload: memoryview) -> None:
         if self.latency <= 0:
             self._hand_early(header, payload)
         else:
             self._in_flight.add((header.step, header.tag))
-            asyncio.get_running_loop().call_later(self.latency, self._hand_late, header, payload)
+            self._timer.at(self._timer.now() + self.latency, asyncio.get_running_loop(),
+                           self._hand_late, header, payload)
 
     def _hand_late(self, header: Header, payload: memoryview) -> None:
         """An early frame whose emulated latency has passed: stale now if its stage ended

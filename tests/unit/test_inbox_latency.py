@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from aioreduce import Node
+from aioreduce.delayline import LoopTimer
 from aioreduce.errors import ConfigError
 from aioreduce.transport.inbox import Inbox
 from aioreduce.wire import Header, Kind
@@ -36,7 +37,7 @@ def _arrive(inbox: Inbox, header: Header, fill: int) -> None:
 
 def test_a_posted_receive_resolves_one_latency_after_its_bytes_land() -> None:
     async def body(loop: ClockLoop) -> None:
-        inbox = Inbox(1, stage_limit=1 << 20, latency=LATENCY)
+        inbox = Inbox(1, stage_limit=1 << 20, latency=LATENCY, timer=LoopTimer())
         out = np.zeros(8, np.uint8)
         fut = inbox.post((3, 0), memoryview(out), "|u1")
         await advance(loop, 1.0)  # nothing in flight: waiting costs no latency
@@ -52,7 +53,7 @@ def test_a_posted_receive_resolves_one_latency_after_its_bytes_land() -> None:
 
 def test_frames_in_flight_overlap_their_latencies() -> None:
     async def body(loop: ClockLoop) -> None:
-        inbox = Inbox(1, stage_limit=1 << 20, latency=LATENCY)
+        inbox = Inbox(1, stage_limit=1 << 20, latency=LATENCY, timer=LoopTimer())
         outs = [np.zeros(8, np.uint8) for _ in range(4)]
         futs = [inbox.post((3, t), memoryview(o), "|u1") for t, o in enumerate(outs)]
         for t in range(4):  # back to back, a hundredth of the latency apart
@@ -66,7 +67,7 @@ def test_frames_in_flight_overlap_their_latencies() -> None:
 
 def test_a_staged_frame_claimed_later_keeps_its_arrival_time() -> None:
     async def body(loop: ClockLoop) -> None:
-        inbox = Inbox(1, stage_limit=1 << 20, latency=LATENCY)
+        inbox = Inbox(1, stage_limit=1 << 20, latency=LATENCY, timer=LoopTimer())
         _arrive(inbox, _data(4, 0), 5)  # early: staged
         _arrive(inbox, _data(4, 1), 6)
         await advance(loop, LATENCY / 2)
@@ -84,7 +85,7 @@ def test_a_staged_frame_claimed_later_keeps_its_arrival_time() -> None:
 
 def test_early_handlers_see_a_frame_after_its_latency_unless_its_stage_ended() -> None:
     async def body(loop: ClockLoop) -> None:
-        inbox = Inbox(1, stage_limit=1 << 20, latency=LATENCY)
+        inbox = Inbox(1, stage_limit=1 << 20, latency=LATENCY, timer=LoopTimer())
         seen: list[tuple[int, int]] = []
         inbox.on_early(0, lambda h, p: seen.append((h.step, h.tag)))
         _arrive(inbox, _data(5, 0), 1)
@@ -100,7 +101,7 @@ def test_early_handlers_see_a_frame_after_its_latency_unless_its_stage_ended() -
 
 def test_a_receive_withdrawn_during_the_latency_stays_withdrawn() -> None:
     async def body(loop: ClockLoop) -> None:
-        inbox = Inbox(1, stage_limit=1 << 20, latency=LATENCY)
+        inbox = Inbox(1, stage_limit=1 << 20, latency=LATENCY, timer=LoopTimer())
         fut = inbox.post((6, 0), memoryview(np.zeros(8, np.uint8)), "|u1")
         _arrive(inbox, _data(6, 0), 1)
         fut.cancel()

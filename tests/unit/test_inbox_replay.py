@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from aioreduce.delayline import LoopTimer
 from aioreduce.transport.inbox import Inbox
 
 from .test_inbox_latency import LATENCY, ClockLoop, _arrive, _data, advance, run
@@ -50,7 +51,7 @@ def test_a_handler_removed_before_the_replay_hears_nothing() -> None:
 
 def test_a_frame_within_its_latency_is_handed_over_once_when_it_ends() -> None:
     async def body(loop: ClockLoop) -> None:
-        inbox = Inbox(1, stage_limit=1 << 20, latency=LATENCY)
+        inbox = Inbox(1, stage_limit=1 << 20, latency=LATENCY, timer=LoopTimer())
         _arrive(inbox, _data(5, 0), 1)  # staged, on the wire for LATENCY more
         await advance(loop, LATENCY / 2)
         seen: list[int] = []

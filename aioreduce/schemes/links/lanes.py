@@ -60,6 +60,7 @@ from typing import Any
 
 import numpy as np
 
+from ...delayline import LINE
 from ...errors import LaneMismatch, PeerLost
 from ...wire import Header, Kind, byte_view
 from ...wire.frame import ProtocolError
@@ -554,7 +555,7 @@ class LaneLinks:
 
             try:
                 if latency > 0:
-                    self._loop.call_soon_threadsafe(self._loop.call_later, latency, early)
+                    LINE.at(time.monotonic() + latency, self._loop, early)
                 else:
                     self._loop.call_soon_threadsafe(early)
             except RuntimeError:  # the loop is closed
@@ -603,7 +604,7 @@ class LaneLinks:
 
         try:
             if latency > 0:  # emulated one-way latency: it arrives this much later
-                self._loop.call_soon_threadsafe(self._loop.call_later, latency, done)
+                LINE.at(time.monotonic() + latency, self._loop, done)
             else:
                 self._loop.call_soon_threadsafe(done)
         except RuntimeError:  # the loop is closed: nobody waits for it any more

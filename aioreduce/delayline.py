@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import heapq
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -66,6 +67,12 @@ class DelayLine:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self.lead = 0.0  # seconds the thread wakes before a moment due (see the docstring)
+        # A forked child has no thread (only the forking one survives a fork): it starts its
+        # own, with nothing due (what was due belonged to the parent's loops).
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        self._due, self._cond, self._thread = [], threading.Condition(), None
 
     def now(self) -> float:
         return time.monotonic()

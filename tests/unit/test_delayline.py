@@ -4,6 +4,7 @@ they are due, each once, not before its moment less the line's bounded lead."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 from aioreduce.delayline import DelayLine
@@ -36,3 +37,25 @@ def test_callbacks_run_on_their_loop_in_the_order_due() -> None:
     assert all(on_loop for _n, on_loop, _d, _t in ran)
     # Never earlier than the lead it may aim ahead by (at most half a millisecond).
     assert all(t >= due - 0.0005 for _n, _l, due, t in ran), ran
+
+
+def test_a_forked_child_starts_a_line_of_its_own() -> None:
+    # The parent's line thread has run (and survives only in the parent): a child that
+    # delays a callback still gets it.
+    line = DelayLine()
+
+    async def once() -> str:
+        loop = asyncio.get_running_loop()
+        got: asyncio.Future[str] = loop.create_future()
+        line.at(line.now() + 0.0002, loop, got.set_result, "ran")
+        return await asyncio.wait_for(got, 30)
+
+    assert run(once()) == "ran"
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if its callback ran
+        try:
+            os._exit(0 if run(once()) == "ran" else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -182,13 +182,11 @@ def test_ranks_env_placement_and_tags(cluster, tmp_path) -> None:
 
 def test_failing_rank_code_propagates_and_nothing_is_left(cluster, tmp_path) -> None:
     cl, access, hostfile = cluster
-    t0 = time.monotonic()
     res = subprocess.run(_launch(cl, access, hostfile, sys.executable, "-c", PROG, "fail",
-                                 str(tmp_path)), capture_output=True, text=True, timeout=120)
+                                 str(tmp_path)), capture_output=True, text=True, timeout=30)
     assert res.returncode == 3, res.stderr[-3000:]
     assert "rank 3 on" in res.stderr and "exited with code 3" in res.stderr
     assert "[3] rank 3 fails" in res.stderr
-    assert time.monotonic() - t0 < 30
     assert not _no_job_processes(cl, 5)
 
 
@@ -225,12 +223,10 @@ def test_sigint_stops_every_rank_on_every_host(cluster, tmp_path) -> None:
             with contextlib.suppress(OSError):  # processes come and go while we look
                 data = cmdline.read_bytes()
             assert secret.encode() not in data, cmdline
-        t0 = time.monotonic()
         os.kill(proc.pid, signal.SIGINT)
-        proc.communicate(timeout=30)
+        proc.communicate(timeout=3 + 6)  # within the kill timeout plus a margin
         assert proc.returncode == 130
         assert not _no_job_processes(cl, 3 + 3), "processes left after SIGINT"
-        assert time.monotonic() - t0 < 3 + 6
     finally:
         _kill_job(proc)
 
@@ -260,12 +256,10 @@ def test_dropped_ssh_connection_leaves_no_orphan(cluster, tmp_path) -> None:
 def test_host_with_sshd_down_fails_fast_naming_it(cluster, tmp_path) -> None:
     cl, access, hostfile = cluster
     cl.stop_sshd(3)
-    t0 = time.monotonic()
     res = subprocess.run(_launch(cl, access, hostfile, sys.executable, "-c", PROG, "ok",
                                  str(tmp_path), extra=("--connect-timeout", "5")),
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=5 + 3)  # its connect timeout
     assert res.returncode == 2
-    assert time.monotonic() - t0 < 5 + 3
     assert cl.addr(3) in res.stderr and "nothing started" in res.stderr, res.stderr
     assert "ready" not in res.stdout
     assert not list(tmp_path.glob("secret.*"))  # no rank started anywhere

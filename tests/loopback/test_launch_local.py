@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -83,11 +82,9 @@ def test_sigint_stops_every_rank() -> None:
             line = proc.stdout.readline()
             assert line, "launcher ended early"
             lines.append(line)
-        t0 = time.monotonic()
         os.kill(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=2 + 5)  # within the kill timeout plus a margin
         assert proc.returncode == 130, err
-        assert time.monotonic() - t0 < 2 + 5  # within the kill timeout plus a margin
         assert gone(_pids("".join(lines) + out), within=3)
     finally:
         if proc.poll() is None:

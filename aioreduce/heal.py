@@ -186,6 +186,10 @@ class Healer:
             known = list(self.mesh.incarnations.known)
             saved = into.copy() if into is not None else None
             for _attempt in range(len(known)):  # a host lost takes several ranks at once
+                # Who runs this attempt: a rank replaced before it began (another rank of a
+                # lost host, back first) is in it; ``known`` stays the incarnations when the
+                # step first ran, so a late word of an old process's loss is not waited on.
+                began = list(self.mesh.incarnations.known)
                 try:
                     return await self._healing(steps, run)
                 except (PeerLost, StragglerError) as exc:
@@ -206,7 +210,7 @@ class Healer:
                                 raise
                             missing.append(rank)
                     if reforms is not None:
-                        await self._agree(reforms, lost, missing, steps.step, exc, known)
+                        await self._agree(reforms, lost, missing, steps.step, exc, began)
                         self._serving_at = steps.step
                         self.serve(steps.step)
                 back = [r for r in lost if r not in missing]
@@ -232,8 +236,9 @@ class Healer:
         members = session.members
         # The members that ran the failed step and live: not a rank another death took
         # (its connection broke) or that a replacement took over since (``known``: the
-        # incarnations when the step began); such a rank stays a member, and the step run
-        # again fails on it (then it is waited for) or runs with its replacement.
+        # incarnations when this run of the step began; a rank replaced before it is in it);
+        # such a rank stays a member, and the step run again fails on it (then it is waited
+        # for) or runs with its replacement.
         incarnations = mesh.incarnations.known
         live = [r for r in members if r == mesh.rank or (
             r not in lost and not mesh.is_lost(r) and incarnations[r] == known[r])]

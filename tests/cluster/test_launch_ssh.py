@@ -145,9 +145,10 @@ def test_the_ranks_of_a_lost_host_restart_on_a_spare_host(cluster, tmp_path) -> 
         pids = subprocess.run(["ip", "netns", "pids", cl.ns(2)], capture_output=True,
                               text=True).stdout.split()
         for pid in pids:
-            if int(pid) != listener and Path(f"/proc/{pid}/cmdline").read_bytes().startswith(
-                    b"sshd"):
-                os.kill(int(pid), signal.SIGKILL)
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # (it ended)
+                if int(pid) != listener and Path(f"/proc/{pid}/cmdline").read_bytes(
+                        ).startswith(b"sshd"):
+                    os.kill(int(pid), signal.SIGKILL)
         rest, err = proc.communicate(timeout=240)
     finally:
         _kill_job(proc)

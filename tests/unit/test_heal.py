@@ -225,6 +225,67 @@ def test_a_ring_leaves_out_only_the_ranks_no_member_saw_replaced() -> None:
         "at": {"1": 10, "0": 9}}
 
 
+def test_a_rank_replaced_before_a_run_again_is_answered_when_that_run_fails_too() -> None:
+    """A host lost takes ranks 2 and 3 of a 4-rank ring; 2's replacement comes first, the
+    step runs again with it and fails on 3's death. Rank 0, the lowest member, must wait for
+    and answer rank 2 too when the members agree after that second failure (it ran that run):
+    it once took rank 2 for a rank replaced during the step (its incarnation had changed since
+    the step's first run), answered only 1, and rank 2 waited for the decision while the others
+    ran on without it (the spare-host test's flake)."""
+    from aioreduce.errors import PeerLost
+    from aioreduce.stepper import Stepper
+    from aioreduce.straggle import StraggleModel
+
+    class ReplacingMesh(AnsweringMesh):
+        def __init__(self) -> None:
+            super().__init__({})
+            self.rank = 0
+            self.incarnations = Incarnations(0, 4)
+            self.on_reform: Any = None
+            self.on_result_ask: Any = None
+
+        def is_lost(self, rank: int) -> bool:
+            return False
+
+        async def replaced(self, rank: int, incarnation: int) -> None:
+            self.incarnations.known[rank] = incarnation + 1  # its replacement rejoined
+
+        async def connect(self, rank: int) -> None:
+            return None
+
+    class Ring:  # a session that re-forms (Reforms)
+        members = (0, 1, 2, 3)
+
+        def reform(self, members: Any, *, joined: bool = False) -> None:
+            raise AssertionError("nobody was left out")
+
+    async def body() -> None:
+        mesh = ReplacingMesh()
+        healer = Healer(mesh, None, 5.0, lambda: [1, 3], rejoin_wait=5.0)  # type: ignore[arg-type]
+        steps = Stepper(0, 4, StraggleModel(), None, None)
+        steps.step = 7
+        deaths = [PeerLost(2, "connection lost"), PeerLost(3, "connection lost")]
+        # The members' proposals, as their frames would bring them: after the first run
+        # (step 7) from 1 and 3, after the second (step 8) from 1 and the replaced 2.
+        mesh.answers = {(1, 8, tags.MEMBERS): {"at": 8, "missing": []},
+                        (3, 8, tags.MEMBERS): {"at": 8, "missing": []},
+                        (1, 9, tags.MEMBERS): {"at": 9, "missing": []},
+                        (2, 9, tags.MEMBERS): {"at": 9, "missing": []}}
+
+        async def run() -> Any:
+            at = steps.take()
+            if deaths:
+                raise deaths.pop(0)
+            return at
+
+        session: Any = Ring()
+        assert await healer.step(steps, run, None, session=session) == 9
+        decisions = sorted((r, s) for r, s, t, _b, _m in mesh.sent if t == tags.MEMBERS + 1)
+        assert decisions == [(1, 8), (1, 9), (2, 9), (3, 8)], decisions
+
+    asyncio.run(body())
+
+
 def test_a_reformed_ring_sums_its_members_exactly_and_takes_a_rank_back() -> None:
     from aioreduce.schemes import Ring
     from aioreduce.schemes.base import Reforms

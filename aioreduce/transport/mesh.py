@@ -120,6 +120,11 @@ class Mesh:
         # Rank 0, while the job runs: a replacement process of this rank connected and will
         # register (the rendezvous serves it).
         self.on_joining: Callable[[int], None] | None = None
+        # Ranks whose process connected claiming no incarnation (JOINING) before this one
+        # knew the job runs: at the start, every rank; for a dead rank 0's replacement, the
+        # replacements of other ranks that reached it first (their registrations may still
+        # be on the way when a live rank says the job runs; the rendezvous serves them).
+        self.joined_early: set[int] = set()
         # A rank-0 process with no incarnation yet: a live rank says the job runs (it
         # replaces a dead rank 0; see aioreduce.transport.rendezvous).
         self.on_running: Callable[[int, control.Running], None] | None = None
@@ -336,6 +341,8 @@ class Mesh:
             for fut in self._replacements.pop(rank, []):
                 if not fut.done():
                     fut.set_result(None)
+        if claimed == JOINING and not self.incarnations.running:
+            self.joined_early.add(rank)
         return claimed == JOINING and self.incarnations.running
 
     def replaced(self, rank: int, incarnation: int) -> asyncio.Future[None]:

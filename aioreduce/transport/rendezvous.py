@@ -255,17 +255,20 @@ async def _resume(mesh: Mesh, running: Running, regs: dict[int, Control],
     mesh.on_joining = lambda r: mesh.spawn(_serve_rejoin(mesh, r, timeout))
     log.warning("rank 0 rejoined the running job as incarnation %d", mesh.incarnations.mine)
     joined = {r: m for r, m in regs.items() if isinstance(m, Register)}
-    for r in joined:  # they registered as if the job started: they replace dead ranks too
+    # Replacements that reached us before that word but whose registration did not come
+    # first (it may still be on the way): served like any rejoin, from their registration.
+    late = sorted(mesh.joined_early - set(joined) - {0})
+    for r in [*joined, *late]:  # they registered as if the job started: replacements too
         mesh.incarnations.known[r] += 1
-    if joined:
+    if joined or late:
         log.warning("rank 0: ranks %s registered before a live rank said the job runs: "
-                    "replacements too", sorted(joined))
+                    "replacements too", sorted([*joined, *late]))
     moved = Moved(0, home[0], home[1], mesh.incarnations.mine)
     # The ranks that reached us hear it first, before anything else we send them (a heal
     # request of an incarnation they did not know would be ignored); the others are dialed
     # in the background (a dead one's dial may take its timeout), and learn it from that
     # dial's handshake.
-    tell = [r for r in range(1, mesh.world_size) if r not in joined]
+    tell = [r for r in range(1, mesh.world_size) if r not in joined and r not in late]
     near = [r for r in tell if mesh.connected(r)]
     await asyncio.gather(*(mesh.send_control(r, moved) for r in near), return_exceptions=True)
 
@@ -276,6 +279,8 @@ async def _resume(mesh: Mesh, running: Running, regs: dict[int, Control],
     mesh.spawn(tell_the_others())
     for r, msg in joined.items():
         mesh.spawn(_admit(mesh, r, msg))
+    for r in late:
+        mesh.spawn(_serve_rejoin(mesh, r, timeout))
 
 
 async def _serve_rejoin(mesh: Mesh, rank: int, timeout: float) -> None:

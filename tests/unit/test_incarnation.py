@@ -149,3 +149,59 @@ def test_hosts_are_counted_as_named_with_localhost_as_127_0_0_1() -> None:
     assert count_hosts(["localhost", "127.0.0.1", "::1"]) == 1
     assert count_hosts(["10.0.0.1", "10.0.0.1", "10.0.0.2"]) == 2
     assert count_hosts(["127.0.0.1", "127.0.0.2"]) == 2  # a test's second "host"
+
+
+def test_a_new_rank_0_serves_a_replacement_that_reached_it_before_the_word_the_job_runs() -> None:
+    """Rank 0 and rank 2 die together. Rank 2's replacement reaches the new rank 0 first, but
+    its registration is still on the way when a live rank says the job runs: the new rank 0
+    must serve it as a rejoin (its registration read later, the table sent, the others told),
+    not leave it waiting for a table (it once did: the registration then sat unread until
+    the job's last barrier, which it failed)."""
+    import asyncio
+    from typing import Any
+
+    from aioreduce.transport.rendezvous import _resume
+
+    class FakeMesh:
+        def __init__(self) -> None:
+            self.rank, self.world_size, self.hosts = 0, 4, 1
+            self.addresses: dict[int, tuple[str, int]] = {0: ("h0", 1)}
+            self.incarnations = Incarnations(0, 4)
+            self.incarnations.mine = JOINING
+            self.on_joining: Any = None
+            # Only rank 2 dialed this process claiming no incarnation (the live ranks 1
+            # and 3 claim theirs).
+            self.joined_early = {2}
+            self.sent: list[tuple[int, c.Control]] = []
+            self.tasks: list[asyncio.Task[None]] = []
+            self.registered = asyncio.Event()
+
+        def connected(self, rank: int) -> bool:
+            return True
+
+        async def send_control(self, rank: int, event: c.Control) -> None:
+            self.sent.append((rank, event))
+
+        def spawn(self, coro: Any) -> None:
+            self.tasks.append(asyncio.get_running_loop().create_task(coro))
+
+        async def recv_control(self, rank: int, timeout: float | None = None) -> c.Control:
+            assert rank == 2
+            await self.registered.wait()  # its registration comes after the word
+            return c.Register("h9", 9, 4)
+
+    async def body() -> None:
+        mesh = FakeMesh()
+        running = c.Running((("h0", 1), ("h1", 1), ("h2", 2), ("h3", 3)), (0, 0, 0, 0), 1)
+        await _resume(mesh, running, {}, 5.0)  # type: ignore[arg-type]
+        assert mesh.incarnations.known == [1, 0, 1, 0]
+        assert all(r != 2 for r, _e in mesh.sent)  # not told rank 0 moved: it has no table
+        mesh.registered.set()
+        await asyncio.gather(*mesh.tasks)
+        tables = [e for r, e in mesh.sent if r == 2]
+        assert len(tables) == 1 and isinstance(tables[0], c.Table)
+        assert tables[0].incarnations == (1, 0, 1, 0) and tables[0].addresses[2] == ("h9", 9)
+        told = {r for r, e in mesh.sent if isinstance(e, c.Moved) and e.rank == 2}
+        assert told == {1, 3}
+
+    asyncio.run(body())

@@ -96,6 +96,12 @@ class Healer:
         # where the group runs again from a later step.
         self._group_for: dict[int, int] = {}
         self._serve_only: dict[int, int] | None = None  # while answering inside a group
+        # Groups over a ring that can re-form: the ring's session (seen at a group's first
+        # step), and whether the next group step is a group's first (after a last one, or
+        # where a group runs again): the only place a group's ring changes its members.
+        self._group_session: Reforms | None = None
+        self._group_first = True
+        self._group_taken = False  # the group failed because ranks were taken back
         # A ring that left a rank out (see reformed): replacements that asked its lowest
         # member to be taken back; the change announced to the members, from its step on;
         # and the members this process healed into (a replacement's first session).
@@ -327,10 +333,50 @@ class Healer:
         with contextlib.suppress(PeerLost):
             await self.mesh.send_control(rank, event)
 
+    async def _group_boundary(self, session: Reforms, at: int) -> None:
+        """A group's first step over a ring that can re-form (``at``): the only point where
+        its members change, so a rank left out is taken back here (:meth:`_boundary`: the
+        lowest member announces the ring with it, every member applies that at its first
+        group-first step from the one announced, the same step everywhere as every rank
+        numbers the groups alike). The replacements this step answers: the ones taken
+        back, healed into this step, and those the ring runs without, which learn so from
+        the answer and ask to be taken back; never a replacement of a member, which heals
+        where its group runs again (:meth:`replace_lost`)."""
+        before = session.members
+        if self._reform is not None or self._joins:
+            await self._boundary(session, at)
+        joined = [r for r in session.members if r not in before]
+        if joined:
+            # Taken back here. Its first group may not be laid out as the members' (a
+            # replacement's DDP sums its first iteration as one vector, not in buckets it
+            # has not built yet), so this group fails on every member at once, as if the
+            # ranks had died, and runs again with them where replace_lost() heals them:
+            # every rank then runs a group again, alike.
+            known = self.mesh.incarnations.known
+            self._group_error = PeerLost(joined[0], "taken back into the ring: its group "
+                                         "runs again with it")
+            self._group_lost = {r: known[r] - 1 for r in joined}
+            self._group_taken = True
+            return
+        if self._serving_at is None:
+            outside = {rank: ask.incarnation for rank, ask in self._asked.items()
+                       if rank not in before}
+            if outside:
+                self._serving_at, self._serve_only = at, outside
+
     async def _group_step(self, steps: Stepper, run: Callable[[], Awaitable[Result]],
                           session: Session | None, last: bool, into: np.ndarray | None,
                           arrival: Arrival | None = None) -> Result:
+        at = steps.step  # the number this step takes
+        self._serving_at, self._serve_only = self._group_at, self._group_for
+        if self._group_first and self._group_error is None:
+            self._group_first = False
+            # (checked once a group, not per step: a protocol's isinstance costs 10 us)
+            if self.rejoin_wait and isinstance(session, Reforms):
+                self._group_session = session
+                await self._group_boundary(session, at)
         if self._group_error is not None:
+            self._serving_at, self._serve_only = None, None
             step = steps.take()  # every rank numbers the group's steps alike, run or not
             self._ended(step)
             # (checked here, not per step: a protocol's isinstance costs microseconds)
@@ -338,10 +384,8 @@ class Healer:
                 session.tell_failed(step, self._group_error)
             raise self._group_error
         known = list(self.mesh.incarnations.known)
-        at = steps.step  # the number this step takes
-        self._serving_at, self._serve_only = self._group_at, self._group_for
-        if self._group_at is not None:
-            self.serve(self._group_at)
+        if self._serving_at is not None:
+            self.serve(self._serving_at)
         try:
             result = await self._healing(steps, run)
         except (PeerLost, StragglerError) as exc:
@@ -354,6 +398,7 @@ class Healer:
                 if taken is not None:  # kept as if run here: another may ask us too
                     self._group_at, self._group_for = None, {}
                     self._keep(at, taken)
+                    self._group_first = True
                     return taken
             if lost:
                 log.warning("rank %d: step %d failed (%s); its group runs again once ranks "
@@ -368,6 +413,7 @@ class Healer:
         self._group_at, self._group_for = None, {}
         if last:
             self._keep(at, result)
+            self._group_first = True
         elif self._kept is not None and self._kept[0] < at:
             self._kept = None  # every rank ran a step after it: nobody will ask
         self._ended(at)
@@ -426,7 +472,8 @@ class Healer:
         result from a live rank that finished it (written into ``into``), or None if none
         did (each answers once its own step ``at`` is over)."""
         mesh = self.mesh
-        peers = [r for r in range(mesh.world_size)
+        ring = self._group_session.members if self._group_session is not None else None
+        peers = [r for r in (range(mesh.world_size) if ring is None else ring)
                  if r != mesh.rank and r not in lost and not mesh.is_lost(r)]
         heads = [asyncio.ensure_future(mesh.recv_into(r, EMPTY, step=at, tag=tags.ROLL,
                                                       timeout=self._agree_wait))
@@ -464,38 +511,71 @@ class Healer:
         """After steps run with ``rerun=False`` failed because ranks died: wait up to
         ``rejoin_wait`` for each one's replacement, answering heal requests meanwhile with
         the next step number (where the caller runs its group again, and a replacement
-        starts). True if every one came; False if no such step failed (or ``rejoin_wait`` is
-        0, or one did not come, or a live rank did not answer): then the caller raises its
-        error. First the live ranks check that they all run the group again from the same
-        step: :class:`~aioreduce.errors.GroupMismatch` on every one if not (see there)."""
-        lost, self._group_lost, self._group_error = self._group_lost, {}, None
-        if not lost:
+        starts). True if every one came, or, over a ring that can re-form, once the live
+        members agreed to run the group again without the ones that did not (as a ring's
+        failed step does, see :meth:`_agree`; such a rank's replacement is taken back at a
+        later group's first step). False if no such step failed (or ``rejoin_wait`` is 0,
+        or one did not come and the ring cannot re-form, or a live rank did not answer):
+        then the caller raises its error. First the live ranks check that they all run the
+        group again from the same step: :class:`~aioreduce.errors.GroupMismatch` on every
+        one if not (see there)."""
+        lost, error, taken = self._group_lost, self._group_error, self._group_taken
+        self._group_lost, self._group_error, self._group_taken = {}, None, False
+        if not lost or error is None:
             return False
-        if not await self._same_step(lost, steps.step):
+        reforms = self._group_session
+        members = reforms.members if reforms is not None else None
+        world = self.mesh.world_size
+        # The check's key: the deaths (their ranks and incarnations), or, for ranks taken
+        # back, their replacements, apart from any death's key (a replacement may die too).
+        key = max(incarnation * world + rank for rank, incarnation in lost.items())
+        if not await self._same_step(lost, steps.step, members,
+                                     key + (1 << 32) + world if taken else key):
             return False
-        self._serving_at = self._group_at = steps.step
-        self.serve(steps.step)
+        began = list(self.mesh.incarnations.known)
+        self._group_at = steps.step
+        # A ring answers heals once its members are agreed: a replacement heals into the
+        # ring it will run in.
+        self._serving_at = None if reforms is not None else steps.step
+        if reforms is None:
+            self.serve(steps.step)
+        missing: list[int] = []
         try:
             for rank, incarnation in lost.items():
                 if rank != self.mesh.rank and not await self._replaced(rank, incarnation):
+                    if reforms is None:
+                        self._group_at = None
+                        return False
+                    missing.append(rank)
+            if reforms is not None:
+                try:
+                    await self._agree(reforms, sorted(lost), missing, steps.step, error, began)
+                except (PeerLost, StragglerError):
                     self._group_at = None
                     return False
+                self._serving_at = steps.step
+                self.serve(steps.step)
         finally:
             self._serving_at = None
+        self._group_first = True  # the group runs again: from a group's first step
         known = self.mesh.incarnations.known
-        self._group_for = {rank: known[rank] for rank in lost}
-        log.warning("rank %d: ranks %s were replaced; the group of steps runs again from "
-                    "step %d", self.mesh.rank, sorted(lost), steps.step)
+        back = sorted(rank for rank in lost if rank not in missing)
+        self._group_for = {rank: known[rank] for rank in back}
+        if back:
+            log.warning("rank %d: ranks %s were replaced; the group of steps runs again "
+                        "from step %d", self.mesh.rank, back, steps.step)
         return True
 
-    async def _same_step(self, lost: dict[int, int], at: int) -> bool:
-        """Check with every other live rank that it runs the group again from step ``at``
-        too; raise :class:`GroupMismatch` on every one if not. False if a rank did not
+    async def _same_step(self, lost: dict[int, int], at: int,
+                         members: tuple[int, ...] | None, key: int) -> bool:
+        """Check with every other live rank (of ``members``, a re-formed ring's, if given)
+        that it runs the group again from step ``at`` too, on frames keyed ``key`` (the
+        reason); raise :class:`GroupMismatch` on every one if not. False if a rank did not
         answer within ``rejoin_wait`` (it died too, or is not in a group)."""
         mesh = self.mesh
         world = mesh.world_size
-        key = max(incarnation * world + rank for rank, incarnation in lost.items())
-        peers = [r for r in range(world) if r != mesh.rank and r not in lost]
+        peers = [r for r in (range(world) if members is None else members)
+                 if r != mesh.rank and r not in lost]
         heads = [asyncio.ensure_future(mesh.recv_into(r, EMPTY, step=key, tag=tags.GROUP,
                                                       timeout=self.rejoin_wait))
                  for r in peers]

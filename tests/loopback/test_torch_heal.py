@@ -89,6 +89,36 @@ def test_a_rank_killed_inside_an_iteration_heals_to_the_undisturbed_run(
     assert finals[0]["loss"] == pytest.approx(calm[0]["loss"], rel=0.01)
 
 
+def test_ddp_goes_on_without_a_rank_that_is_late_and_takes_it_back() -> None:
+    """DDP through ``aioreduce.torch.DistributedDataParallel`` (an iteration's buckets are one
+    group of steps), rank 2 killed in its backward pass and restarted, with a rejoin wait
+    shorter than a torch process's start: the live ranks run the group again over the ring
+    re-formed without it and train on; its replacement heals, is left out, asks rank 0 to be
+    taken back, and is taken back at an iteration's start (that iteration fails on every
+    member at once and runs again with it, as one vector: a replacement's first). Every
+    rank ends with the same parameters."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "AIOREDUCE_REJOIN_WAIT": "0.2"}
+    cmd = [sys.executable, "-m", "aioreduce_launch.cli", "-n", "4", "--restart", "1", "--",
+           sys.executable, str(PROG), "--mode", "ddp", "--kill", "2:10", "--steps", "150",
+           "--pace", "0.1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    err = out.stderr
+    assert out.returncode == 0, (out.stdout[-3000:], err[-3000:])
+    for rank in (0, 1, 3):
+        assert (f"[{rank}] rank {rank}: ranks [2] did not come back within 0.2 s; the steps "
+                "run over the 3 others") in err, err[-3000:]
+        # ... and, taken back, the group of steps ran again with it
+        assert f"[{rank}] rank {rank}: ranks [2] were replaced; the group of steps runs " \
+            "again" in err, err[-3000:]
+    assert "[2] rank 2: the job's steps left this rank out while it was away" in err
+    assert "[0] rank 0: ranks [2] healed; the steps take them back" in err, err[-3000:]
+    finals = [json.loads(x.split("FINAL ", 1)[1]) for x in out.stdout.splitlines()
+              if "FINAL " in x]
+    assert sorted(f["rank"] for f in finals) == [0, 1, 2, 3], out.stdout[-3000:]
+    assert all(f["iterations"] == 150 for f in finals)
+    assert len({f["params"] for f in finals}) == 1  # the replicas are identical
+
+
 @pytest.mark.parametrize("victim", [2, 0])
 def test_stock_ddp_goes_on_without_a_rank_killed_under_tolerate(victim: int) -> None:
     """``torch.nn.parallel.DistributedDataParallel`` over the backend, 4 ranks, one

@@ -4,6 +4,7 @@ step, one state at a time, never to a replaced process; and the order of peers t
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -159,9 +160,9 @@ def test_live_ranks_check_they_run_a_group_again_from_the_same_step(
         if outcome == "mismatch":
             with pytest.raises(GroupMismatch, match=r"rank 1: ranks \[2\] died .* \(rank 0 "
                                r"at step 9, rank 1 at step 9, rank 3 at step 10\)"):
-                await healer._same_step({2: 0}, 9)
+                await healer._same_step({2: 0}, 9, None, 2)
         else:
-            assert await healer._same_step({2: 0}, 9) is outcome
+            assert await healer._same_step({2: 0}, 9, None, 2) is outcome
         # Told every live peer where it runs the group again; nothing to the dead rank.
         assert sorted((r, s, t, m) for r, s, t, _b, m in mesh.sent) == [
             (0, 2, tags.GROUP, {"at": 9}), (3, 2, tags.GROUP, {"at": 9})]
@@ -282,6 +283,135 @@ def test_a_rank_replaced_before_a_run_again_is_answered_when_that_run_fails_too(
         assert await healer.step(steps, run, None, session=session) == 9
         decisions = sorted((r, s) for r, s, t, _b, _m in mesh.sent if t == tags.MEMBERS + 1)
         assert decisions == [(1, 8), (1, 9), (2, 9), (3, 8)], decisions
+
+    asyncio.run(body())
+
+
+class GroupMesh(AnsweringMesh):
+    """A fake mesh for a ring's groups of steps: replacements come when the test says
+    (``back``), peers answer from the table, nobody is lost."""
+
+    def __init__(self, rank: int, answers: dict[tuple[int, int, int], dict[str, Any]]
+                 ) -> None:
+        super().__init__(answers)
+        self.rank = rank
+        self.incarnations = Incarnations(rank, 4)
+        self.on_reform: Any = None
+        self.on_result_ask: Any = None
+        self.back: set[int] = set()
+
+    def is_lost(self, rank: int) -> bool:
+        return False
+
+    async def replaced(self, rank: int, incarnation: int) -> None:
+        if rank not in self.back:
+            await asyncio.Event().wait()  # never: the healer's wait times out
+        self.incarnations.known[rank] = incarnation + 1
+
+    async def connect(self, rank: int) -> None:
+        return None
+
+    async def send_control(self, rank: int, event: object) -> None:
+        self.sent.append((rank, -1, -1, b"", {"control": event}))
+
+
+class GroupRing:
+    """A ring session that re-forms (Reforms), recording each change."""
+
+    def __init__(self, members: tuple[int, ...]) -> None:
+        self.members = members
+        self.changes: list[tuple[int, ...]] = []
+
+    def reform(self, members: Any, *, joined: bool = False) -> None:
+        self.members = tuple(members)
+        self.changes.append(self.members)
+
+
+def test_a_group_whose_dead_rank_does_not_come_back_runs_again_over_the_live_ring() -> None:
+    """A group's step (``rerun=False``: DistributedOptimizer's buckets) fails because rank 2
+    of 4 died, and no replacement comes within ``rejoin_wait``: ``replace_lost`` does not
+    give up (the caller would raise) but has the live ranks agree, through rank 0, to run
+    the group again over ranks 0, 1 and 3, as a ring's step does."""
+    from aioreduce.errors import PeerLost
+    from aioreduce.stepper import Stepper
+    from aioreduce.straggle import StraggleModel
+
+    async def body() -> None:
+        # The frames' keys: the group's check at rank 2's death (incarnation 0: 0 * 4 + 2),
+        # the members' proposals at the step it runs again from (8).
+        mesh = GroupMesh(0, {(1, 2, tags.GROUP): {"at": 8}, (3, 2, tags.GROUP): {"at": 8},
+                             (1, 8, tags.MEMBERS): {"at": 8, "missing": [2]},
+                             (3, 8, tags.MEMBERS): {"at": 8, "missing": [2]}})
+        ring = GroupRing((0, 1, 2, 3))
+        healer = Healer(mesh, None, 5.0, lambda: [1, 3], rejoin_wait=0.01,  # type: ignore[arg-type]
+                        members=lambda: ring.members)
+        steps = Stepper(0, 4, StraggleModel(), None, None)
+        steps.step = 7
+
+        async def dies() -> Any:
+            steps.take()
+            raise PeerLost(2, "connection lost")
+
+        with pytest.raises(PeerLost):
+            await healer.step(steps, dies, None, rerun=False, session=ring, last=True)
+        assert await healer.replace_lost(steps) is True
+        assert ring.changes == [(0, 1, 3)]
+        decisions = sorted((r, m["members"]) for r, s, t, _b, m in mesh.sent
+                           if t == tags.MEMBERS + 1 and m is not None)
+        assert decisions == [(1, [0, 1, 3]), (3, [0, 1, 3])]
+
+        async def runs() -> Any:
+            return steps.take()
+
+        assert await healer.step(steps, runs, None, rerun=False, session=ring) == 8
+
+    asyncio.run(body())
+
+
+def test_a_rank_left_out_of_a_groups_ring_is_taken_back_at_a_groups_first_step() -> None:
+    """Rank 1 of a ring that runs groups over 0, 1 and 3 (rank 2 was left out). Rank 0, the
+    lowest member, announces the ring with rank 2's replacement from step 20 on: rank 1
+    acknowledges, finishes its group (step 20 is inside it, so nothing changes there), and
+    at the next group's first step takes rank 2 back; that group fails at once on every
+    member (rank 2's first group may be laid out otherwise, as a DDP replacement's is) and
+    runs again with it after ``replace_lost``, which does not wait (it is back)."""
+    from aioreduce.errors import PeerLost
+    from aioreduce.stepper import Stepper
+    from aioreduce.straggle import StraggleModel
+    from aioreduce.wire.control import Reform
+
+    async def body() -> None:
+        # The check's key for rank 2's replacement (incarnation 1) taken back: 1 x 4 + 2,
+        # 2^32 past any death's.
+        mesh = GroupMesh(1, {(0, (1 << 32) + 6, tags.GROUP): {"at": 23},
+                             (3, (1 << 32) + 6, tags.GROUP): {"at": 23},
+                             (0, 23, tags.MEMBERS + 1): {"members": [0, 1, 2, 3]}})
+        mesh.incarnations.known[2] = 1  # the replacement rejoined (rank 0 told us)
+        ring = GroupRing((0, 1, 3))
+        healer = Healer(mesh, None, 5.0, lambda: [0, 3], rejoin_wait=0.01,  # type: ignore[arg-type]
+                        members=lambda: ring.members)
+        steps = Stepper(1, 4, StraggleModel(), None, None)
+        steps.step = 19
+        ran: list[int] = []
+
+        async def runs() -> Any:  # (a result as a step's: a group's last one is kept)
+            ran.append(steps.take())
+            return SimpleNamespace(value=np.zeros(1), step=ran[-1], used=list(ring.members),
+                                   late=[])
+
+        await healer.step(steps, runs, None, rerun=False, session=ring)  # 19: a first step
+        mesh.on_reform(0, Reform((0, 1, 2, 3), 20))
+        await asyncio.sleep(0)
+        assert [(r, s, t) for r, s, t, _b, _m in mesh.sent] == [(0, 20, tags.MEMBERS + 2)]
+        await healer.step(steps, runs, None, rerun=False, session=ring, last=True)  # 20
+        assert ring.changes == []  # inside the group: not yet
+        for _step in (21, 22):  # the next group: taken back at its first step, fails at once
+            with pytest.raises(PeerLost, match="taken back"):
+                await healer.step(steps, runs, None, rerun=False, session=ring)
+        assert ring.changes == [(0, 1, 2, 3)] and ran == [19, 20]
+        assert await healer.replace_lost(steps) is True
+        again = await healer.step(steps, runs, None, rerun=False, session=ring)
+        assert again.step == 23 and again.used == [0, 1, 2, 3]
 
     asyncio.run(body())
 

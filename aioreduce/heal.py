@@ -338,10 +338,10 @@ class Healer:
         its members change, so a rank left out is taken back here (:meth:`_boundary`: the
         lowest member announces the ring with it, every member applies that at its first
         group-first step from the one announced, the same step everywhere as every rank
-        numbers the groups alike). The replacements this step answers: the ones taken
-        back, healed into this step, and those the ring runs without, which learn so from
-        the answer and ask to be taken back; never a replacement of a member, which heals
-        where its group runs again (:meth:`replace_lost`)."""
+        numbers the groups alike; the group then fails at once and runs again with them,
+        healed by :meth:`replace_lost`). The replacements this step answers: those the ring
+        runs without, which learn so from the answer and ask to be taken back; never a
+        replacement of a member, which heals where its group runs again."""
         before = session.members
         if self._reform is not None or self._joins:
             await self._boundary(session, at)

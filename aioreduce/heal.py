@@ -280,7 +280,7 @@ class Healer:
                         len(ring), at)
             session.reform(ring)
 
-    async def _boundary(self, session: Reforms, step: int) -> None:
+    async def _boundary(self, session: Reforms, step: int, *, group: bool = False) -> None:
         """A re-formed ring's step boundary: apply a change announced for this step; on the
         lowest member, take back the replacements that asked: announce the ring with them
         from the next step on, wait until every member has heard it (none can start that
@@ -322,8 +322,10 @@ class Healer:
         # re-forms from there; the change stands for every member that heard it.
         await asyncio.gather(*acks, return_exceptions=True)
         self._reform = event
-        log.warning("rank %d: ranks %s healed; the steps take them back at step %d",
-                    self.mesh.rank, joiners, event.start)
+        log.warning("rank %d: ranks %s healed; the steps take them back at step %d%s",
+                    self.mesh.rank, joiners, event.start,
+                    " (groups of steps: at the first group's start from there)" if group
+                    else "")
 
     async def _connect(self, rank: int) -> None:
         with contextlib.suppress(PeerLost, TimeoutError):  # the step then finds it lost
@@ -344,7 +346,7 @@ class Healer:
         replacement of a member, which heals where its group runs again."""
         before = session.members
         if self._reform is not None or self._joins:
-            await self._boundary(session, at)
+            await self._boundary(session, at, group=True)
         joined = [r for r in session.members if r not in before]
         if joined:
             # Taken back here. Its first group may not be laid out as the members' (a

@@ -264,6 +264,15 @@ class Healer:
                 decision = _decide(members, mesh.rank, missing, at, theirs)
                 await asyncio.gather(*(mesh.send(r, EMPTY, step=at, tag=tags.MEMBERS + 1,
                                                  meta=decision) for r in others))
+                # A replacement healed into the run that failed (a peer inside it answered
+                # at once) ran it too, and waits for this word: every member replaced since
+                # the run began hears it as well (one that came later is not waiting: the
+                # frame stays unread, keyed by a step nobody agrees at again).
+                new = [r for r in members if r != mesh.rank and r not in others
+                       and incarnations[r] != known[r] and not mesh.is_lost(r)]
+                await asyncio.gather(*(mesh.send(r, EMPTY, step=at, tag=tags.MEMBERS + 1,
+                                                 meta=decision) for r in new),
+                                     return_exceptions=True)
         except (PeerLost, TimeoutError):
             raise exc from None
         ring = decision.get("members")

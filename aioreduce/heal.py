@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -483,8 +483,7 @@ class Healer:
         result from a live rank that finished it (written into ``into``), or None if none
         did (each answers once its own step ``at`` is over)."""
         mesh = self.mesh
-        ring = self._group_session.members if self._group_session is not None else None
-        peers = [r for r in (range(mesh.world_size) if ring is None else ring)
+        peers = [r for r in self._group_ranks()
                  if r != mesh.rank and r not in lost and not mesh.is_lost(r)]
         heads = [asyncio.ensure_future(mesh.recv_into(r, EMPTY, step=at, tag=tags.ROLL,
                                                       timeout=self._agree_wait))
@@ -535,20 +534,20 @@ class Healer:
         if not lost or error is None:
             return False
         reforms = self._group_session
-        members = reforms.members if reforms is not None else None
         world = self.mesh.world_size
         # The check's key: the deaths (their ranks and incarnations), or, for ranks taken
         # back, their replacements, apart from any death's key (a replacement may die too).
         key = max(incarnation * world + rank for rank, incarnation in lost.items())
-        if not await self._same_step(lost, steps.step, members,
+        if not await self._same_step(lost, steps.step,
                                      key + (1 << 32) + world if taken else key):
             return False
         began = list(self.mesh.incarnations.known)
         self._group_at = steps.step
         # A ring answers heals once its members are agreed: a replacement heals into the
         # ring it will run in.
-        self._serving_at = None if reforms is not None else steps.step
+        self._serving_at = None
         if reforms is None:
+            self._serving_at = steps.step
             self.serve(steps.step)
         missing: list[int] = []
         try:
@@ -577,16 +576,20 @@ class Healer:
                         "from step %d", self.mesh.rank, back, steps.step)
         return True
 
-    async def _same_step(self, lost: dict[int, int], at: int,
-                         members: tuple[int, ...] | None, key: int) -> bool:
-        """Check with every other live rank (of ``members``, a re-formed ring's, if given)
-        that it runs the group again from step ``at`` too, on frames keyed ``key`` (the
-        reason); raise :class:`GroupMismatch` on every one if not. False if a rank did not
-        answer within ``rejoin_wait`` (it died too, or is not in a group)."""
+    def _group_ranks(self) -> Sequence[int]:
+        """The ranks a group's checks ask: its ring's members if it can re-form (a rank it
+        left out runs no group), else every rank."""
+        if self._group_session is not None:
+            return self._group_session.members
+        return range(self.mesh.world_size)
+
+    async def _same_step(self, lost: dict[int, int], at: int, key: int) -> bool:
+        """Check with every other live rank (of :meth:`_group_ranks`) that it runs the
+        group again from step ``at`` too, on frames keyed ``key`` (the reason); raise
+        :class:`GroupMismatch` on every one if not. False if a rank did not answer within
+        ``rejoin_wait`` (it died too, or is not in a group)."""
         mesh = self.mesh
-        world = mesh.world_size
-        peers = [r for r in (range(world) if members is None else members)
-                 if r != mesh.rank and r not in lost]
+        peers = [r for r in self._group_ranks() if r != mesh.rank and r not in lost]
         heads = [asyncio.ensure_future(mesh.recv_into(r, EMPTY, step=key, tag=tags.GROUP,
                                                       timeout=self.rejoin_wait))
                  for r in peers]

@@ -160,9 +160,9 @@ def test_live_ranks_check_they_run_a_group_again_from_the_same_step(
         if outcome == "mismatch":
             with pytest.raises(GroupMismatch, match=r"rank 1: ranks \[2\] died .* \(rank 0 "
                                r"at step 9, rank 1 at step 9, rank 3 at step 10\)"):
-                await healer._same_step({2: 0}, 9, None, 2)
+                await healer._same_step({2: 0}, 9, 2)
         else:
-            assert await healer._same_step({2: 0}, 9, None, 2) is outcome
+            assert await healer._same_step({2: 0}, 9, 2) is outcome
         # Told every live peer where it runs the group again; nothing to the dead rank.
         assert sorted((r, s, t, m) for r, s, t, _b, m in mesh.sent) == [
             (0, 2, tags.GROUP, {"at": 9}), (3, 2, tags.GROUP, {"at": 9})]

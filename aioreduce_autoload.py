@@ -24,7 +24,8 @@ def register() -> None:
     try:
         import torch.distributed as dist
         if dist.is_available() and BACKEND not in dist.Backend.backend_list:
-            dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+            dist.Backend.register_backend(BACKEND, _create, extended_api=True,
+                                          devices=["cpu", "cuda"])
     except Exception:  # never break `import torch`
         pass
 

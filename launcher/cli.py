@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from aioreduce.jobplan import HostSlots, JobConfig, RankSpec, free_port, plan_ranks
 
+from . import torchstore
 from .hostfile import (
     LOCAL_NAMES,
     HostEntry,
@@ -189,6 +190,11 @@ async def launch(opts: argparse.Namespace, command: list[str]) -> int:
         # on without it (see aioreduce.heal)
         job.user_env.setdefault("AIOREDUCE_REJOIN_WAIT",
                                 str(REJOIN_WAIT_S if opts.restart else TOLERATE_WAIT_S))
+    # torch's store outlives rank 0 where the launcher serves it (see torchstore)
+    serve_store = (bool(opts.restart) and entries[0].is_local and torchstore.available()
+                   and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ)
+    if serve_store:
+        job.user_env.update(torchstore.AGENT_STORE)
     if "OMP_NUM_THREADS" in os.environ:  # the user's own setting reaches the ranks as is
         job.user_env.setdefault("OMP_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
     spare_entries = [e for e in entries if e.spare]
@@ -217,6 +223,7 @@ async def launch(opts: argparse.Namespace, command: list[str]) -> int:
               f"AIOREDUCE_MASTER_PORT={job.rendezvous_port}")
         return 0
 
+    store = torchstore.serve(job.master_addr, job.master_port) if serve_store else None
     remote_entries = [e for e in entries if not e.is_local and e.host in by_host]
     remote_entries += spare_entries if opts.restart else []
     ssh_opts = SSHOptions(opts.ssh_port, opts.ssh_user, opts.ssh_identity_file,
@@ -265,6 +272,7 @@ async def launch(opts: argparse.Namespace, command: list[str]) -> int:
         raise UsageError(f"cannot start {command[0]!r}: {exc.strerror or exc}") from None
     finally:
         await asyncio.gather(*(h.close() for h in hosts), return_exceptions=True)
+        del store  # (served until every rank is gone)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

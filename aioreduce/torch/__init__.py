@@ -13,7 +13,8 @@
 * :class:`CodedSampler` and :func:`weighted_loss` (:mod:`.coded`): coded mini-batches for
   ``CodedTree`` and ``GradientCoding``.
 * :func:`state_hooks` (:mod:`.heal`): model and optimizer state for a replacement of a dead
-  rank to heal from (``connect(..., state=...)``).
+  rank to heal from (``connect(..., state=...)``, or ``configure(state=...)`` before
+  ``init_process_group``).
 """
 
 from __future__ import annotations

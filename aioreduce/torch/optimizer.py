@@ -18,8 +18,11 @@ every rank issues the same collectives in the same order whatever order its hook
   :attr:`committed` says what the last ``step`` did.
 * Coded schemes (``CodedTree``, ``GradientCoding``): one ``aggregate`` of all gradients at
   ``synchronize`` (a coded step covers the whole gradient).
-* Heal (a node with ``state=state_hooks(model, optimizer, ...)`` and ``rejoin_wait``, as
-  under ``aioreduce-launch --restart``): an iteration's buckets are one group of steps. If a
+* ``node``: a blocking node, a process group of ours, or by default the one
+  ``init_process_group(backend="aioreduce")`` made.
+* Heal (a node with ``state=state_hooks(model, optimizer, ...)``, or ``configure(state=...)``
+  before ``init_process_group``, and ``rejoin_wait``, as under ``aioreduce-launch
+  --restart``): an iteration's buckets are one group of steps. If a
   rank dies during it, ``synchronize`` waits for its replacement, which heals the parameters
   and optimizer of the iteration's start from a live rank, and every bucket runs again with
   it from the gradients still in ``.grad`` (see :mod:`aioreduce.heal`).
@@ -38,7 +41,7 @@ from ..schemes import Result
 from ..sync import SyncNode
 from ..tensors import to_numpy
 from .grads import flatten_grads, write_grads
-from .process_group import ProcessGroupAioreduce
+from .process_group import ProcessGroupAioreduce, default_group
 
 CommitPolicy = Callable[[list[Result]], bool]
 
@@ -56,10 +59,15 @@ def min_received(fraction: float) -> CommitPolicy:
 class DistributedOptimizer:
     """Wraps ``optimizer`` so that ``step`` applies the mean (or sum) of every rank's gradient."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, node: SyncNode, *,
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 node: SyncNode | ProcessGroupAioreduce | None = None, *,
                  op: ReduceOp = "mean", backward_passes_per_step: int = 1,
                  should_commit: CommitPolicy | None = None,
                  bucket_bytes: int = 25 << 20) -> None:
+        if node is None:  # the default process group's (init_process_group)
+            node = default_group()
+        pg = node if isinstance(node, ProcessGroupAioreduce) else ProcessGroupAioreduce(node)
+        node = pg.node
         if op not in ("sum", "mean"):
             raise ValueError(f"rank {node.rank}: op must be 'sum' or 'mean', not {op!r}")
         if backward_passes_per_step < 1:
@@ -73,7 +81,7 @@ class DistributedOptimizer:
         self.results: list[Result] = []  # of the last synchronize, one per bucket
         self._step_results: list[Result] = []  # filled as this step's buckets complete
         self.coded = bool(getattr(node.node.scheme, "coded", False))
-        self._pg = ProcessGroupAioreduce(node)
+        self._pg = pg
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         self._buckets = _buckets(list(reversed(params)), bucket_bytes)
         self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b}

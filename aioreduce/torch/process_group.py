@@ -58,6 +58,7 @@ BACKEND = "aioreduce"
 _NO_VALUE = np.empty(0, np.float32)
 _NO_VALUE.setflags(write=False)
 _configured: Scheme | None = None
+_state: StateHooks | None = None
 _SUMS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
 
 
@@ -66,11 +67,15 @@ _SUMS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
 PIECES_FROM = 1 << 20
 
 
-def configure(scheme: Scheme | None) -> None:
-    """The scheme process groups created from now on use for sums (``None``: the default,
-    ``AIOREDUCE_TORCH_SCHEME`` or ``Ring()``). Call it before ``init_process_group``."""
-    global _configured
-    _configured = scheme
+def configure(scheme: Scheme | None = None, *, state: StateHooks | None = None) -> None:
+    """Settings of the process groups created from now on; call it before
+    ``init_process_group``. ``scheme``: what sums (``None``: the default,
+    ``AIOREDUCE_TORCH_SCHEME`` or ``Ring()``). ``state``: how a replacement of this rank
+    heals (:func:`aioreduce.torch.state_hooks`), carried by the group over the whole job
+    (the default group): a replacement started by ``aioreduce-launch --restart`` rejoins
+    the running job and loads the state a live rank sends (see :mod:`aioreduce.heal`)."""
+    global _configured, _state
+    _configured, _state = scheme, state
 
 
 def default_scheme() -> Scheme:
@@ -706,10 +711,31 @@ def connect(scheme: Scheme | None = None, *, timeout: float = 300.0,
     return node
 
 
-def _create(store: Store, rank: int, world_size: int,
-            timeout: timedelta) -> ProcessGroupAioreduce:
-    return ProcessGroupAioreduce(_node_from_store(store, rank, world_size, timeout),
-                                 owns_node=True)
+def _create(opts: Any, _pg_options: Any = None) -> ProcessGroupAioreduce:
+    """torch's creator of a group (its extended form: ``opts`` is a
+    ``_DistributedBackendOptions``). The group over the whole job (the default group: no
+    ``global_ranks_in_group``) carries :func:`configure`'s ``state``; under aioreduce-launch
+    it meets at the launcher's rendezvous address, as :func:`aioreduce.connect` does, not
+    through torch's store: a replacement of any rank, rank 0 included, finds the running job
+    there (a rank 0 that rendezvoused through the store picks a free port and a job id of its
+    own, so its replacement would start another job). Other groups meet through the store."""
+    whole = not opts.global_ranks_in_group
+    env = os.environ
+    if whole and env.get("AIOREDUCE_SECRET") and env.get("AIOREDUCE_MASTER_PORT"):
+        node = SyncNode(Node.from_env(env, scheme=default_scheme(), state=_state), timeout=None)
+    else:
+        node = _node_from_store(opts.store, opts.group_rank, opts.group_size, opts.timeout,
+                                state=_state if whole else None)
+    return ProcessGroupAioreduce(node, owns_node=True)
+
+
+def default_group() -> ProcessGroupAioreduce:
+    """The job's default process group, made by ``init_process_group(backend="aioreduce")``."""
+    pg = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    if not isinstance(pg, ProcessGroupAioreduce):
+        raise ConfigError("no node given and no default process group of aioreduce's: pass "
+                          "a node, or call init_process_group(backend=\"aioreduce\") first")
+    return pg
 
 
 def _monitored_barrier(group: Any = None, timeout: timedelta | None = None,
@@ -731,7 +757,8 @@ def register() -> None:
     """Register backend "aioreduce" with ``torch.distributed`` for CPU and CUDA tensors
     (idempotent), and let ``dist.monitored_barrier`` serve its groups."""
     if BACKEND not in dist.Backend.backend_list:
-        dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True,
+                                      devices=["cpu", "cuda"])
     if dist.monitored_barrier is not _monitored_barrier:
         dist.monitored_barrier = _monitored_barrier
         dist.distributed_c10d.monitored_barrier = _monitored_barrier

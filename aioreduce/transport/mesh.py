@@ -495,6 +495,14 @@ class Mesh:
                 _t, conn = await loop.create_connection(self._new_protocol, addr[0], addr[1])
         except (OSError, TimeoutError) as exc:
             raise PeerLost(rank, f"cannot connect to {addr[0]}:{addr[1]}: {exc}") from None
+        sock = _t.get_extra_info("socket")
+        if sock is not None and sock.getsockname() == sock.getpeername():
+            # Nothing listened there, and the kernel gave this dial the port it dialed as its
+            # own (a port of the ephemeral range on this host): TCP connected the socket to
+            # itself. As a refused dial: the caller tries again.
+            conn.abort("connected to itself")
+            raise PeerLost(rank, f"cannot connect to {addr[0]}:{addr[1]}: nothing listens "
+                           "there (the dial connected to itself)")
         return await self._handshake(conn, rank, f"rank {rank} at {addr[0]}:{addr[1]}")
 
     async def _open_local(self, rank: int, port: int) -> FrameProtocol | None:

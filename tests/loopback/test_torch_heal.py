@@ -30,11 +30,11 @@ PROG = Path(__file__).resolve().parent / "torchheal.py"
 
 
 def _run(mode: str, save: Path, *launch: str, kill: str = "", kill_in: str = "backward",
-         model: str = "mlp") -> tuple[list[dict], str]:
+         model: str = "mlp", init: str = "connect") -> tuple[list[dict], str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "aioreduce_launch.cli", "-n", "4", *launch, "--",
            sys.executable, str(PROG), "--mode", mode, "--save", str(save), "--model", model,
-           *(["--kill", kill, "--kill-in", kill_in] if kill else [])]
+           "--init", init, *(["--kill", kill, "--kill-in", kill_in] if kill else [])]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
     finals = [json.loads(x.split("FINAL ", 1)[1]) for x in out.stdout.splitlines()
@@ -87,6 +87,30 @@ def test_a_rank_killed_inside_an_iteration_heals_to_the_undisturbed_run(
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     # The model's loss at the end, on a batch no rank trained on, as the undisturbed run's.
     assert finals[0]["loss"] == pytest.approx(calm[0]["loss"], rel=0.01)
+
+
+def test_rank_0_of_a_program_under_init_process_group_comes_back_and_heals(
+        tmp_path: Path, undisturbed: Callable[[str, str], tuple[list[dict], Path]]) -> None:
+    """``init_process_group(backend="aioreduce")`` with the state hooks given to
+    ``aioreduce.torch.configure`` before it, DDP over the default group: rank 0 SIGKILLed in
+    its backward pass and restarted. Its replacement is a client of the torch store the
+    launcher serves (the store of a rank 0 would have died with it) and rejoins at the
+    launcher's rendezvous address; it heals from a live rank and the run ends as the
+    undisturbed one, within rounding."""
+    calm, calm_save = undisturbed("ddp", "mlp")
+    assert calm[0]["iterations"] == 60
+    finals, err = _run("ddp", tmp_path / "healed", "--restart", "2", kill="0:10",
+                       init="pg")
+    assert "rank 0 on localhost killed by SIGKILL; restarting it" in err
+    assert "[0] rank 0 rejoined the running job as incarnation 1" in err, err[-3000:]
+    assert "[0] rank 0 (incarnation 1) healed from rank" in err, err[-3000:]
+    for rank in (1, 2, 3):
+        assert f"[{rank}] rank {rank}: ranks [0] were replaced; the group of steps runs again" \
+            in err, err[-3000:]
+    assert all(f["iterations"] == 60 for f in finals)
+    assert len({f["params"] for f in finals}) == 1
+    got, want = np.load(tmp_path / "healed.0.npy"), np.load(f"{calm_save}.0.npy")
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
 def test_ddp_goes_on_without_a_rank_that_is_late_and_takes_it_back() -> None:

@@ -57,11 +57,11 @@ JUMP = 10.0
 
 def _launch(mode: str, steps: int, pace: float, restart: int, save: str,
             device: str = "cpu", model: str = "mlp",
-            rejoin_wait: float | None = None) -> subprocess.Popen[str]:
+            rejoin_wait: float | None = None, init: str = "connect") -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "aioreduce_launch.cli", "-n", "4",
            *(["--restart", str(restart)] if restart else []), "--", sys.executable, str(PROG),
            "--mode", mode, "--steps", str(steps), "--pace", str(pace), "--save", save,
-           "--device", device, "--model", model,
+           "--device", device, "--model", model, "--init", init,
            *(["--trace"] if mode == "ddp" else [])]
     wait = {} if rejoin_wait is None else {"AIOREDUCE_REJOIN_WAIT": str(rejoin_wait)}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -94,9 +94,9 @@ def _trace(lines: list[str]) -> tuple[dict[int, np.ndarray], list[int]]:
         if m is None:
             continue
         rank, it, incarnation = (int(m[i]) for i in (1, 2, 3))
-        if rank == 0:
+        if rank == 0:  # (a replacement of rank 0 goes on with the samples)
             sample[it] = np.array([float(x) for x in m[4].split()])
-        elif incarnation > 0 and (rank, incarnation) not in seen:
+        if incarnation > 0 and (rank, incarnation) not in seen:
             seen.add((rank, incarnation))
             heals.append(it)
     return sample, heals
@@ -131,15 +131,16 @@ def _ddp_check(calm_err: str, err_lines: list[str]) -> bool:
 
 def soak(mode: str, steps: int, pace: float, kills: int, every: float, seed: int,
          log: str = "", device: str = "cpu", model: str = "mlp",
-         rejoin_wait: float | None = None) -> bool:
+         rejoin_wait: float | None = None, root_too: bool = False,
+         init: str = "connect") -> bool:
     tmp = tempfile.mkdtemp(prefix="torch-heal-soak-")
-    calm = _launch(mode, steps, 0.0, 0, f"{tmp}/calm", device, model)
+    calm = _launch(mode, steps, 0.0, 0, f"{tmp}/calm", device, model, init=init)
     out, calm_err = calm.communicate(timeout=600)
     want = _finals(out)
     if calm.returncode != 0 or len(want) != 4:
         print("the undisturbed run failed:", calm_err[-2000:])
         return False
-    job = _launch(mode, steps, pace, kills + 5, f"{tmp}/soak", device, model, rejoin_wait)
+    job = _launch(mode, steps, pace, kills + 5, f"{tmp}/soak", device, model, rejoin_wait, init)
     launcher = psutil.Process(job.pid)
     err_lines: list[str] = []
     healed, training = threading.Event(), threading.Event()
@@ -163,7 +164,7 @@ def soak(mode: str, steps: int, pace: float, kills: int, every: float, seed: int
     training.wait(120)  # a kill before the job runs would be a plain start, not a heal
     time.sleep(every)
     while done < kills and job.poll() is None:
-        victim = rng.randrange(1, 4)
+        victim = (0 if done == 0 else rng.randrange(0, 4)) if root_too else rng.randrange(1, 4)
         proc = _rank_process(launcher, victim)
         if proc is None:
             time.sleep(0.05)
@@ -233,9 +234,15 @@ def main() -> None:
     ap.add_argument("--rejoin-wait", type=float, default=None,
                     help="seconds the ranks wait for a replacement before they run without "
                     "it (and take it back later); default: the launcher's 60")
+    ap.add_argument("--root-too", action="store_true",
+                    help="rank 0 among the victims (the first one), its replacement restarted "
+                    "at the job's rendezvous address")
+    ap.add_argument("--init", choices=("connect", "pg"), default="connect",
+                    help="pg: init_process_group(backend='aioreduce'), the state hooks given "
+                    "to aioreduce.torch.configure (torchheal.py)")
     a = ap.parse_args()
     sys.exit(0 if soak(a.mode, a.steps, a.pace, a.kills, a.every, a.seed, a.log, a.device,
-                       a.model, a.rejoin_wait) else 1)
+                       a.model, a.rejoin_wait, a.root_too, a.init) else 1)
 
 
 if __name__ == "__main__":

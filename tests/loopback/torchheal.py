@@ -2,6 +2,7 @@
 
     torchheal.py [--mode optimizer|ddp] [--model mlp|transformer] [--steps N]
                  [--bucket-bytes B] [--kill RANK:ITER] [--pace SECONDS] [--device cpu|cuda]
+                 [--init connect|pg]
 
 Each iteration's gradient goes through :class:`aioreduce.torch.DistributedOptimizer`
 (``optimizer``) or DDP (``aioreduce.torch.DistributedDataParallel``, ``ddp``) over the ring, in
@@ -19,19 +20,23 @@ sequences, instead of the MLP. Prints ``FINAL {"rank": R, "params": DIGEST, "ite
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import aioreduce as ar
 import aioreduce.torch as art
+from aioreduce.sync import SyncNode
 
 
 class Transformer(torch.nn.Module):
@@ -61,6 +66,21 @@ def _batch(model: str, seed: int, device: str) -> tuple[torch.Tensor, torch.Tens
     return x.to(device), y.to(device)
 
 
+@contextlib.contextmanager
+def _joined(init: str, hooks: ar.StateHooks) -> Iterator[SyncNode]:
+    """The job's node: from :func:`aioreduce.torch.connect`, or the default process group's."""
+    if init == "connect":
+        with art.connect(ar.Ring(), state=hooks) as node:
+            yield node
+        return
+    art.configure(ar.Ring(), state=hooks)
+    dist.init_process_group("aioreduce")
+    try:
+        yield dist.distributed_c10d._get_default_group().node  # type: ignore[attr-defined]
+    finally:
+        dist.destroy_process_group()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=("optimizer", "ddp"), default="optimizer")
@@ -77,6 +97,10 @@ def main() -> None:
     ap.add_argument("--save", default="", help="PREFIX: write PREFIX.RANK.npy")
     ap.add_argument("--pace", type=float, default=0.0, help="seconds of sleep an iteration "
                     "(the soak's: a longer run)")
+    ap.add_argument("--init", choices=("connect", "pg"), default="connect",
+                    help="how the ranks meet: aioreduce.torch.connect, or "
+                    "init_process_group(backend='aioreduce') with the state hooks given to "
+                    "aioreduce.torch.configure (DDP and the optimizer over the default group)")
     ap.add_argument("--device", default="cpu", help="where the model and batches live "
                     "(cuda: the sums staged through host memory, as our users' GPUs)")
     a = ap.parse_args()
@@ -102,7 +126,8 @@ def main() -> None:
         it = value
 
     hooks = art.state_hooks(model, sgd, extra=(get_it, set_it))
-    with art.connect(ar.Ring(), state=hooks) as node:
+    with _joined(a.init, hooks) as node:
+        given = node if a.init == "connect" else None  # the default group's otherwise
         if a.kill and not node.node.mesh.incarnations.rejoined:
             victim, at = (int(x) for x in a.kill.split(":"))
 
@@ -117,11 +142,11 @@ def main() -> None:
             else:
                 sgd.register_step_pre_hook(die)
         if a.mode == "ddp":
-            net = art.DistributedDataParallel(model, node, bucket_cap_mb=a.bucket_bytes / 2**20)
+            net = art.DistributedDataParallel(model, given, bucket_cap_mb=a.bucket_bytes / 2**20)
             opt: art.DistributedOptimizer | torch.optim.Optimizer = sgd
         else:
             net = model
-            opt = art.DistributedOptimizer(sgd, node, bucket_bytes=a.bucket_bytes)
+            opt = art.DistributedOptimizer(sgd, given, bucket_bytes=a.bucket_bytes)
         while it < a.steps:
             x, y = _batch(a.model, 1000 * node.rank + it, a.device)
             opt.zero_grad()

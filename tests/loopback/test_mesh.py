@@ -235,3 +235,37 @@ def test_a_job_id_mismatch_is_named_on_every_rank() -> None:
         assert "'yesterdays-job'" in err and "check AIOREDUCE_JOB" in err, (rank, err[-1500:])
     assert "rank 3 was started for job 'yesterdays-job'" in got[0][1]
     assert "serves job" in got[3][1]  # rank 3 learns the job id it should have had
+
+
+def test_a_dial_that_tcp_connects_to_itself_counts_as_refused() -> None:
+    """Nothing listens at a port of this host's ephemeral range, and the kernel gives the dial
+    that very port as its own: TCP connects the socket to itself (simultaneous open), and the
+    dialer would read its own hello. Forced here by dialing from the port it dials. The dial
+    fails as a refused one (``PeerLost``, which the rendezvous retries), not as a handshake
+    that a rank refused (``AuthError``, which ends it)."""
+    import asyncio
+
+    import aioreduce as ar
+    from aioreduce.jobplan import free_port
+    from aioreduce.transport import Mesh, MeshOptions
+
+    port = free_port()
+
+    async def main() -> str:
+        loop = asyncio.get_running_loop()
+        dial = loop.create_connection
+
+        def from_the_same_port(factory, host, p, **kw):  # type: ignore[no-untyped-def]
+            return dial(factory, host, p, local_addr=(host, p), **kw)
+
+        loop.create_connection = from_the_same_port  # type: ignore[method-assign]
+        mesh = Mesh(1, 2, b"k" * 32, "job", MeshOptions(local_unix=False, connect_timeout=5))
+        try:
+            await mesh.connect(0, ("127.0.0.1", port))
+        except ar.PeerLost as exc:
+            return str(exc)
+        finally:
+            await mesh.close()
+        return "connected"
+
+    assert "the dial connected to itself" in ar.run(main())

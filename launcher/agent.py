@@ -4,9 +4,10 @@ It talks to the launcher with msgpack messages on its stdin and stdout, never wi
 line that ``ps`` would show:
 
 * launcher to agent: ``{"t": "start", "argv", "cwd", "ranks": [{"rank", "env"}], "heartbeat",
-  "kill_timeout"}`` once (the env carries the job secret), then ``{"t": "signal", "sig",
-  "rank"?}``, ``{"t": "restart", "rank", "env"}`` (a new process for a rank that died, with
-  the same command) and ``{"t": "ping"}`` heartbeats;
+  "kill_timeout", "torch_store"?}`` once (the env carries the job secret; ``torch_store``,
+  ``[addr, port]``: serve torch's store there, see :mod:`.torchstore`), then ``{"t":
+  "signal", "sig", "rank"?}``, ``{"t": "restart", "rank", "env"}`` (a new process for a
+  rank that died, with the same command) and ``{"t": "ping"}`` heartbeats;
 * agent to launcher: ``{"t": "started", "rank", "pid"}``, ``{"t": "out", "rank", "fd", "data"}``,
   ``{"t": "exit", "rank", "code"}``, ``{"t": "error", "message"}``.
 
@@ -28,6 +29,7 @@ from typing import Any
 
 import msgpack
 
+from . import torchstore
 from .local import OUTPUT_GRACE_S, _die_with_parent, exit_code
 
 HEARTBEAT_MISSES = 3
@@ -50,6 +52,8 @@ class Agent:
         self.cwd: str | None = None
         self.threads = 1  # OMP_NUM_THREADS for each rank
         self.started = False
+        self.store: Any = None  # torch's store, where this agent serves it (torchstore)
+        self.rank_env: dict[str, str] = {}  # what every rank's environment gets from here
 
     def send(self, msg: dict[str, Any]) -> None:
         if not self.writer.is_closing():
@@ -64,6 +68,10 @@ class Agent:
         # Like torchrun: do not let every rank start a BLAS thread per core.
         self.threads = max(1, (os.cpu_count() or 1) // max(1, len(ranks)))
         self.started = True  # (a spare host's agent starts with no rank)
+        where = msg.get("torch_store")  # [addr, port]: rank 0's host, under --restart
+        if where and torchstore.available():
+            self.store = torchstore.serve(str(where[0]), int(where[1]))
+            self.rank_env.update(torchstore.AGENT_STORE)
         for item in ranks:
             await self.spawn(item)
 
@@ -71,6 +79,7 @@ class Agent:
         """Start (or restart) the rank ``item`` describes (its number and environment)."""
         env = dict(os.environ)
         env.update({str(k): str(v) for k, v in item["env"].items()})
+        env.update(self.rank_env)
         env.setdefault("OMP_NUM_THREADS", str(self.threads))
         try:
             proc = await asyncio.create_subprocess_exec(

@@ -190,11 +190,14 @@ async def launch(opts: argparse.Namespace, command: list[str]) -> int:
         # on without it (see aioreduce.heal)
         job.user_env.setdefault("AIOREDUCE_REJOIN_WAIT",
                                 str(REJOIN_WAIT_S if opts.restart else TOLERATE_WAIT_S))
-    # torch's store outlives rank 0 where the launcher serves it (see torchstore)
-    serve_store = (bool(opts.restart) and entries[0].is_local and torchstore.available()
-                   and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ)
+    # torch's store outlives rank 0 where the launcher, or rank 0's host's agent, serves it
+    # (see torchstore; the agent where torch is installed there)
+    keep_store = bool(opts.restart) and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
+    serve_store = keep_store and entries[0].is_local and torchstore.available()
     if serve_store:
         job.user_env.update(torchstore.AGENT_STORE)
+    agent_store = ((job.master_addr, job.master_port)
+                   if keep_store and not entries[0].is_local else None)
     if "OMP_NUM_THREADS" in os.environ:  # the user's own setting reaches the ranks as is
         job.user_env.setdefault("OMP_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
     spare_entries = [e for e in entries if e.spare]
@@ -263,7 +266,9 @@ async def launch(opts: argparse.Namespace, command: list[str]) -> int:
                                                        output_dir=opts.output_dir))
         for host in hosts:  # a spare host's agent starts with no rank
             ranks.extend(await host.start(by_host.get(host.name, []), command, os.getcwd(),
-                                          opts.kill_timeout, tag, opts.output_dir))
+                                          opts.kill_timeout, tag, opts.output_dir,
+                                          agent_store if host.name == entries[0].host
+                                          else None))
         ranks.sort(key=lambda r: r.rank)
         return await supervisor.run()
     except OSError as exc:

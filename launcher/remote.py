@@ -136,13 +136,16 @@ class RemoteHost:
         self.lost = False  # the connection to the host broke: its ranks are gone with it
 
     async def start(self, specs: list[RankSpec], argv: list[str], cwd: str | None,
-                    kill_timeout: float, tag: bool, output_dir: str | None) -> list[RemoteRank]:
+                    kill_timeout: float, tag: bool, output_dir: str | None,
+                    torch_store: tuple[str, int] | None = None) -> list[RemoteRank]:
+        """Start the agent and its ranks; ``torch_store``: it serves torch's store there."""
         self.ranks = {s.rank: RemoteRank(s, self, tag, output_dir) for s in specs}
         command = f"{shlex.quote(self.opts.python)} -m aioreduce_launch.agent"
         self.process = await self.conn.create_process(command, encoding=None)
         self.send({"t": "start", "argv": argv, "cwd": cwd, "kill_timeout": kill_timeout,
                    "heartbeat": self.opts.heartbeat,
-                   "ranks": [{"rank": s.rank, "env": s.env} for s in specs]})
+                   "ranks": [{"rank": s.rank, "env": s.env} for s in specs],
+                   **({"torch_store": list(torch_store)} if torch_store else {})})
         self._tasks = [asyncio.ensure_future(self._read()),
                        asyncio.ensure_future(self._read_stderr()),
                        asyncio.ensure_future(self._heartbeat())]

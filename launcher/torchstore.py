@@ -5,8 +5,10 @@ serves, and a serving store waits for every rank to connect. A replacement of ra
 serve a new store and wait for ranks that connected to the old one long ago, until its
 timeout. So, as torchrun's agent does, the launcher serves the store while the job runs and
 tells the ranks so (``TORCHELASTIC_USE_AGENT_STORE=True``: every rank, rank 0 included, is a
-client). Only where rank 0's host is this machine and torch is installed here; otherwise the
-ranks serve it as before.
+client). Where rank 0's host is this machine the launcher serves it, where it is a remote host
+that host's agent does (and sets the variable for the ranks it starts); either only where
+torch is installed (otherwise the ranks serve it as before, and a program without torch has
+no use for it).
 """
 
 from __future__ import annotations

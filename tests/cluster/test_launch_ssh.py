@@ -120,6 +120,30 @@ def test_a_killed_rank_is_restarted_on_its_host_and_heals(cluster) -> None:
     assert not _no_job_processes(cl, 5)
 
 
+def test_rank_0_of_a_torch_program_restarts_on_its_remote_host_and_heals(cluster) -> None:
+    """``init_process_group(backend="aioreduce")`` over SSH, rank 0 on a remote host (the
+    hostfile's first) SIGKILLed in an iteration's backward pass, ``--restart``: that host's
+    agent serves torch's store (rank 0's would have died with it) and starts rank 0 again;
+    it rejoins at the launcher's rendezvous address, heals model, optimizer and iteration
+    from a live rank, and every rank ends with the same parameters."""
+    pytest.importorskip("torch")
+    cl, access, hostfile = cluster
+    prog = ROOT / "tests" / "loopback" / "torchheal.py"
+    res = subprocess.run(_launch(cl, access, hostfile, sys.executable, str(prog), "--mode",
+                                 "optimizer", "--init", "pg", "--kill", "0:10",
+                                 extra=("-n", "4", "--restart", "2")),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "rank 0 on" in res.stderr and "restarting it (1 of at most 2)" in res.stderr
+    assert "[0] rank 0 (incarnation 1) healed from rank" in res.stderr, res.stderr[-3000:]
+    finals = [json.loads(line.split("FINAL ", 1)[1]) for line in res.stdout.splitlines()
+              if "FINAL " in line]
+    assert sorted(f["rank"] for f in finals) == [0, 1, 2, 3], res.stdout[-2000:]
+    assert all(f["iterations"] == 60 for f in finals)
+    assert len({f["params"] for f in finals}) == 1
+    assert not _no_job_processes(cl, 5)
+
+
 def test_the_ranks_of_a_lost_host_restart_on_a_spare_host(cluster, tmp_path) -> None:
     """Host 2's SSH connection is cut while a 7-rank ring runs (its agent then stops its two
     ranks): ``--restart`` starts both again on the spare host 3, the ring's failed step waits

@@ -11,6 +11,7 @@ slots before moving on to the next host.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import socket
 import uuid
@@ -40,10 +41,19 @@ class RankSpec:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (the kernel picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` different TCP ports that were free a moment ago (each bound until all are
+    picked: two calls of :func:`free_port` may give the same port)."""
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(n):
+            s = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind((host, 0))
+            ports.append(int(s.getsockname()[1]))
+        return ports
 
 
 @dataclass(frozen=True)

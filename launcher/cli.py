@@ -14,7 +14,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from aioreduce.jobplan import HostSlots, JobConfig, RankSpec, free_port, plan_ranks
+from aioreduce.jobplan import HostSlots, JobConfig, RankSpec, free_ports, plan_ranks
 
 from . import torchstore
 from .hostfile import (
@@ -163,7 +163,8 @@ def job_ports(opts: argparse.Namespace, first: HostEntry) -> tuple[int, int]:
     if opts.master_port:
         return opts.master_port, opts.master_port + 1
     if first.is_local:
-        return free_port(), free_port()
+        master, rendezvous = free_ports(2)  # (both used: torch's store and ours)
+        return master, rendezvous
     # A remote host's free ports cannot be probed from here: pick from a quiet range.
     base = random.randrange(20000, 40000, 2)
     return base, base + 1

@@ -73,7 +73,8 @@ def configure(scheme: Scheme | None = None, *, state: StateHooks | None = None) 
     ``AIOREDUCE_TORCH_SCHEME`` or ``Ring()``). ``state``: how a replacement of this rank
     heals (:func:`aioreduce.torch.state_hooks`), carried by the group over the whole job
     (the default group): a replacement started by ``aioreduce-launch --restart`` rejoins
-    the running job and loads the state a live rank sends (see :mod:`aioreduce.heal`)."""
+    the running job and loads the state a live rank sends (see :mod:`aioreduce.heal`).
+    Each call sets both."""
     global _configured, _state
     _configured, _state = scheme, state
 

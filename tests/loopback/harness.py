@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from aioreduce.jobplan import HostSlots, JobConfig, RankSpec, free_port, plan_ranks
+from aioreduce.jobplan import HostSlots, JobConfig, RankSpec, free_ports, plan_ranks
 
 HERE = Path(__file__).parent
 RANKPROG = str(HERE / "rankprog.py")
@@ -60,8 +60,9 @@ class Ranks:
     """The processes of one test job."""
 
     def __init__(self, n: int) -> None:
-        self.job = JobConfig(master_addr="127.0.0.1", master_port=free_port(),
-                             rendezvous_port=free_port())
+        master, rendezvous = free_ports(2)
+        self.job = JobConfig(master_addr="127.0.0.1", master_port=master,
+                             rendezvous_port=rendezvous)
         # With the host's cores known, as aioreduce-launch plans local ranks: one BLAS thread
         # per rank. Without it, 4 ranks on 2 cores each ran a BLAS thread per core and a
         # 160 KB transpose step took 50 ms instead of 16 (13 under the launcher).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from aioreduce.env import discover
-from aioreduce.jobplan import HostSlots, JobConfig, plan_ranks
+from aioreduce.jobplan import HostSlots, JobConfig, free_ports, plan_ranks
 from aioreduce_launch.cli import UsageError, split_argv, user_env
 from aioreduce_launch.output import RankOutput
 
@@ -73,3 +73,10 @@ def test_output_tags_lines_and_keeps_split_utf8(tmp_path) -> None:
     assert sink.getvalue().decode() == "[7] héllo\n[7] wörld\n[7] partial\n"
     assert (tmp_path / "rank.7.stdout").read_bytes() == data
     assert list(out.last_lines) == ["héllo", "wörld", "partial"]
+
+
+def test_a_job_s_ports_differ() -> None:
+    # torch's store and aioreduce's rendezvous both listen on the first host: two ports
+    # picked one after the other by binding port 0 may be the same one
+    ports = free_ports(50)
+    assert len(set(ports)) == 50

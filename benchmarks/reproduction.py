@@ -308,12 +308,13 @@ def heldout_sentence(where: Path, platforms: dict[int, Platform]) -> str:
             f"{errors}.")
 
 
-def held_out_scores(path: Path) -> str:
+def held_out_scores(paths: Sequence[Path]) -> str:
     """The simulator and the advisor scored out of sample, from the figures
-    ``benchmarks/sim_out_of_sample.py`` wrote beside its report."""
-    if not path.exists():
+    ``benchmarks/sim_out_of_sample.py`` wrote beside its reports (one per sweep)."""
+    found = [p for p in paths if p.exists()]
+    if not found:
         return "The simulator was not scored out of sample (no `out_of_sample.json`)."
-    scores = json.loads(path.read_text())
+    scores = [s for p in found for s in json.loads(p.read_text())]
 
     def row(s: dict[str, Any]) -> str:
         name = s["split"].removeprefix("in sample: ")
@@ -323,17 +324,29 @@ def held_out_scores(path: Path) -> str:
                 f"{s['rule_right']}")
     held = [s for s in scores if s["axis"] != "in sample"]
     inside = [s for s in scores if s["axis"] == "in sample"]
-    right = sum(s["advisor_right"] for s in held)
-    rule = sum(s["rule_right"] for s in held)
-    picks = sum(s["picks"] for s in held)
+    # (a split that only draws the same cells again is not counted twice)
+    counted = [s for s in held if s["axis"] != "parameters, other draws"]
+    right = sum(s["advisor_right"] for s in counted)
+    picks = sum(s["picks"] for s in counted)
+    rules = {name: sum(s["rules"][name] for s in counted) for name in counted[0]["rules"]} \
+        if counted and "rules" in counted[0] else {"the simple rule": sum(
+            s["rule_right"] for s in counted)}
+    best = max(rules, key=lambda name: rules[name])
+    rule = rules[best]
+    reports = ", ".join(f"[{p.parent.name}/{p.with_suffix('.md').name}]"
+                        f"({p.parent.name}/{p.with_suffix('.md').name})"
+                        if p.parent.name == "sweep" else
+                        f"[sweep/{p.parent.name}](sweep/{p.parent.name}/"
+                        f"{p.with_suffix('.md').name})" for p in found)
     return ("The simulator column is as good as the fit carries. Scored on cells it was "
-            "not fitted to ([sweep/out_of_sample.md](sweep/out_of_sample.md)): "
+            f"not fitted to ({reports}): "
             + "; ".join(row(s) for s in held) + ". In sample: " + "; ".join(
                 row(s) for s in inside)
             + f". Out of sample the advisor was right in {right} of {picks} picks and the "
-            f"simple rule in {rule}: " + ("the advisor ahead" if right > rule else
-                                         "no margin for the advisor" if right == rule else
-                                         "the simple rule ahead") + ".")
+            f"best of {len(rules)} simple rules ({best}) in {rule}: "
+            + (f"the advisor ahead by {right - rule}" if right > rule else
+               "no margin for the advisor" if right == rule else
+               f"the simple rule ahead by {rule - right}") + ".")
 
 
 def label(size: int) -> str:
@@ -350,9 +363,10 @@ def main() -> None:
                     help="the transpose's measured runs: tail.jsonl (aioreduce-bench "
                          "allreduce --json) and tta.jsonl (benchmarks/time_to_accuracy.py "
                          "--json)")
-    ap.add_argument("--scores", default="",
+    ap.add_argument("--scores", nargs="*", default=None,
                     help="the simulator's out-of-sample scores (benchmarks/sim_out_of_sample.py"
-                         "'s JSON; default SWEEP/out_of_sample.json)")
+                         "'s JSON; default SWEEP/out_of_sample.json and "
+                         "SWEEP/*/out_of_sample.json)")
     ap.add_argument("--heldout", default="docs/sweep/heldout-40x64m",
                     help="the cell the sweep leaves out, run apart (aioreduce-bench sweep "
                          "--nodes 40 --sizes 64M --stragglers none --skip '')")
@@ -462,7 +476,8 @@ def main() -> None:
         lines.append(f"| ({fanout},2) | {n} | {mbit / 1000:g} Gbit/s | {model} | "
                      f"{d['ring'] * 1e3:.1f} | {d['coded-tree'] * 1e3:.1f} | "
                      f"{d['gc'] * 1e3:.1f} |")
-    scores = Path(opts.scores) if opts.scores else sweep / "out_of_sample.json"
+    scores = ([Path(p) for p in opts.scores] if opts.scores is not None else
+              [sweep / "out_of_sample.json", *sorted(sweep.glob("*/out_of_sample.json"))])
     lines += ["", held_out_scores(scores) + heldout_sentence(
         Path(opts.heldout), platforms)]
     Path(opts.out).write_text("\n".join(lines) + "\n")

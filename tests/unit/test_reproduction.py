@@ -117,19 +117,27 @@ def test_the_codes_row_reads_paired_launches_and_says_where_the_saving_holds(
     assert "less in 0 (none)" in text
 
 
-def test_the_out_of_sample_sentence_is_made_from_the_scores_file(tmp_path: Path) -> None:
-    path = tmp_path / "out_of_sample.json"
-    assert "not scored out of sample" in reproduction.held_out_scores(path)
+def test_the_out_of_sample_sentence_is_made_from_the_scores_files(tmp_path: Path) -> None:
+    path, other = tmp_path / "out_of_sample.json", tmp_path / "heldout" / "out_of_sample.json"
+    assert "not scored out of sample" in reproduction.held_out_scores([path])
     score = {"cells": 50, "median_abs_error": 0.11, "worst": "40/40960/slow3/ring",
              "worst_error": 0.76, "picks": 10}
     path.write_text(json.dumps([
         {**score, "split": "in sample: 40 ranks", "axis": "in sample", "advisor_right": 10,
-         "rule_right": 8},
+         "rule_right": 8, "rules": {"pause rule": 8, "ring": 3}},
         {**score, "split": "ranks: 40 ranks", "axis": "ranks", "advisor_right": 9,
-         "rule_right": 8}]))
-    text = reproduction.held_out_scores(path)
+         "rule_right": 8, "rules": {"pause rule": 8, "ring": 3}}]))
+    other.parent.mkdir()
+    other.write_text(json.dumps([
+        {**score, "split": "parameters: 13 ranks", "axis": "parameters", "advisor_right": 8,
+         "rule_right": 7, "rules": {"pause rule": 7, "ring": 9}},
+        # the same cells drawn again: not counted twice in the totals
+        {**score, "split": "parameters, other draws: 13", "axis": "parameters, other draws",
+         "advisor_right": 8, "rule_right": 7, "rules": {"pause rule": 7, "ring": 9}}]))
+    text = reproduction.held_out_scores([path, other])
     assert "ranks: 40 ranks: median error 11% over 50 cells, worst 40/40960/slow3/ring +76%" \
         in text
     assert "In sample: 40 ranks: median error 11%" in text
-    assert "the advisor was right in 9 of 10 picks and the simple rule in 8: the advisor " \
-        "ahead." in text
+    # the best rule over the counted picks is the pause rule (15 of 20; the ring 12)
+    assert "the advisor was right in 17 of 20 picks and the best of 2 simple rules (pause " \
+        "rule) in 15: the advisor ahead by 2." in text

@@ -328,11 +328,10 @@ def held_out_scores(paths: Sequence[Path]) -> str:
     counted = [s for s in held if s["axis"] != "parameters, other draws"]
     right = sum(s["advisor_right"] for s in counted)
     picks = sum(s["picks"] for s in counted)
-    rules = {name: sum(s["rules"][name] for s in counted) for name in counted[0]["rules"]} \
-        if counted and "rules" in counted[0] else {"the simple rule": sum(
-            s["rule_right"] for s in counted)}
-    best = max(rules, key=lambda name: rules[name])
-    rule = rules[best]
+    rules = {name: sum(s["rules"][name] for s in counted)
+             for name in (counted[0]["rules"] if counted else ())}
+    best = max(rules, key=lambda name: rules[name], default="none")
+    rule = rules.get(best, 0)
     reports = ", ".join(f"[{p.parent.name}/{p.with_suffix('.md').name}]"
                         f"({p.parent.name}/{p.with_suffix('.md').name})"
                         if p.parent.name == "sweep" else

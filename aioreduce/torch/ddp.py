@@ -36,7 +36,7 @@ from torch.nn.utils import parameters_to_vector
 
 from ..sync import SyncNode
 from . import ddp_heal
-from .process_group import ProcessGroupAioreduce, default_group
+from .process_group import ProcessGroupAioreduce, group_of
 
 
 def _value(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
@@ -102,9 +102,7 @@ def DistributedDataParallel(module: torch.nn.Module,
     from :func:`aioreduce.connect` with an allreduce scheme, or a process group of ours; by
     default the one ``init_process_group(backend="aioreduce")`` made), every gradient bucket
     through aioreduce. ``ddp_kwargs`` go to torch's DDP."""
-    if node is None:
-        node = default_group()
-    pg = node if isinstance(node, ProcessGroupAioreduce) else ProcessGroupAioreduce(node)
+    pg = group_of(node)
     if pg.node.node.healer.rejoin_wait > 0:  # ranks may come back: see ddp_heal
         return _healing(module, pg, ddp_kwargs)
     check_same_model(module, pg)

@@ -41,7 +41,7 @@ from ..schemes import Result
 from ..sync import SyncNode
 from ..tensors import to_numpy
 from .grads import flatten_grads, write_grads
-from .process_group import ProcessGroupAioreduce, default_group
+from .process_group import ProcessGroupAioreduce, group_of
 
 CommitPolicy = Callable[[list[Result]], bool]
 
@@ -64,9 +64,7 @@ class DistributedOptimizer:
                  op: ReduceOp = "mean", backward_passes_per_step: int = 1,
                  should_commit: CommitPolicy | None = None,
                  bucket_bytes: int = 25 << 20) -> None:
-        if node is None:  # the default process group's (init_process_group)
-            node = default_group()
-        pg = node if isinstance(node, ProcessGroupAioreduce) else ProcessGroupAioreduce(node)
+        pg = group_of(node)
         node = pg.node
         if op not in ("sum", "mean"):
             raise ValueError(f"rank {node.rank}: op must be 'sum' or 'mean', not {op!r}")

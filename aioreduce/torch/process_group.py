@@ -723,15 +723,21 @@ def _create(opts: Any, _pg_options: Any = None) -> ProcessGroupAioreduce:
     whole = not opts.global_ranks_in_group
     env = os.environ
     if whole and env.get("AIOREDUCE_SECRET") and env.get("AIOREDUCE_MASTER_PORT"):
-        node = SyncNode(Node.from_env(env, scheme=default_scheme(), state=_state), timeout=None)
+        node = connect_env(default_scheme(), timeout=None, state=_state)
     else:
         node = _node_from_store(opts.store, opts.group_rank, opts.group_size, opts.timeout,
                                 state=_state if whole else None)
     return ProcessGroupAioreduce(node, owns_node=True)
 
 
-def default_group() -> ProcessGroupAioreduce:
-    """The job's default process group, made by ``init_process_group(backend="aioreduce")``."""
+def group_of(node: SyncNode | ProcessGroupAioreduce | None) -> ProcessGroupAioreduce:
+    """The process group a wrapper (DDP, the optimizer) runs over: ``node``'s own, a new one
+    over a blocking node, or with ``None`` the job's default group, made by
+    ``init_process_group(backend="aioreduce")``."""
+    if isinstance(node, ProcessGroupAioreduce):
+        return node
+    if node is not None:
+        return ProcessGroupAioreduce(node)
     pg = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
     if not isinstance(pg, ProcessGroupAioreduce):
         raise ConfigError("no node given and no default process group of aioreduce's: pass "

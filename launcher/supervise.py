@@ -139,6 +139,9 @@ class Supervisor:
         the summary already; one printed by a rank the launcher stopped is said once per
         distinct error; any other is written as it was."""
         dead = {d.rank for d in self.policy.deaths}
+        culprit = self.policy.culprit
+        said = same_error(culprit.error, culprit.rank) if culprit is not None else None
+        first = self._held_block(culprit.rank) if culprit is not None else []
         stopped: dict[str, tuple[str, list[int]]] = {}
         for r in self.ranks:
             out = r.outputs[1]
@@ -147,16 +150,26 @@ class Supervisor:
             if r.rank in dead:
                 out.held.release()
             elif self._stopping:
-                error = out.held.error
-                stopped.setdefault(same_error(error, r.rank), (error, []))[1].append(r.rank)
+                error, key = out.held.error, same_error(out.held.error, r.rank)
+                if not out.held.ended and said is not None \
+                        and self._held_block(r.rank) == first[:len(out.held.block)]:
+                    key = said  # stopped while printing the culprit's traceback: cut short
+                stopped.setdefault(key, (error, []))[1].append(r.rank)
                 out.held.release()
             else:
                 out.release()
-        culprit = self.policy.culprit
-        said = same_error(culprit.error, culprit.rank) if culprit is not None else None
         return [f"{'ranks' if len(ranks) > 1 else 'rank'} {rank_ranges(ranks)}, stopped, had "
                 + ("printed the culprit's error" if key == said else f"printed: {error}")
                 for key, (error, ranks) in stopped.items()]
+
+    def _held_block(self, rank: int) -> list[str]:
+        """The traceback held back from ``rank``'s stderr, its own rank number made generic
+        (empty if none is held)."""
+        for r in self.ranks:
+            held = r.outputs[1].held
+            if r.rank == rank and held is not None and held.block:
+                return [same_error(line, rank) for line in held.block]
+        return []
 
     def _exited(self, rank: RankHandle, code: int) -> None:
         if self._stopping:  # the launcher's own SIGTERM/SIGKILL: not a death

@@ -54,6 +54,11 @@ class TracebackHold:
         return out
 
     @property
+    def ended(self) -> bool:
+        """The held traceback has reached its exception line (it was not cut short)."""
+        return bool(self.block) and self._ended
+
+    @property
     def error(self) -> str:
         """The held traceback's last non-blank line (its exception), or ''."""
         return next((line for line in reversed(self.block) if line.strip()), "")

@@ -120,6 +120,31 @@ def test_identical_errors_are_said_once(capsys: pytest.CaptureFixture[str]) -> N
     assert len(said) <= 10
 
 
+def test_a_rank_stopped_while_printing_the_culprits_traceback_is_counted_with_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # CI once saw rank 8 of 12 stopped two lines into the same traceback: it was said on a line
+    # of its own ("had printed:   File ...") instead of with the others. A traceback cut short
+    # that matches the culprit's so far is the culprit's; one that does not is said as it is.
+    async def body(loop: ClockLoop) -> None:
+        out = io.BytesIO()
+        ranks = [FakeRank(r, out) for r in range(5)]
+        sup = Supervisor(ranks)  # type: ignore[arg-type]
+        job = asyncio.ensure_future(sup.run())
+        for r in (0, 1, 2):
+            ranks[r].outputs[1].feed(b"Traceback (most recent call last):\n  File a\n"
+                                     b"  File b, rank %d\nValueError: rank %d: needs 13\n"
+                                     % (r, r))
+        ranks[3].outputs[1].feed(b"Traceback (most recent call last):\n  File a\n")
+        ranks[4].outputs[1].feed(b"Traceback (most recent call last):\n  File z\n")
+        ranks[1].code.set_result(1)
+        await asyncio.wait_for(job, 10)
+
+    run(body)
+    said = capsys.readouterr().err.splitlines()
+    assert "aioreduce-launch: ranks 0,2-3, stopped, had printed the culprit's error" in said
+    assert "aioreduce-launch: rank 4, stopped, had printed:   File z" in said
+
+
 def test_a_traceback_is_held_until_the_rank_goes_on() -> None:
     hold = TracebackHold()
     assert hold.feed("step 1") == ["step 1"]

@@ -101,6 +101,7 @@ class Healer:
         # where a group runs again): the only place a group's ring changes its members.
         self._group_session: Reforms | None = None
         self._group_first = True
+        self._marks_last = False  # a group step with ``last`` was seen: groups' starts known
         self._group_taken = False  # the group failed because ranks were taken back
         # A ring that left a rank out (see reformed): replacements that asked its lowest
         # member to be taken back; the change announced to the members, from its step on;
@@ -355,7 +356,7 @@ class Healer:
         replacement of a member, which heals where its group runs again."""
         before = session.members
         if self._reform is not None or self._joins:
-            await self._boundary(session, at, group=True)
+            await self._boundary(session, at, group=self._marks_last)
         joined = [r for r in session.members if r not in before]
         if joined:
             # Taken back here. Its first group may not be laid out as the members' (a
@@ -380,12 +381,23 @@ class Healer:
                           arrival: Arrival | None = None) -> Result:
         at = steps.step  # the number this step takes
         self._serving_at, self._serve_only = self._group_at, self._group_for
+        if last:
+            self._marks_last = True
         if self._group_first and self._group_error is None:
             self._group_first = False
             # (checked once a group, not per step: a protocol's isinstance costs 10 us)
             if self.rejoin_wait and isinstance(session, Reforms):
                 self._group_session = session
                 await self._group_boundary(session, at)
+        elif (not self._marks_last and self._group_session is not None
+              and cast(object, session) is self._group_session and self._group_error is None
+              and (self._reform is not None or self._joins or self._asked)):
+            # A program that does not mark its groups' last steps: where its groups start
+            # is not known here, so any group step is where a rank left out is answered and
+            # taken back (the group then fails on every member at the same step and runs
+            # again with it, as at a first step). A program that marks them waits for the
+            # next group's start instead, and loses no step of the group.
+            await self._group_boundary(self._group_session, at)
         if self._group_error is not None:
             self._serving_at, self._serve_only = None, None
             step = steps.take()  # every rank numbers the group's steps alike, run or not

@@ -363,6 +363,48 @@ def test_a_ring_goes_on_without_a_rank_that_does_not_come_back_and_takes_it_back
     assert len(digests) == 1  # every rank's model the same, the one taken back included
 
 
+def test_groups_that_do_not_mark_their_last_step_take_a_late_replacement_back(ranks) -> None:
+    """backprog.py: groups of 3 ring steps, none marked ``last``, 4 ranks, ``rejoin_wait``
+    1 s. Rank 2 dies in group 3 and nothing restarts it: the group runs again over ranks 0,
+    1 and 3, and the job goes on with them. A replacement started later heals, asks rank 0
+    to take it back, and is taken back at a step of a group (where the groups start is not
+    known here): that group fails on every member and runs again over all four. Every
+    group's sums exact over the ranks it used, every rank ends at the same group."""
+    job: Ranks = ranks(4)
+    prog = str(Path(__file__).resolve().parent / "backprog.py")
+    wait = {"AIOREDUCE_REJOIN_WAIT": "1"}
+    lines = {r: Lines(job.start(r, prog=prog, **wait)) for r in range(4)}
+    assert job.procs[2].wait(60) == -9
+    end = time.monotonic() + 60
+    while (not any(s["used"] == [0, 1, 3] for s in lines[0].tagged("GROUP"))
+           and time.monotonic() < end):
+        time.sleep(0.02)  # polling the job's progress: it goes on without rank 2
+    lines[2] = Lines(job.start(2, prog=prog, **wait))  # the same rank, anew
+    codes = {r: p.wait(120) for r, p in job.procs.items()}
+    for r in lines:
+        lines[r].join()
+    assert codes == dict.fromkeys(range(4), 0), {r: lines[r].err[-8:] for r in codes}
+    groups = {r: lines[r].tagged("GROUP") for r in range(4)}
+    for r, got in groups.items():
+        for grp in got:
+            g, used = grp["g"], grp["used"]
+            want = [float(sum(u + 1 for u in used) * (g + 1) * (k + 1) * 1000)
+                    for k in range(3)]
+            assert grp["sums"] == want, (r, grp)
+    root = [grp["used"] for grp in groups[0]]
+    assert root[:3] == [[0, 1, 2, 3]] * 3 and root[3] == [0, 1, 3], root[:5]
+    assert root[-1] == [0, 1, 2, 3], root[-3:]
+    back = groups[2]
+    assert back and back[0]["g"] == groups[0][-1]["g"], (back, groups[0][-3:])
+    ends = {lines[r].out[-1].strip() for r in (0, 1, 3)}
+    assert ends == {f"END {groups[0][-1]['g'] + 1} taken_back=False"}, ends
+    assert lines[2].out[-1].strip() == f"END {groups[0][-1]['g'] + 1} taken_back=True"
+    errs = "".join(lines[0].err)
+    assert "ranks [2] did not come back within 1 s; the steps run over the 3 others" in errs
+    assert "ranks [2] healed; the steps take them back at step" in errs
+    assert any("asking rank 0 to take it back" in e for e in lines[2].err)
+
+
 @pytest.mark.parametrize("scheme, n", [("coded-tree", 13), ("ring", 4)])
 def test_rank_0_killed_is_replaced_at_its_address_and_heals(ranks, scheme: str, n: int) -> None:
     """Rank 0 (the rendezvous, the coded tree's root) is SIGKILLed and restarted at its

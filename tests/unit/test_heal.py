@@ -454,6 +454,46 @@ def test_a_rank_left_out_of_a_groups_ring_is_taken_back_at_a_groups_first_step()
     asyncio.run(body())
 
 
+def test_groups_not_marked_last_take_a_rank_back_at_the_step_announced() -> None:
+    """As above, but the program never marks a group's last step: where its groups start
+    is not known here, so rank 2 is taken back at the step rank 0 announced (20, inside a
+    group): that step fails at once, and the group runs again with rank 2 from the step
+    after it."""
+    from aioreduce.errors import PeerLost
+    from aioreduce.stepper import Stepper
+    from aioreduce.straggle import StraggleModel
+    from aioreduce.wire.control import Reform
+
+    async def body() -> None:
+        mesh = GroupMesh(1, {(0, (1 << 32) + 6, tags.GROUP): {"at": 21},
+                             (3, (1 << 32) + 6, tags.GROUP): {"at": 21},
+                             (0, 21, tags.MEMBERS + 1): {"members": [0, 1, 2, 3]}})
+        mesh.incarnations.known[2] = 1
+        ring = GroupRing((0, 1, 3))
+        healer = Healer(mesh, None, 5.0, lambda: [0, 3], rejoin_wait=0.01,  # type: ignore[arg-type]
+                        members=lambda: ring.members)
+        steps = Stepper(1, 4, StraggleModel(), None, None)
+        steps.step = 19
+        ran: list[int] = []
+
+        async def runs() -> Any:
+            ran.append(steps.take())
+            return SimpleNamespace(value=np.zeros(1), step=ran[-1], used=list(ring.members),
+                                   late=[])
+
+        await healer.step(steps, runs, None, rerun=False, session=ring)  # 19
+        mesh.on_reform(0, Reform((0, 1, 2, 3), 20))
+        await asyncio.sleep(0)
+        with pytest.raises(PeerLost, match="taken back"):  # 20: taken back, fails at once
+            await healer.step(steps, runs, None, rerun=False, session=ring)
+        assert ring.changes == [(0, 1, 2, 3)] and ran == [19]
+        assert await healer.replace_lost(steps) is True
+        again = await healer.step(steps, runs, None, rerun=False, session=ring)
+        assert again.step == 21 and again.used == [0, 1, 2, 3]
+
+    asyncio.run(body())
+
+
 def test_a_reformed_ring_sums_its_members_exactly_and_takes_a_rank_back() -> None:
     from aioreduce.schemes import Ring
     from aioreduce.schemes.base import Reforms

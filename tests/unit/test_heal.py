@@ -406,24 +406,29 @@ def test_a_group_whose_dead_rank_does_not_come_back_runs_again_over_the_live_rin
     asyncio.run(body())
 
 
-def test_a_rank_left_out_of_a_groups_ring_is_taken_back_at_a_groups_first_step() -> None:
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_rank_left_out_of_a_groups_ring_is_taken_back(marked: bool) -> None:
     """Rank 1 of a ring that runs groups over 0, 1 and 3 (rank 2 was left out). Rank 0, the
     lowest member, announces the ring with rank 2's replacement from step 20 on: rank 1
-    acknowledges, finishes its group (step 20 is inside it, so nothing changes there), and
-    at the next group's first step takes rank 2 back; that group fails at once on every
-    member (rank 2's first group may be laid out otherwise, as a DDP replacement's is) and
-    runs again with it after ``replace_lost``, which does not wait (it is back)."""
+    acknowledges. ``marked`` (the program marks each group's last step): rank 1 finishes its
+    group (step 20 is inside it, so nothing changes there) and at the next group's first step
+    takes rank 2 back; that group fails at once on every member (rank 2's first group may be
+    laid out otherwise, as a DDP replacement's is). Not marked: where a group starts is not
+    known, so rank 2 is taken back at step 20 itself, which fails at once. Either way the
+    group runs again with rank 2 after ``replace_lost``, which does not wait (it is back)."""
     from aioreduce.errors import PeerLost
     from aioreduce.stepper import Stepper
     from aioreduce.straggle import StraggleModel
     from aioreduce.wire.control import Reform
 
+    again_at = 23 if marked else 21
+
     async def body() -> None:
         # The check's key for rank 2's replacement (incarnation 1) taken back: 1 x 4 + 2,
         # 2^32 past any death's.
-        mesh = GroupMesh(1, {(0, (1 << 32) + 6, tags.GROUP): {"at": 23},
-                             (3, (1 << 32) + 6, tags.GROUP): {"at": 23},
-                             (0, 23, tags.MEMBERS + 1): {"members": [0, 1, 2, 3]}})
+        mesh = GroupMesh(1, {(0, (1 << 32) + 6, tags.GROUP): {"at": again_at},
+                             (3, (1 << 32) + 6, tags.GROUP): {"at": again_at},
+                             (0, again_at, tags.MEMBERS + 1): {"members": [0, 1, 2, 3]}})
         mesh.incarnations.known[2] = 1  # the replacement rejoined (rank 0 told us)
         ring = GroupRing((0, 1, 3))
         healer = Healer(mesh, None, 5.0, lambda: [0, 3], rejoin_wait=0.01,  # type: ignore[arg-type]
@@ -441,55 +446,17 @@ def test_a_rank_left_out_of_a_groups_ring_is_taken_back_at_a_groups_first_step()
         mesh.on_reform(0, Reform((0, 1, 2, 3), 20))
         await asyncio.sleep(0)
         assert [(r, s, t) for r, s, t, _b, _m in mesh.sent] == [(0, 20, tags.MEMBERS + 2)]
-        await healer.step(steps, runs, None, rerun=False, session=ring, last=True)  # 20
-        assert ring.changes == []  # inside the group: not yet
-        for _step in (21, 22):  # the next group: taken back at its first step, fails at once
+        if marked:
+            await healer.step(steps, runs, None, rerun=False, session=ring, last=True)  # 20
+            assert ring.changes == []  # inside the group: not yet
+        # The next group (marked: taken back at its first step), or step 20: fails at once.
+        for _step in range(20 if marked else 19, again_at - 1):
             with pytest.raises(PeerLost, match="taken back"):
                 await healer.step(steps, runs, None, rerun=False, session=ring)
-        assert ring.changes == [(0, 1, 2, 3)] and ran == [19, 20]
+        assert ring.changes == [(0, 1, 2, 3)] and ran == ([19, 20] if marked else [19])
         assert await healer.replace_lost(steps) is True
         again = await healer.step(steps, runs, None, rerun=False, session=ring)
-        assert again.step == 23 and again.used == [0, 1, 2, 3]
-
-    asyncio.run(body())
-
-
-def test_groups_not_marked_last_take_a_rank_back_at_the_step_announced() -> None:
-    """As above, but the program never marks a group's last step: where its groups start
-    is not known here, so rank 2 is taken back at the step rank 0 announced (20, inside a
-    group): that step fails at once, and the group runs again with rank 2 from the step
-    after it."""
-    from aioreduce.errors import PeerLost
-    from aioreduce.stepper import Stepper
-    from aioreduce.straggle import StraggleModel
-    from aioreduce.wire.control import Reform
-
-    async def body() -> None:
-        mesh = GroupMesh(1, {(0, (1 << 32) + 6, tags.GROUP): {"at": 21},
-                             (3, (1 << 32) + 6, tags.GROUP): {"at": 21},
-                             (0, 21, tags.MEMBERS + 1): {"members": [0, 1, 2, 3]}})
-        mesh.incarnations.known[2] = 1
-        ring = GroupRing((0, 1, 3))
-        healer = Healer(mesh, None, 5.0, lambda: [0, 3], rejoin_wait=0.01,  # type: ignore[arg-type]
-                        members=lambda: ring.members)
-        steps = Stepper(1, 4, StraggleModel(), None, None)
-        steps.step = 19
-        ran: list[int] = []
-
-        async def runs() -> Any:
-            ran.append(steps.take())
-            return SimpleNamespace(value=np.zeros(1), step=ran[-1], used=list(ring.members),
-                                   late=[])
-
-        await healer.step(steps, runs, None, rerun=False, session=ring)  # 19
-        mesh.on_reform(0, Reform((0, 1, 2, 3), 20))
-        await asyncio.sleep(0)
-        with pytest.raises(PeerLost, match="taken back"):  # 20: taken back, fails at once
-            await healer.step(steps, runs, None, rerun=False, session=ring)
-        assert ring.changes == [(0, 1, 2, 3)] and ran == [19]
-        assert await healer.replace_lost(steps) is True
-        again = await healer.step(steps, runs, None, rerun=False, session=ring)
-        assert again.step == 21 and again.used == [0, 1, 2, 3]
+        assert again.step == again_at and again.used == [0, 1, 2, 3]
 
     asyncio.run(body())
 

@@ -32,8 +32,14 @@ def test_the_full_plan_runs_every_experiment_and_the_report_last(tmp_path: Path)
                  "dose: codes-4m", "OptiReduce: tail", "OptiReduce: time to accuracy",
                  "simulator out of sample"):
         assert name in names, name
-    # The report reads what the steps before it wrote, in this run's folder.
+    # The report reads what the steps before it wrote, in this run's folder: the scores of
+    # every sweep the simulator was not fitted to (the advisor's margin counts them all).
     report = plan[-1].argv
-    assert str(tmp_path / "sweep" / "out_of_sample.json") in report
+    for sub in ("", "heldout", "heldout-params"):
+        assert str(tmp_path / "sweep" / sub / "out_of_sample.json") in report, sub
+        assert any(str(Path("docs") / "sweep" / sub) in " ".join(s.argv) for s in plan
+                   if s.name.startswith("simulator out of sample")), sub
     quick = papers.steps(tmp_path, quick=True, root=True, torch=True)
-    assert "simulator out of sample" not in [s.name for s in quick]
+    assert not [s for s in quick if s.name.startswith("simulator out of sample")]
+    assert str(papers.ROOT / "docs" / "sweep" / "heldout" / "out_of_sample.json") in \
+        quick[-1].argv

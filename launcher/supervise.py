@@ -152,7 +152,7 @@ class Supervisor:
             elif self._stopping:
                 error, key = out.held.error, same_error(out.held.error, r.rank)
                 if not out.held.ended and said is not None \
-                        and self._held_block(r.rank) == first[:len(out.held.block)]:
+                        and out.held.generic(r.rank) == first[:len(out.held.block)]:
                     key = said  # stopped while printing the culprit's traceback: cut short
                 stopped.setdefault(key, (error, []))[1].append(r.rank)
                 out.held.release()
@@ -168,7 +168,7 @@ class Supervisor:
         for r in self.ranks:
             held = r.outputs[1].held
             if r.rank == rank and held is not None and held.block:
-                return [same_error(line, rank) for line in held.block]
+                return held.generic(rank)
         return []
 
     def _exited(self, rank: RankHandle, code: int) -> None:

@@ -58,6 +58,11 @@ class TracebackHold:
         """The held traceback has reached its exception line (it was not cut short)."""
         return bool(self.block) and self._ended
 
+    def generic(self, rank: int) -> list[str]:
+        """The held lines with ``rank``'s own number made generic (:func:`same_error`), to
+        compare one rank's traceback with another's."""
+        return [same_error(line, rank) for line in self.block]
+
     @property
     def error(self) -> str:
         """The held traceback's last non-blank line (its exception), or ''."""

@@ -349,6 +349,29 @@ def test_one_slow_rank_cannot_stretch_the_agreed_deadline() -> None:
     assert 4 not in clock.peers
 
 
+def test_a_network_that_slows_after_warm_up_raises_the_ceiling_and_a_cut_stage_does_not(
+) -> None:
+    """Links that fill with other traffic after warm-up (4 emulated hosts, 2 background
+    flows: steps from 37 to 95 ms over 200): a ceiling set by warm-up alone cut every stage
+    once they took longer, 10-15 % of the data lost. It follows the complete stages since
+    warm-up (headroom x the longest of them), not the cut ones (a straggler's)."""
+    clock = StageClock(warmup=4, slack=0.0, headroom=2.0, min_deadline=0.0,
+                       recent_margin=0.0, gain=1.0, deviation_gain=1.0)
+    for _ in range(4):
+        clock.observe(0.040, 1.0)
+    assert clock.ceiling == pytest.approx(0.080)
+    clock.heard(1, 1.0, 0.080)  # a peer that proposes more than any ceiling
+    for elapsed in (0.050, 0.060, 0.070):  # slower, each still complete in its bound
+        clock.observe(elapsed, 1.0)
+    assert clock.ceiling == pytest.approx(2.0 * 0.070)
+    clock.heard(1, 1.0, clock.ceiling)
+    assert clock.deadline() == pytest.approx(0.140)  # the median ceiling, not warm-up's
+    for _ in range(10):
+        clock.observe(0.140, 0.5)  # cut at its deadline: a straggler raises nothing
+    assert clock.ceiling == pytest.approx(0.140)
+    assert clock.advert() == {"tc": clock.proposal, "tb": pytest.approx(0.140)}
+
+
 def test_the_deadline_stays_within_its_floor_and_ceiling() -> None:
     clock = StageClock(warmup=2, headroom=1.0, min_deadline=0.02)
     clock.observe(0.001, 1.0)

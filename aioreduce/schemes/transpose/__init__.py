@@ -47,9 +47,11 @@ class Transpose:
       (docs/transpose.md has the runs).
     * ``deadline``: a fixed bound for the whole step in seconds (half per stage); by default
       each stage's bound adapts: ``warmup`` steps wait for everything and set a ceiling of
-      ``headroom`` × their P95; then each rank proposes its EWMA completion estimate plus
-      ``slack`` × its EWMA deviation (as TCP's retransmission timeout) and the stage takes
-      the median proposal over ranks (at least ``min_deadline``, at most that ceiling).
+      ``headroom`` × their P95 (raised to ``headroom`` × the longest recent complete stage
+      where that is more: a network that slows down later); then each rank proposes its
+      EWMA completion estimate plus ``slack`` × its EWMA deviation (as TCP's retransmission
+      timeout) and the stage takes the median proposal over ranks (at least
+      ``min_deadline``, at most that ceiling).
       A stage whose missing senders are all still delivering at its bound (bytes within
       ``idle_fraction`` of the estimate) waits on while they do, up to ``flowing_grace``
       (0.25) × the bound more; a sender that has not started or has stopped gets nothing.
@@ -80,7 +82,7 @@ class Transpose:
     deadline: float | None = None
     warmup: int = 10  # steps
     slack: float = 4.0  # deviations above the estimate
-    headroom: float = 2.0  # the ceiling is this many times the warm-up's P95
+    headroom: float = 2.0  # the ceiling: this many times the warm-up's P95 (or more)
     # A floor under the adaptive bound of each stage: below it, the OS's scheduling of ranks
     # that share cores cuts them (4 ranks x 160 KB on 2 cores: at 5 ms, 5 steps raised in
     # 1000 calm ones, each a slice of one rank cut once; at 10 ms none; the tail row kept

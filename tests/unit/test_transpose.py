@@ -353,7 +353,7 @@ def test_a_network_that_slows_after_warm_up_raises_the_ceiling_and_a_cut_stage_d
 ) -> None:
     """Links that fill with other traffic after warm-up (4 emulated hosts, 2 background
     flows: steps from 37 to 95 ms over 200): a ceiling set by warm-up alone cut every stage
-    once they took longer, 10-15 % of the data lost. It follows the complete stages since
+    once they took longer (docs/transpose.md "Deadlines"). It follows the complete stages since
     warm-up (headroom x the longest of them), not the cut ones (a straggler's)."""
     clock = StageClock(warmup=4, slack=0.0, headroom=2.0, min_deadline=0.0,
                        recent_margin=0.0, gain=1.0, deviation_gain=1.0)

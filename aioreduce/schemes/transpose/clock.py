@@ -10,7 +10,7 @@ time and received fraction, and the proposals its peers piggyback on their frame
   ceiling rises to ``headroom`` × the longest of the recent complete stages since warm-up
   where that is more: with one set by warm-up alone, a network that slowed down later (4
   emulated hosts with 2 background flows, whose queues filled over some 200 steps: steps
-  from 37 to 95 ms) cut every stage at it, and 10-15 % of the data was lost.
+  from 37 to 95 ms) cut every stage at it (the losses: docs/transpose.md "Deadlines").
 * **Then**, as TCP sets its retransmission timeout (RFC 6298): an EWMA of the completion time
   ``estimate`` and an EWMA of its deviation; this rank proposes ``estimate + slack ×
   deviation``. A stage cut at 3/4 of its data counts as ``elapsed / 0.75`` (floating point;

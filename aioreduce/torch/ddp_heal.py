@@ -29,7 +29,7 @@ bucket's gradient per iteration (for a rerun), and DDP's gradients wait for the 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -37,7 +37,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.nn.utils import parameters_to_vector
 
-from .process_group import ProcessGroupAioreduce, _work
+from .work import as_work
+
+if TYPE_CHECKING:
+    from .process_group import ProcessGroupAioreduce
 
 
 class Alone(dist.ProcessGroup):
@@ -74,7 +77,7 @@ class Alone(dist.ProcessGroup):
 def _done(value: Any) -> dist.Work:
     fut: torch.futures.Future[Any] = torch.futures.Future()
     fut.set_result(value)
-    return _work(fut)
+    return as_work(fut)
 
 
 def _error(fut: torch.futures.Future[Any]) -> BaseException | None:
@@ -93,7 +96,7 @@ def _value(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
 class Iterations:
     """The hook's state: one iteration's buckets at a time (see the module docstring)."""
 
-    def __init__(self, module: torch.nn.Module, pg: ProcessGroupAioreduce) -> None:
+    def __init__(self, module: torch.nn.Module, pg: "ProcessGroupAioreduce") -> None:
         self.pg = pg
         self.params = [p for p in module.parameters() if p.requires_grad]
         # A replacement's first iteration sums only the whole gradient (the live ranks' rerun).
@@ -210,7 +213,7 @@ def sync_buffers(ddp: TorchDDP, iterations: Iterations) -> None:
         _copy_back(flat, buffers)
 
 
-def broadcast_state(module: torch.nn.Module, pg: ProcessGroupAioreduce) -> None:
+def broadcast_state(module: torch.nn.Module, pg: "ProcessGroupAioreduce") -> None:
     """Rank 0's parameters and buffers on every rank (what DDP does at construction)."""
     tensors = [*module.parameters(), *module.buffers()]
     if not tensors:

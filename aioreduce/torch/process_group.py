@@ -51,6 +51,7 @@ from ..tensors import check_tensor
 from . import direct
 from .completer import Completer, Context
 from .staging import Staged, Stager
+from .work import FutureWork, as_work
 
 log = logging.getLogger("aioreduce.torch")
 
@@ -83,66 +84,6 @@ def default_scheme() -> Scheme:
     if _configured is not None:
         return _configured
     return by_name(os.environ.get("AIOREDUCE_TORCH_SCHEME", "ring"))
-
-
-class _FutureWork(dist.Work):
-    """A ``Work`` that completes with ``fut`` (what ``async_op=True`` hands the caller, and
-    what a blocking call waits on).
-
-    Not torch's ``_create_work_from_future``: its ``wait()`` returns True when the future
-    failed, so a blocking ``dist.all_reduce`` whose step failed (a lost peer, a vector of
-    another size) returned as if it had summed. Here ``wait()`` raises the step's error, as
-    Gloo's does; on a device future it also orders the caller's current stream after it."""
-
-    def __init__(self, fut: torch.futures.Future[Any], source: list[int] | None = None) -> None:
-        super().__init__()
-        self._fut = fut
-        self._source = source  # a receive from any source: the rank it came from, once done
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        self._fut.wait()  # raises the step's error
-        return True
-
-    def get_future(self) -> torch.futures.Future[Any]:
-        return self._fut
-
-    def result(self) -> list[torch.Tensor]:
-        """The tensors the call completed with (raises its error, as :meth:`wait`)."""
-        value = self._fut.wait()
-        if isinstance(value, torch.Tensor):
-            return [value]
-        if isinstance(value, list | tuple):
-            return [v for v in value if isinstance(v, torch.Tensor)]
-        return []
-
-    def is_completed(self) -> bool:
-        return self._fut.done()
-
-    def _source_rank(self) -> int:
-        """The rank a receive from any source came from (torch's ``recv`` returns it)."""
-        self._fut.wait()
-        if not self._source:
-            raise RuntimeError("not a receive from any source")
-        return self._source[0]
-
-    source_rank = _source_rank
-
-    def is_success(self) -> bool:
-        return self._fut.done() and self.exception() is None
-
-    def exception(self) -> BaseException | None:
-        if not self._fut.done():
-            return None
-        try:
-            self._fut.value()
-        except Exception as exc:
-            return exc
-        return None
-
-
-def _work(fut: torch.futures.Future[Any]) -> dist.Work:
-    """A ``Work`` that completes with ``fut`` (see :class:`_FutureWork`)."""
-    return _FutureWork(fut)
 
 
 def _after_all(futs: list[torch.futures.Future[Any]], value: Any) -> torch.futures.Future[Any]:
@@ -305,7 +246,7 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
                body: Callable[[], Coroutine[Any, Any, Any]], value: Any, *,
                ordered: bool = True) -> dist.Work:
         """:meth:`_op` as the ``Work`` a call returns, completing with ``value``."""
-        return _work(self._op(staged, outputs, body, lambda _r: value, ordered=ordered))
+        return as_work(self._op(staged, outputs, body, lambda _r: value, ordered=ordered))
 
     def future_sum(self, tensor: torch.Tensor, *, average: bool,
                    on_result: Callable[[Result], None] | None = None, rerun: bool = True,
@@ -402,7 +343,7 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:  # type: ignore[override]
         (tensor,) = tensors
         fut = self._allreduce(tensor, _reduce_op(opts))
-        return _work(fut.then(lambda f: [f.value()]))
+        return as_work(fut.then(lambda f: [f.value()]))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor],
                             opts: object = None) -> dist.Work:
@@ -412,7 +353,7 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         for dtype in dict.fromkeys(t.dtype for t in tensors):
             group = [t for t in tensors if t.dtype == dtype]
             futs.append(self._flat_allreduce(group, op))
-        return _work(_after_all(futs, tensors))
+        return as_work(_after_all(futs, tensors))
 
     def _flat_allreduce(self, group: list[torch.Tensor], op: Any) -> torch.futures.Future[Any]:
         flat = torch.cat([t.detach().reshape(-1) for t in group])
@@ -484,7 +425,7 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
 
     @staticmethod
     def _all_of(works: list[dist.Work], value: Any) -> dist.Work:
-        return _work(_after_all([w.get_future() for w in works], value))
+        return as_work(_after_all([w.get_future() for w in works], value))
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
                        input_tensors: list[list[torch.Tensor]], opts: object = None
@@ -640,7 +581,7 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
             source.append(src)
             return tensors
 
-        return _FutureWork(self._op([st], [st], body, done, ordered=False), source)
+        return FutureWork(self._op([st], [st], body, done, ordered=False), source)
 
     def shutdown(self) -> None:
         """Stop the completer thread; close the node when this group made it."""

@@ -48,7 +48,7 @@ from ..settings import env_extras
 from ..sync import SyncNode
 from ..sync import connect as connect_env
 from ..tensors import check_tensor
-from . import direct
+from . import adopt, direct
 from .completer import Completer, Context
 from .staging import Staged, Stager
 from .work import FutureWork, as_work
@@ -98,6 +98,12 @@ def _after_all(futs: list[torch.futures.Future[Any]], value: Any) -> torch.futur
         return value
 
     return futs[-1].then(check)
+
+
+def _done(value: Any) -> torch.futures.Future[Any]:
+    fut: torch.futures.Future[Any] = torch.futures.Future()
+    fut.set_result(value)
+    return fut
 
 
 def _reduce_op(opts: object) -> Any:
@@ -370,9 +376,16 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
 
         return fut.then(scatter_back)
 
+    def _ddp_own(self) -> bool:
+        """Whether the collective being called is one of torch's DDP's own that completes on
+        this rank, in a job whose ranks may come back (see :mod:`.adopt`)."""
+        return self.node.node.healer.rejoin_wait > 0 and adopt.stays_here(self)
+
     def broadcast(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:  # type: ignore[override]
         root, me = _root(opts), self.node.rank
         self._check_root(root, "broadcast")
+        if self._ddp_own():  # (every rank holds its own: nothing to copy)
+            return as_work(_done(tensors))
         staged = [self._stage(t, read=me == root) for t in tensors]
         node = self.node.node
 
@@ -389,6 +402,10 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
                   input_tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
         (outs,), (tensor,) = output_tensors, input_tensors
         self._check_count(outs, "all_gather")
+        if self._ddp_own():  # as if every rank held this one's
+            for out in outs:
+                out.copy_(tensor)
+            return as_work(_done(output_tensors))
         inp = self._stage(tensor)
         got = [self._stage(t, read=False) for t in outs]
         return self._exchange([inp, *got], got, {r: inp.host for r in range(len(got))},

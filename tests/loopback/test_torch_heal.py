@@ -2,7 +2,8 @@
 ``aioreduce-launch --restart`` and heals; the run ends exactly as an undisturbed one.
 
 ``torchheal.py``: an iteration's gradient is several buckets, one sum each (under
-``DistributedOptimizer``, and under DDP through ``aioreduce.torch.DistributedDataParallel``);
+``DistributedOptimizer``, and under DDP through ``aioreduce.torch.DistributedDataParallel`` or
+torch's own class built by the program over the default group, which the group adopts);
 every rank's batch is a function of (rank, iteration). The kill lands inside an iteration's
 backward pass (a bucket summing, later ones not yet started): the live ranks run the
 iteration again with the replacement, which healed the model, the optimizer and the iteration
@@ -53,7 +54,8 @@ def undisturbed(tmp_path_factory: pytest.TempPathFactory
     def get(mode: str, model: str) -> tuple[list[dict], Path]:
         if (mode, model) not in runs:
             save = tmp_path_factory.mktemp("calm") / "calm"
-            runs[(mode, model)] = (_run(mode, save, model=model)[0], save)
+            runs[(mode, model)] = (_run(mode, save, model=model,
+                                        init="pg" if mode == "stock" else "connect")[0], save)
         return runs[(mode, model)]
     return get
 
@@ -111,6 +113,32 @@ def test_rank_0_of_a_program_under_init_process_group_comes_back_and_heals(
     assert len({f["params"] for f in finals}) == 1
     got, want = np.load(tmp_path / "healed.0.npy"), np.load(f"{calm_save}.0.npy")
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("victim, model", [(0, "transformer"), (2, "mlp")])
+def test_torch_s_own_ddp_built_by_the_program_heals(
+        victim: int, model: str, tmp_path: Path,
+        undisturbed: Callable[[str, str], tuple[list[dict], Path]]) -> None:
+    """``torch.nn.parallel.DistributedDataParallel(model)`` built by the program over the
+    default group (``init_process_group(backend="aioreduce")``, state hooks given to
+    ``configure``), a rank SIGKILLed in its backward pass and restarted: the group adopted
+    the DDP at its first forward (without it the live ranks fail the step and the job
+    ends: ``PeerLost``), so the live ranks run the iteration again with the replacement,
+    whose DDP's construction completed on its own rank (it healed its parameters from a
+    live rank); the run ends as the undisturbed one, within rounding."""
+    calm, calm_save = undisturbed("stock", model)
+    finals, err = _run("stock", tmp_path / "healed", "--restart", "2", kill=f"{victim}:10",
+                       model=model, init="pg")
+    assert f"rank {victim} on localhost killed by SIGKILL; restarting it" in err
+    assert f"[{victim}] rank {victim} (incarnation 1) healed from rank" in err, err[-3000:]
+    for rank in set(range(4)) - {victim}:
+        assert f"[{rank}] rank {rank}: ranks [{victim}] were replaced; the group of steps " \
+            "runs again" in err, err[-3000:]
+    assert all(f["iterations"] == 60 for f in finals)
+    assert len({f["params"] for f in finals}) == 1
+    got, want = np.load(tmp_path / "healed.0.npy"), np.load(f"{calm_save}.0.npy")
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    assert finals[0]["loss"] == pytest.approx(calm[0]["loss"], rel=0.01)
 
 
 def test_ddp_goes_on_without_a_rank_that_is_late_and_takes_it_back() -> None:

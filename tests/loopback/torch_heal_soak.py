@@ -1,6 +1,7 @@
 """Chaos soak of torch healing: ``aioreduce-launch -n 4 --restart 50`` runs ``torchheal.py``
 (``--mode optimizer``: ``DistributedOptimizer``; ``--mode ddp``: DDP through
-``aioreduce.torch.DistributedDataParallel``) while a controller SIGKILLs a random rank other than
+``aioreduce.torch.DistributedDataParallel``; ``--mode stock --init pg``: torch's own DDP class,
+built by the program over the default group) while a controller SIGKILLs a random rank other than
 0 every ``--every`` seconds or so, at whatever point of its iteration it is (forward, backward,
 a bucket summing, the optimizer), the next kill once the last victim's replacement healed.
 
@@ -62,7 +63,7 @@ def _launch(mode: str, steps: int, pace: float, restart: int, save: str,
            *(["--restart", str(restart)] if restart else []), "--", sys.executable, str(PROG),
            "--mode", mode, "--steps", str(steps), "--pace", str(pace), "--save", save,
            "--device", device, "--model", model, "--init", init,
-           *(["--trace"] if mode == "ddp" else [])]
+           *(["--trace"] if mode != "optimizer" else [])]
     wait = {} if rejoin_wait is None else {"AIOREDUCE_REJOIN_WAIT": str(rejoin_wait)}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", **wait})
@@ -221,7 +222,8 @@ def soak(mode: str, steps: int, pace: float, kills: int, every: float, seed: int
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", choices=("optimizer", "ddp"), default="optimizer")
+    ap.add_argument("--mode", choices=("optimizer", "ddp", "stock"), default="optimizer",
+                    help="stock: torch's own DDP class built by the program (with --init pg)")
     ap.add_argument("--steps", type=int, default=1000, help="training iterations")
     ap.add_argument("--pace", type=float, default=0.01, help="seconds of sleep an iteration")
     ap.add_argument("--kills", type=int, default=10)

@@ -5,8 +5,9 @@
                  [--init connect|pg]
 
 Each iteration's gradient goes through :class:`aioreduce.torch.DistributedOptimizer`
-(``optimizer``) or DDP (``aioreduce.torch.DistributedDataParallel``, ``ddp``) over the ring, in
-several buckets (one sum each). The state hooks carry the model, the optimizer and
+(``optimizer``) or DDP (``aioreduce.torch.DistributedDataParallel``, ``ddp``; torch's own
+class built here over the default group, ``stock``) over the ring, in several buckets (one
+sum each). The state hooks carry the model, the optimizer and
 the iteration, and every rank's batch is a function of (rank, iteration), so a replacement
 that healed computes what the dead process would have: the run ends as an undisturbed one.
 ``--kill R:I``: rank R's first process SIGKILLs itself in iteration I, in the middle of its
@@ -83,7 +84,9 @@ def _joined(init: str, hooks: ar.StateHooks) -> Iterator[SyncNode]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("optimizer", "ddp"), default="optimizer")
+    ap.add_argument("--mode", choices=("optimizer", "ddp", "stock"), default="optimizer",
+                    help="stock: torch's own DistributedDataParallel class, built here over "
+                    "the default group (needs --init pg)")
     ap.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
     ap.add_argument("--steps", type=int, default=60, help="training iterations")
     ap.add_argument("--bucket-bytes", type=int, default=8_000)
@@ -141,9 +144,12 @@ def main() -> None:
                 middle.register_forward_pre_hook(die)
             else:
                 sgd.register_step_pre_hook(die)
+        opt: art.DistributedOptimizer | torch.optim.Optimizer = sgd
         if a.mode == "ddp":
             net = art.DistributedDataParallel(model, given, bucket_cap_mb=a.bucket_bytes / 2**20)
-            opt: art.DistributedOptimizer | torch.optim.Optimizer = sgd
+        elif a.mode == "stock":  # as a program written for any backend builds it
+            net = torch.nn.parallel.DistributedDataParallel(
+                model, bucket_cap_mb=a.bucket_bytes / 2**20)
         else:
             net = model
             opt = art.DistributedOptimizer(sgd, given, bucket_bytes=a.bucket_bytes)
@@ -164,7 +170,7 @@ def main() -> None:
                       flush=True)
             if it == 1 and node.rank == 0:  # the soak's cue: the job runs
                 print("TRAINING", file=sys.stderr, flush=True)
-        buckets = (len(net.reducer._get_zeros_like_grad_buckets()) if a.mode == "ddp"
+        buckets = (len(net.reducer._get_zeros_like_grad_buckets()) if a.mode != "optimizer"
                    else len(opt._buckets))  # type: ignore[union-attr]
         digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes()
                                          for p in model.parameters())).hexdigest()

@@ -18,6 +18,9 @@ What reduces how. Sums and averages of float32 and float64 tensors go through th
 is reduced exactly by the owners of its parts (:mod:`.direct`): 16-bit floats carried in 16 bits
 and accumulated in float32, integers, min, max, product, bitwise ops, and every
 ``reduce_scatter``.
+
+Where ranks may die and come back (``rejoin_wait`` > 0), torch's own DDP built over a group of
+ours heals as our wrapper does: the group adopts it (:mod:`.adopt`).
 """
 
 from __future__ import annotations

@@ -115,7 +115,9 @@ def test_rank_0_of_a_program_under_init_process_group_comes_back_and_heals(
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("victim, model", [(0, "transformer"), (2, "mlp")])
+# One case (rank 0, the transformer; the soak's --mode stock kills every rank): each starts 4
+# torch processes, a replacement, and an undisturbed run of its own.
+@pytest.mark.parametrize("victim, model", [(0, "transformer")])
 def test_torch_s_own_ddp_built_by_the_program_heals(
         victim: int, model: str, tmp_path: Path,
         undisturbed: Callable[[str, str], tuple[list[dict], Path]]) -> None:

@@ -231,8 +231,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log", default="", help="write the job's whole stderr to this file")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the model on the GPU)")
-    ap.add_argument("--model", choices=("mlp", "transformer"), default="mlp",
-                    help="transformer: a small transformer encoder (torchheal.py)")
+    ap.add_argument("--model", choices=("mlp", "transformer", "bn"), default="mlp",
+                    help="transformer: a small transformer encoder; bn: the MLP with a "
+                    "BatchNorm1d, buffers DDP syncs (torchheal.py)")
     ap.add_argument("--rejoin-wait", type=float, default=None,
                     help="seconds the ranks wait for a replacement before they run without "
                     "it (and take it back later); default: the launcher's 60")

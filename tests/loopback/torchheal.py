@@ -1,6 +1,6 @@
 """A torch training run whose ranks may die and come back, for the heal tests.
 
-    torchheal.py [--mode optimizer|ddp] [--model mlp|transformer] [--steps N]
+    torchheal.py [--mode optimizer|ddp|stock] [--model mlp|transformer|bn] [--steps N]
                  [--bucket-bytes B] [--kill RANK:ITER] [--pace SECONDS] [--device cpu|cuda]
                  [--init connect|pg]
 
@@ -87,7 +87,8 @@ def main() -> None:
     ap.add_argument("--mode", choices=("optimizer", "ddp", "stock"), default="optimizer",
                     help="stock: torch's own DistributedDataParallel class, built here over "
                     "the default group (needs --init pg)")
-    ap.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
+    ap.add_argument("--model", choices=("mlp", "transformer", "bn"), default="mlp",
+                    help="bn: the MLP with a BatchNorm1d (buffers DDP syncs from rank 0)")
     ap.add_argument("--steps", type=int, default=60, help="training iterations")
     ap.add_argument("--bucket-bytes", type=int, default=8_000)
     ap.add_argument("--kill", default="", help="RANK:ITERATION")
@@ -114,10 +115,11 @@ def main() -> None:
         model = Transformer().to(a.device)
         middle: torch.nn.Module = model.encoder.layers[1].linear1  # where a kill lands
     else:
-        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+        norm = [torch.nn.BatchNorm1d(64)] if a.model == "bn" else []
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), *norm, torch.nn.ReLU(),
                                     torch.nn.Linear(64, 64), torch.nn.ReLU(),
                                     torch.nn.Linear(64, 10)).to(a.device)
-        middle = model[2]
+        middle = model[2 + len(norm)]
     sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     it = 0
 

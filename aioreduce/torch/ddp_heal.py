@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.nn.utils import parameters_to_vector
 
-from .work import as_work
+from .work import completed
 
 if TYPE_CHECKING:
     from .process_group import ProcessGroupAioreduce
@@ -59,25 +59,19 @@ class Alone(dist.ProcessGroup):
         return 0
 
     def broadcast(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:  # type: ignore[override]
-        return _done(tensors)
+        return completed(tensors)
 
     def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:  # type: ignore[override]
-        return _done(tensors)
+        return completed(tensors)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]
                   input_tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
         for outs, t in zip(output_tensors, input_tensors, strict=True):
             outs[0].copy_(t)
-        return _done(output_tensors)
+        return completed(output_tensors)
 
     def barrier(self, opts: object = None) -> dist.Work:
-        return _done([])
-
-
-def _done(value: Any) -> dist.Work:
-    fut: torch.futures.Future[Any] = torch.futures.Future()
-    fut.set_result(value)
-    return as_work(fut)
+        return completed([])
 
 
 def _error(fut: torch.futures.Future[Any]) -> BaseException | None:

@@ -54,7 +54,7 @@ from ..tensors import check_tensor
 from . import adopt, direct
 from .completer import Completer, Context
 from .staging import Staged, Stager
-from .work import FutureWork, as_work
+from .work import FutureWork, as_work, completed
 
 log = logging.getLogger("aioreduce.torch")
 
@@ -101,12 +101,6 @@ def _after_all(futs: list[torch.futures.Future[Any]], value: Any) -> torch.futur
         return value
 
     return futs[-1].then(check)
-
-
-def _done(value: Any) -> torch.futures.Future[Any]:
-    fut: torch.futures.Future[Any] = torch.futures.Future()
-    fut.set_result(value)
-    return fut
 
 
 def _reduce_op(opts: object) -> Any:
@@ -388,7 +382,7 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         root, me = _root(opts), self.node.rank
         self._check_root(root, "broadcast")
         if self._ddp_own():  # (every rank holds its own: nothing to copy)
-            return as_work(_done(tensors))
+            return completed(tensors)
         staged = [self._stage(t, read=me == root) for t in tensors]
         node = self.node.node
 
@@ -408,7 +402,7 @@ class ProcessGroupAioreduce(dist.ProcessGroup):
         if self._ddp_own():  # as if every rank held this one's
             for out in outs:
                 out.copy_(tensor)
-            return as_work(_done(output_tensors))
+            return completed(output_tensors)
         inp = self._stage(tensor)
         got = [self._stage(t, read=False) for t in outs]
         return self._exchange([inp, *got], got, {r: inp.host for r in range(len(got))},

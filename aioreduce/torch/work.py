@@ -68,3 +68,10 @@ class FutureWork(dist.Work):
 def as_work(fut: torch.futures.Future[Any]) -> dist.Work:
     """A ``Work`` that completes with ``fut`` (see :class:`FutureWork`)."""
     return FutureWork(fut)
+
+
+def completed(value: Any) -> dist.Work:
+    """A ``Work`` already complete with ``value`` (a collective that stays on this rank)."""
+    fut: torch.futures.Future[Any] = torch.futures.Future()
+    fut.set_result(value)
+    return as_work(fut)

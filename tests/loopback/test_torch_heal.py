@@ -115,19 +115,18 @@ def test_rank_0_of_a_program_under_init_process_group_comes_back_and_heals(
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
-# One case (rank 0, the transformer; the soak's --mode stock kills every rank): each starts 4
-# torch processes, a replacement, and an undisturbed run of its own.
-@pytest.mark.parametrize("victim, model", [(0, "transformer")])
 def test_torch_s_own_ddp_built_by_the_program_heals(
-        victim: int, model: str, tmp_path: Path,
-        undisturbed: Callable[[str, str], tuple[list[dict], Path]]) -> None:
+        tmp_path: Path, undisturbed: Callable[[str, str], tuple[list[dict], Path]]) -> None:
     """``torch.nn.parallel.DistributedDataParallel(model)`` built by the program over the
     default group (``init_process_group(backend="aioreduce")``, state hooks given to
     ``configure``), a rank SIGKILLed in its backward pass and restarted: the group adopted
     the DDP at its first forward (without it the live ranks fail the step and the job
     ends: ``PeerLost``), so the live ranks run the iteration again with the replacement,
     whose DDP's construction completed on its own rank (it healed its parameters from a
-    live rank); the run ends as the undisturbed one, within rounding."""
+    live rank); the run ends as the undisturbed one, within rounding. Rank 0 on the
+    transformer only (each case starts 4 torch processes, a replacement and an undisturbed
+    run); the soak's ``--mode stock`` kills every rank."""
+    victim, model = 0, "transformer"
     calm, calm_save = undisturbed("stock", model)
     finals, err = _run("stock", tmp_path / "healed", "--restart", "2", kill=f"{victim}:10",
                        model=model, init="pg")

@@ -54,7 +54,7 @@ class Node(Peers):
         # Rank 0: called with the rendezvous (address, port) once it listens, before waiting
         # for the others (the torch backend publishes it in torch's store).
         self.on_listen = on_listen
-        # "auto": the first allreduce picks the scheme (aioreduce.sim.auto)
+        # "auto": the first allreduce picks the scheme (aioreduce.costmodel.auto)
         self._auto = scheme == "auto"
         self._sessions = Sessions(self._comm)
         self._sessions.pick(scheme, env.rank, env.world_size)
@@ -246,7 +246,7 @@ class Node(Peers):
         died takes from a live rank that finished it (with ``in_place=True``; the others
         keep a copy of its result until the next group's step)."""
         if self._auto and self.scheme is None:
-            from .sim.auto import pick  # the simulator ranks the uncoded schemes
+            from .costmodel.auto import pick  # the cost model ranks the uncoded schemes
             array = await pick(self, array)
         self._sessions.require(self.rank, coded=False)
         if in_place:

@@ -7,7 +7,7 @@ sockets, no aioreduce, so the figures belong to the emulated network alone. Host
 at the same time, as a tree's parent or a gradient-coding master does. Each row prints the
 throughput of host 0's ingress and egress as a fraction of the link rate.
 
-This is the measurement behind the simulator's ``shared_port`` (:mod:`aioreduce.sim.engine`):
+This is the measurement behind the simulator's ``shared_port`` (:mod:`aioreduce.costmodel.engine`):
 a lone stream each way gets nearly the whole link, and streams into one host only also do,
 but several streams each way at once get a fifth to a third less, because every stream's
 ACKs wait in the same shaped queues as the other direction's data. The simulator's fitted

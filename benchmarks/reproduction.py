@@ -25,10 +25,10 @@ import numpy as np
 
 from aioreduce.bench.dose import ratios, read_rows
 from aioreduce.bench.sweep import row_config
-from aioreduce.sim import Platform, simulate
+from aioreduce.costmodel import Platform, load_platforms, simulate
+from aioreduce.costmodel.config import Config
 from aioreduce.sim.calibrate import compare, from_sweep
-from aioreduce.sim.config import Config
-from aioreduce.sim.report import COSTS, load_platforms
+from aioreduce.sim.report import COSTS
 
 PAPER_D = 5000 * 8  # d = 5000 float64: CodedReduce's logistic regression (40 KB)
 LINKS = ((1000.0, 50e-6), (10000.0, 25e-6))  # (Mbit/s, one-way latency)

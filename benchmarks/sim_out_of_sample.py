@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from aioreduce.bench.sweep import row_config
+from aioreduce.costmodel.config import fmt_size
 from aioreduce.sim.calibrate import Check, Measured, compare, emulation_start, fit, from_sweep
-from aioreduce.sim.config import fmt_size
 from aioreduce.sim.report import WITHIN, advisor_hits
 
 ROOT = Path(__file__).resolve().parent.parent

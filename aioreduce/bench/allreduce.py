@@ -43,10 +43,17 @@ from typing import Any
 import numpy as np
 
 from ..codes.model import ComputeModel, LinkModel, predict_ring, predict_star, predict_tree
+from ..costmodel.config import (
+    Config,
+    build_scheme,
+    chunking,
+    load_fraction,
+    variant,
+    warmup_iterations,
+)
 from ..node import Node
 from ..schemes import CodedTree, GradientCoding, Scheme, StragglerError, names
 from ..schemes.base import chunk_step
-from ..sim.config import Config, build_scheme, chunking, load_fraction, variant, warmup_iterations
 from ..straggle import StraggleModel, parse_seeded, parse_straggle
 from ..transport.loop import run
 from .bound import bound

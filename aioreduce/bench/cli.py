@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..sim.config import fmt_size
+from ..costmodel.config import fmt_size
 from .sizes import parse_size
 
 
@@ -234,8 +234,9 @@ def _sim_config(opts: argparse.Namespace) -> tuple[Any, Any]:
     """The Config and Platform a sim or advise command describes."""
     from pathlib import Path
 
-    from ..sim.config import Config
-    from ..sim.report import SHIPPED_COSTS, load_platforms
+    from ..costmodel import load_platforms
+    from ..costmodel.config import Config
+    from ..sim.report import SHIPPED_COSTS
 
     if opts.costs is not None:
         path = Path(opts.costs)
@@ -264,7 +265,7 @@ def _sim_config(opts: argparse.Namespace) -> tuple[Any, Any]:
 def _sim(opts: argparse.Namespace) -> int:
     import numpy as np
 
-    from ..sim import simulate
+    from ..costmodel import simulate
 
     if opts.sweep:
         from pathlib import Path
@@ -285,7 +286,7 @@ def _sim(opts: argparse.Namespace) -> int:
 
 
 def _advise(opts: argparse.Namespace) -> int:
-    from ..sim.advise import advise
+    from ..costmodel.advise import advise
 
     if opts.hostfile is not None and not opts.measure:
         raise SystemExit("aioreduce-bench advise: --hostfile is where --measure runs; give "
@@ -298,7 +299,7 @@ def _advise(opts: argparse.Namespace) -> int:
         import shlex
         from pathlib import Path
 
-        from ..sim.report import save_platforms
+        from ..costmodel import save_platforms
         from .allreduce import Hosts
         from .measure import measure_costs
 
@@ -334,7 +335,7 @@ def _ddp(opts: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _allreduce(opts: argparse.Namespace) -> list[dict[str, Any]]:
     from ..codes import TreeTopology
-    from ..sim.config import Config, variant
+    from ..costmodel.config import Config, variant
     from .allreduce import SCHEMES, run_allreduce
 
     names = [s.strip() for s in opts.scheme.split(",") if s.strip()]

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..sim.config import Config, fmt_size
+from ..costmodel.config import Config, fmt_size
 from .allreduce import run_allreduce
 from .sweep import tree_shape
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from ..sim import Platform
+from ..costmodel import Platform
 from ..sim.calibrate import Measured, emulation_start, fit
 from .allreduce import Hosts, run_allreduce
 from .sweep import Cell, cell_config, gloo_available

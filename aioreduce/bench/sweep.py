@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from ..codes import TreeTopology
+from ..costmodel.config import Config, chunking, fmt_size
 from ..schemes.base import CHUNK_BYTES, MAX_CHUNKS
-from ..sim.config import Config, chunking, fmt_size
 from .allreduce import run_allreduce
 from .sizes import parse_size
 

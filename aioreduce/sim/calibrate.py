@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from . import SIMULATED, Platform, simulate
-from .config import Config
-from .steps import Costs
+from ..costmodel import SIMULATED, Platform, simulate
+from ..costmodel.config import Config
+from ..costmodel.steps import Costs
 
 
 @dataclass(frozen=True)

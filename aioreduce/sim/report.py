@@ -3,16 +3,13 @@ worst cell, and how often the advisor picks a scheme within 10 % of the fastest 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from . import Platform
+from ..costmodel import Platform, save_platforms
+from ..costmodel.config import Config, fmt_size
 from .calibrate import Check, compare, costs_table, emulation_start, fit, from_sweep
-from .config import Config, fmt_size
-from .steps import Costs
 
 COSTS = "costs.json"
 # The costs fitted to the sweep in docs/sweep, shipped with the package (a copy of
@@ -20,21 +17,6 @@ COSTS = "costs.json"
 SHIPPED_COSTS = Path(__file__).with_name("sweep_costs.json")
 REPORT = "sim.md"
 WITHIN = 0.10  # the advisor is right if its pick is within this of the fastest measured
-
-
-def save_platforms(platforms: dict[int, Platform], path: Path) -> None:
-    """``{ranks: {"ours": costs, "lanes": costs, "gloo": costs}}`` as JSON."""
-    path.write_text(json.dumps({str(n): {"ours": asdict(p.ours), "lanes": asdict(p.ring),
-                                         "gloo": asdict(p.gloo)}
-                                for n, p in platforms.items()}, indent=1) + "\n")
-
-
-def load_platforms(path: Path) -> dict[int, Platform]:
-    """What :func:`save_platforms` wrote (a file without ``lanes``: the ring costs ``ours``)."""
-    raw = json.loads(path.read_text())
-    return {int(n): Platform(Costs(**p["ours"]), Costs(**p["gloo"]),
-                             Costs(**p["lanes"]) if "lanes" in p else None)
-            for n, p in raw.items()}
 
 
 def advisor_hits(checks: list[Check]) -> list[tuple[str, str, str, bool]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from aioreduce.sim import auto
+from aioreduce.costmodel import auto
 
 from .harness import HERE, Ranks
 

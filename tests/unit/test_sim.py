@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from aioreduce.codes import TreeTopology
+from aioreduce.costmodel import Costs, Platform, simulate
+from aioreduce.costmodel.config import Config, chunking
+from aioreduce.costmodel.engine import Graph, run
+from aioreduce.costmodel.steps import _frames, ring, tree
 from aioreduce.schemes.base import HOSTS_MAX_CHUNKS, MAX_CHUNKS, StepOptions, chunk_bounds
-from aioreduce.sim import Costs, Platform, simulate
 from aioreduce.sim.calibrate import Measured, compare, emulation_start, fit
-from aioreduce.sim.config import Config, chunking
-from aioreduce.sim.engine import Graph, run
-from aioreduce.sim.steps import _frames, ring, tree
 from aioreduce.topology import heap_children
 
 FREE = Costs(alpha=0.0, bandwidth=1e6, msg_cpu=0.0, byte_cpu=0.0, cores=None)
@@ -238,7 +238,7 @@ def test_costs_saved_before_lanes_were_fitted_apart_still_load(tmp_path) -> None
     import json
     from dataclasses import asdict
 
-    from aioreduce.sim.report import load_platforms, save_platforms
+    from aioreduce.costmodel import load_platforms, save_platforms
 
     plat = emulation_start()
     old = tmp_path / "old.json"
@@ -255,7 +255,7 @@ def test_unknown_scheme_is_named() -> None:
 
 
 def test_tree_shapes_and_candidates_cover_every_full_tree() -> None:
-    from aioreduce.sim.advise import candidates, tree_shapes
+    from aioreduce.costmodel.advise import candidates, tree_shapes
 
     assert tree_shapes(13) == [(3, 2)]
     assert tree_shapes(157) == [(12, 2)]
@@ -267,7 +267,7 @@ def test_tree_shapes_and_candidates_cover_every_full_tree() -> None:
 
 
 def test_advice_follows_the_stragglers() -> None:
-    from aioreduce.sim.advise import advise
+    from aioreduce.costmodel.advise import advise
 
     plat = emulation_start()
     calm = advise(_cfg(size_bytes=4 << 20), plat)
@@ -278,7 +278,8 @@ def test_advice_follows_the_stragglers() -> None:
 
 def test_sim_report_on_a_sweep_the_simulator_made(tmp_path) -> None:
     from aioreduce.bench.sweep import row_config
-    from aioreduce.sim.report import COSTS, REPORT, load_platforms, write
+    from aioreduce.costmodel import load_platforms
+    from aioreduce.sim.report import COSTS, REPORT, write
 
     truth = emulation_start()
     rows = []
@@ -299,7 +300,7 @@ def test_sim_report_on_a_sweep_the_simulator_made(tmp_path) -> None:
 
 def test_cli_predicts_and_advises_from_saved_costs(tmp_path, capsys) -> None:
     from aioreduce.bench.cli import main
-    from aioreduce.sim.report import save_platforms
+    from aioreduce.costmodel import save_platforms
 
     costs = tmp_path / "costs.json"
     save_platforms({13: emulation_start()}, costs)
@@ -323,8 +324,7 @@ def test_cli_says_where_costs_come_from(tmp_path) -> None:
 
 
 def test_auto_reads_the_costs_of_the_nearest_cluster_size(tmp_path) -> None:
-    from aioreduce.sim import auto
-    from aioreduce.sim.report import save_platforms
+    from aioreduce.costmodel import auto, save_platforms
 
     a, b = emulation_start(), emulation_start(link_mbit=10.0)
     save_platforms({13: a, 40: b}, tmp_path / "c.json")
@@ -383,8 +383,8 @@ def test_the_shipped_costs_are_the_sweeps() -> None:
 
 
 def test_a_bench_variant_adds_its_options_to_that_scheme_only() -> None:
+    from aioreduce.costmodel.config import Config, build_scheme, variant
     from aioreduce.schemes import Ring, Tree
-    from aioreduce.sim.config import Config, build_scheme, variant
 
     assert variant("tree") == ("tree", {})
     assert variant("tree+lanes") == ("tree", {"lanes": True})

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..schemes import Ring, Scheme, Tree
-from . import Platform
+from . import Platform, load_platforms
 from .advise import Option, advise
 from .config import Config
 from .steps import Costs
@@ -37,8 +37,6 @@ GENERIC = Platform(Costs(alpha=25e-6, bandwidth=1.25e9, msg_cpu=100e-6, byte_cpu
 
 def platform_for(world: int, environ: Mapping[str, str] | None = None) -> Platform:
     """The costs ``AIOREDUCE_COSTS`` names (nearest cluster size), else :data:`GENERIC`."""
-    from .report import load_platforms
-
     path = (os.environ if environ is None else environ).get("AIOREDUCE_COSTS")
     if not path:
         return GENERIC

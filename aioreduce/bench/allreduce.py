@@ -278,9 +278,14 @@ def _report(cfg: Config, name: str, scheme: Scheme | None, t: np.ndarray, err: f
                            "p99_s": float(np.quantile(spans, 0.99)),
                            "steps_s": [round(float(x), 6) for x in spans],
                            "in_place": _in_place(cfg, scheme)}
-    own = (t[:, :, 1] - t[:, :, 0].min(axis=0)).ravel()  # each rank's own completion
+    by_rank = t[:, :, 1] - t[:, :, 0].min(axis=0)  # each rank's own completion, per step
+    own = by_rank.ravel()
     received = t[:, :, 2]
+    # Over one rank's steps only: a rank that is late by the same amount every step (one
+    # whose link carries another flow) makes the pooled ratio high and its own flat.
+    own_tail = np.quantile(by_rank, 0.99, axis=1) / np.maximum(np.median(by_rank, axis=1), 1e-9)
     out.update({"rank_p50_s": float(np.median(own)), "rank_p99_s": float(np.quantile(own, 0.99)),
+                "own_tail_max": float(own_tail.max()),
                 "lost": float(1.0 - received.mean()), "raised": int(t[:, :, 3].sum()),
                 "tail_s": float(np.median(tail))})
     # CPU per rank per step (getrusage over each timed step): the mean rank's and the

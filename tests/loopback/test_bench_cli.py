@@ -128,6 +128,9 @@ def test_transpose_bench_reports_loss_and_each_ranks_own_time() -> None:
     # The ranks that were not delayed finish long before the delayed one: bounded time.
     assert t["rank_p50_s"] < 0.5 < ring["rank_p50_s"]
     assert {"rank_p99_s", "raised", "steps_s"} <= set(t)
+    # Rank 1 is late by the same delay every step: the ranks' completion times pooled have a
+    # tail, each rank's own (the column beside them) much less of one.
+    assert t["own_tail_max"] < t["rank_p99_s"] / t["rank_p50_s"]
     # The makespan leaves out the delayed rank; its late sends come after it, and are waited
     # for before the next step (so the ring's step after it does not pay for them).
     assert t["tail_s"] > 0

@@ -3,7 +3,8 @@
 Each host is a network namespace with one interface ``eth0`` (address ``10.213.<net>.<i+1>``,
 chosen per cluster), connected by a veth pair to a bridge that lives in a namespace of its own
 (the "switch"), so nothing in the machine's own namespace can route to the test subnet.
-Each host's TCP runs cubic (``congestion``), whatever this machine's default is.
+Each host's TCP runs cubic (``congestion``), whatever this machine's default is, and does not
+restart an idle connection from its initial window (``idle_restart``).
 With ``rate_mbit``, each link is shaped with ``tbf`` in **both** directions (egress of the
 host's ``eth0`` and egress of the switch-side end), like a real NIC: shaping only egress lets a
 master receive from many peers at once and flatters star topologies.
@@ -128,6 +129,13 @@ class Cluster:
     # namespace inherits the machine's, and BBR's estimates with a dozen flows through a
     # shaped link swing widely: docs/schemes.md). None: the machine's.
     congestion: str | None = "cubic"
+    # Linux's tcp_slow_start_after_idle: a connection idle for longer than its retransmission
+    # timeout starts again from its initial window. Off here: schemes that alternate in one run
+    # (ABBA) sit idle for zero or two other schemes' steps at the ends of the order and for one
+    # in the middle, so with it on, with other flows in the queues, the end schemes' steps
+    # alternated fast and slow (4 hosts, 2 background flows, 1 MiB: 80 / 111 ms in turn; the
+    # middle one's steady), which read as a tail of their own (docs/transpose.md, "Tail").
+    idle_restart: bool = False
     # CPUs each host may use (a cgroup quota per host, see .cpushare): equal shares, so a
     # rank's contention for the machine's cores is the same at any cluster size. None: none.
     cpus_per_host: float | None = None
@@ -225,6 +233,8 @@ class Cluster:
             if self.congestion:
                 _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w",
                      f"net.ipv4.tcp_congestion_control={self.congestion}")
+            _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                 f"net.ipv4.tcp_slow_start_after_idle={int(self.idle_restart)}")
             if self.rate_mbit:
                 self._shape(ns, "eth0")
                 self._shape(sw, f"p{i}")

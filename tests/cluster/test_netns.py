@@ -56,6 +56,11 @@ def test_hosts_reach_each_other_and_links_are_shaped() -> None:
                                                   "net.ipv4.tcp_congestion_control"]),
                                  capture_output=True, text=True, check=True).stdout.strip()
             assert got == "cubic", (i, got)
+            # ... and keeps a connection's window across idle time (see Cluster.idle_restart)
+            idle = subprocess.run(cl.exec_argv(i, ["sysctl", "-n",
+                                                   "net.ipv4.tcp_slow_start_after_idle"]),
+                                  capture_output=True, text=True, check=True).stdout.strip()
+            assert idle == "0", (i, idle)
         recv = subprocess.Popen(cl.exec_argv(1, [sys.executable, "-c", RECEIVER, cl.addr(1)]),
                                 stdout=subprocess.PIPE, text=True)
         subprocess.run(cl.exec_argv(0, [sys.executable, "-c", SENDER, cl.addr(1)]),

@@ -31,8 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from aioreduce.bench.sizes import fmt_size
 from aioreduce.bench.sweep import row_config
-from aioreduce.costmodel.config import fmt_size
 from aioreduce.sim.calibrate import Check, Measured, compare, emulation_start, fit, from_sweep
 from aioreduce.sim.report import WITHIN, advisor_hits
 

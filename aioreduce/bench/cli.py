@@ -8,8 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..costmodel.config import fmt_size
-from .sizes import parse_size
+from .sizes import fmt_size, parse_size
 
 
 def _sizes(text: str) -> list[int]:

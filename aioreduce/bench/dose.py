@@ -34,8 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..costmodel.config import Config, fmt_size
+from ..costmodel.config import Config
 from .allreduce import run_allreduce
+from .sizes import fmt_size
 from .sweep import tree_shape
 
 SCHEMES = ["coded-tree", "tree", "ring"]

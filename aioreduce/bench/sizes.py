@@ -22,3 +22,11 @@ def parse_size(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"size must be at least 1 byte: {text!r}")
     return int(value)
+
+
+def fmt_size(n: int) -> str:
+    """``16M``, ``40K``: as the bench's size options read them (exact multiples only)."""
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)

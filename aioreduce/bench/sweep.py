@@ -44,10 +44,10 @@ from pathlib import Path
 from typing import Any
 
 from ..codes import TreeTopology
-from ..costmodel.config import Config, chunking, fmt_size
+from ..costmodel.config import Config, chunking
 from ..schemes.base import CHUNK_BYTES, MAX_CHUNKS
 from .allreduce import run_allreduce
-from .sizes import parse_size
+from .sizes import fmt_size, parse_size
 
 STRAGGLERS = {
     "none": "",

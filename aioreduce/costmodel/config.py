@@ -107,11 +107,3 @@ def load_fraction(scheme: Scheme | None, nodes: int) -> float:
     if isinstance(scheme, GradientCoding):
         return (scheme.code.s + scheme.code.m) / scheme.code.n
     return 1.0 / nodes
-
-
-def fmt_size(n: int) -> str:
-    """``16M``, ``40K``: as the bench's size options read them (exact multiples only)."""
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale}{unit}"
-    return str(n)

@@ -7,8 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..bench.sizes import fmt_size
 from ..costmodel import Platform, save_platforms
-from ..costmodel.config import Config, fmt_size
+from ..costmodel.config import Config
 from .calibrate import Check, compare, costs_table, emulation_start, fit, from_sweep
 
 COSTS = "costs.json"

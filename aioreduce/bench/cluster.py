@@ -230,11 +230,10 @@ class Cluster:
             _run("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
             _run("ip", "-n", ns, "link", "set", "eth0", "up")
             _run("ip", "-n", ns, "link", "set", "lo", "up")
+            tcp = [f"net.ipv4.tcp_slow_start_after_idle={int(self.idle_restart)}"]
             if self.congestion:
-                _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w",
-                     f"net.ipv4.tcp_congestion_control={self.congestion}")
-            _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w",
-                 f"net.ipv4.tcp_slow_start_after_idle={int(self.idle_restart)}")
+                tcp.append(f"net.ipv4.tcp_congestion_control={self.congestion}")
+            _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w", *tcp)
             if self.rate_mbit:
                 self._shape(ns, "eth0")
                 self._shape(sw, f"p{i}")

@@ -133,8 +133,8 @@ class Cluster:
     # timeout starts again from its initial window. Off here: schemes that alternate in one run
     # (ABBA) sit idle for zero or two other schemes' steps at the ends of the order and for one
     # in the middle, so with it on, with other flows in the queues, the end schemes' steps
-    # alternated fast and slow (4 hosts, 2 background flows, 1 MiB: 80 / 111 ms in turn; the
-    # middle one's steady), which read as a tail of their own (docs/transpose.md, "Measured").
+    # alternated fast and slow while the middle one's stayed steady, which read as a tail of
+    # their own (figures: docs/transpose.md, "Measured").
     idle_restart: bool = False
     # CPUs each host may use (a cgroup quota per host, see .cpushare): equal shares, so a
     # rank's contention for the machine's cores is the same at any cluster size. None: none.

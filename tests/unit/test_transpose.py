@@ -683,3 +683,21 @@ async def test_in_place_a_cut_reduced_slice_keeps_what_landed_and_stands_in_afte
         assert isinstance(res, Result) and res.exact
     assert isinstance(r0, Result) and r0.stand_in == [2] and np.shares_memory(r0.value, xs[0])
     assert r0.value.tolist() == pytest.approx([111, 222, 333, 444, 5, 3 * 6])
+
+
+async def test_the_safety_valve_names_a_rank_whose_links_broke_as_lost() -> None:
+    """A rank dead in a step fails it on every live rank with the dead rank named lost, not
+    only missing: healing (``aioreduce.heal``) waits for a replacement of ranks known dead,
+    and a rank that took a death for a straggler would go on while its peers wait."""
+    net = MemoryNetwork(3)
+    sessions = [Transpose(hadamard=False, deadline=D, max_loss=0.01).open(c) for c in net.comms]
+    net.kill(2)
+    results = await run_step(net, sessions, 0, [X0, 10 * X0, 100 * X0])
+    for res in results[:2]:
+        assert isinstance(res, StragglerError) and res.missing == [2] and res.lost == [2], res
+    # a slice lost on a live link is missing, not lost
+    net = MemoryNetwork(3)
+    sessions = [Transpose(hadamard=False, deadline=D, max_loss=0.01).open(c) for c in net.comms]
+    net.lose(0, 1, 0)
+    results = await run_step(net, sessions, 0, [X0, 10 * X0, 100 * X0])
+    assert all(isinstance(r, StragglerError) and r.lost == [] for r in results), results

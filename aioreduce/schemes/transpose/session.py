@@ -640,9 +640,13 @@ class TransposeSession:
         if late or stand_in or lost > 0:  # rotate in the next block: see _rotates
             self._lossy_block = max(self._lossy_block, step // max(1, opts.rotate_steps))
         if lost > opts.max_loss + 1e-12:
+            # The missing ranks whose links broke are named dead: this step may end on a
+            # lane's EOF before the transport's connection to the rank has been read as
+            # broken (a busy host), and healing waits only for ranks known dead; one that
+            # took the death for a straggler would leave its peers waiting for it to agree.
             raise StragglerError(step, sorted(late), f"{lost:.1%} of the contributions missing "
                                  f"on rank {me}, more than max_loss {opts.max_loss:.1%}",
-                                 received)
+                                 received, lost=[k for k in late if self.links.is_lost(k)])
         value = out.reshape(like.shape)
         if not in_place:
             value.setflags(write=False)

@@ -49,6 +49,13 @@ def worked(**options: object) -> tuple[MemoryNetwork, list, list[np.ndarray]]:
     return net, [scheme.open(c) for c in net.comms], [X0, 10 * X0, 100 * X0]
 
 
+def valve() -> tuple[MemoryNetwork, list]:
+    """N = 3 with the safety valve at 1 %: one missing contribution raises."""
+    net = MemoryNetwork(3)
+    return net, [Transpose(hadamard=False, deadline=D, max_loss=0.01).open(c)
+                 for c in net.comms]
+
+
 async def test_worked_example_without_a_drop_is_exact_on_every_rank() -> None:
     net, sessions, xs = worked()
     results = await run_step(net, sessions, 0, xs)
@@ -94,8 +101,7 @@ async def test_rescale_makes_a_missing_contribution_unbiased() -> None:
 
 
 async def test_the_safety_valve_raises_naming_the_missing_rank() -> None:
-    net = MemoryNetwork(3)
-    sessions = [Transpose(hadamard=False, deadline=D, max_loss=0.01).open(c) for c in net.comms]
+    net, sessions = valve()
     net.lose(0, 1, 0)
     results = await run_step(net, sessions, 0, [X0, 10 * X0, 100 * X0])
     for res in results:
@@ -689,15 +695,13 @@ async def test_the_safety_valve_names_a_rank_whose_links_broke_as_lost() -> None
     """A rank dead in a step fails it on every live rank with the dead rank named lost, not
     only missing: healing (``aioreduce.heal``) waits for a replacement of ranks known dead,
     and a rank that took a death for a straggler would go on while its peers wait."""
-    net = MemoryNetwork(3)
-    sessions = [Transpose(hadamard=False, deadline=D, max_loss=0.01).open(c) for c in net.comms]
+    net, sessions = valve()
     net.kill(2)
     results = await run_step(net, sessions, 0, [X0, 10 * X0, 100 * X0])
     for res in results[:2]:
         assert isinstance(res, StragglerError) and res.missing == [2] and res.lost == [2], res
     # a slice lost on a live link is missing, not lost
-    net = MemoryNetwork(3)
-    sessions = [Transpose(hadamard=False, deadline=D, max_loss=0.01).open(c) for c in net.comms]
+    net, sessions = valve()
     net.lose(0, 1, 0)
     results = await run_step(net, sessions, 0, [X0, 10 * X0, 100 * X0])
     assert all(isinstance(r, StragglerError) and r.lost == [] for r in results), results

@@ -144,6 +144,41 @@ def test_the_root_lost_fails_the_step_on_every_rank_naming_it_lost() -> None:
     clockloop.run(body)
 
 
+def test_a_dead_leaf_is_named_lost_on_every_rank_even_those_that_never_talk_to_it() -> None:
+    """A binary tree of 15 ranks loses leaf 7 (parent 3, grandparent 1): the step cannot be
+    decoded, and every rank raises the same StragglerError naming rank 7 as lost, the root
+    and the ranks of the other half too, which have no connection to it: only the verdict
+    tells them, and healing waits for a replacement only for ranks it knows dead (the trees'
+    side of stop 68's failure). The clock does not move: no deadline decides it."""
+
+    async def body(_loop: ClockLoop) -> None:
+        job = Job(ar.Tree(2, deadline=NO_WAIT), 15)
+        job.assert_exact(0, await job.run(0))
+        job.net.kill(7)
+        tasks = job.start(1, [r for r in range(15) if r != 7])
+        for _turn in range(1000):
+            if all(t.done() for t in tasks.values()):
+                break
+            await asyncio.sleep(0)
+        assert all(t.done() for t in tasks.values())  # no timer was needed
+        for r, task in tasks.items():
+            exc = task.exception()
+            assert isinstance(exc, StragglerError) and exc.missing == [7] and exc.lost == [7], (
+                r, exc)
+        await job.close()
+
+    clockloop.run(body)
+
+
+def test_a_verdict_names_only_missing_ranks_as_lost() -> None:
+    from aioreduce.schemes.reduce import Verdict
+
+    v = Verdict.from_meta({"missing": [3, 7], "lost": [7, 9]})
+    assert v.missing == (3, 7) and v.lost == (7,)  # 9 is not missing: not believed
+    exc = v.error(4)
+    assert isinstance(exc, StragglerError) and exc.lost == [7] and exc.missing == [3, 7]
+
+
 async def test_parent_frozen_then_resumed_is_used_again() -> None:
     job = Job(ar.CodedTree(**TREE), 13)
     job.assert_exact(0, await job.run(0))

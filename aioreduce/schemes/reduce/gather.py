@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ...codes import GradientCode
-from ...errors import VectorMismatch
+from ...errors import PeerLost, VectorMismatch
 from ...wire import Header
 from ..base import StepOptions
 from .report import Report, Verdict
@@ -29,6 +29,11 @@ class Gather:
         self.nchunks = nchunks
         self.arrived: list[list[int]] = [[] for _ in range(nchunks)]
         self.failed: dict[int, tuple[int, ...]] = {}  # child index -> ranks it reported missing
+        # Which of them died: the children whose link broke (index), and the ranks below that
+        # the children's verdicts name as lost. A rank that never talks to a dead one learns
+        # it only from these (aioreduce.heal waits for the replacement of a lost rank).
+        self.dead: set[int] = set()
+        self.lost_below: set[int] = set()
         self.reports: dict[int, Report] = {}
         self.hopeless = False
         # Why the step cannot be decoded whatever arrives: a child's vector did not match
@@ -52,8 +57,12 @@ class Gather:
         if not self.ready[c].done() and self.sufficient(self.arrived[c]):
             self.ready[c].set_result(list(self.arrived[c]))
 
-    def child_failed(self, i: int, missing: tuple[int, ...] = ()) -> None:
+    def child_failed(self, i: int, missing: tuple[int, ...] = (), *, dead: bool = False,
+                     lost: tuple[int, ...] = ()) -> None:
         self.failed.setdefault(i, missing)
+        if dead:
+            self.dead.add(i)
+        self.lost_below.update(lost)
         alive = [j for j in range(self.n) if j not in self.failed]
         if not self.sufficient(alive):
             self.hopeless = True
@@ -82,7 +91,7 @@ class Gather:
             if isinstance(exc, VectorMismatch):
                 self.mismatched(i, str(exc), None)
             elif exc is not None:
-                self.child_failed(i)
+                self.child_failed(i, dead=isinstance(exc, PeerLost))
             else:
                 self.arrived_chunk(i, c, fut.result())
         return done
@@ -94,7 +103,7 @@ class Gather:
                 if verdict.mismatch:
                     self.mismatched(i, verdict.mismatch, verdict.missing)
                 else:
-                    self.child_failed(i, verdict.missing)
+                    self.child_failed(i, verdict.missing, lost=verdict.lost)
         return done
 
     # -- decoding -----------------------------------------------------------------------------
@@ -124,6 +133,12 @@ class Gather:
                 missing.discard(kids[i])
                 missing.update(below)
         return sorted(missing)
+
+    def lost(self, kids: list[int], missing: list[int]) -> tuple[int, ...]:
+        """Of ``missing``, the ranks known dead here: a child whose link broke, or a rank a
+        child's verdict names as lost."""
+        dead = self.lost_below | {kids[i] for i in self.dead}
+        return tuple(r for r in missing if r in dead)
 
 
 def combine(out: np.ndarray, mine: np.ndarray, bufs: list[np.ndarray], a: np.ndarray,

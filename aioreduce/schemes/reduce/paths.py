@@ -95,7 +95,8 @@ class UpPath:
             t = time.perf_counter()
             a, c_exact, c_err = gather.coefficients(responders, s.opts)
             if a is None:
-                self._failed(gather.missing(kids, responders))
+                missing = gather.missing(kids, responders)
+                self._failed(missing, lost=gather.lost(kids, missing))
                 return None
             exact, err = exact and c_exact, max(err, c_err)
             used_kids.update(np.flatnonzero(a if a.ndim == 1 else a.any(axis=0)).tolist())
@@ -132,9 +133,10 @@ class UpPath:
             ranks = tuple(sorted((child, me)))
         self._failed(list(ranks), text)
 
-    def _failed(self, missing: list[int], mismatch: str = "") -> None:
+    def _failed(self, missing: list[int], mismatch: str = "",
+                lost: tuple[int, ...] = ()) -> None:
         s = self.session
-        verdict = Verdict(tuple(missing), mismatch=mismatch)
+        verdict = Verdict(tuple(missing), mismatch=mismatch, lost=lost)
         if s.family.parent is not None:  # tell the parent now instead of letting it time out
             s.send_up(self.step, VERDICT_TAG, EMPTY, verdict.to_meta())
             return None

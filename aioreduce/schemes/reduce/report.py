@@ -89,7 +89,7 @@ class Verdict:
         if self.mismatch:
             return VectorMismatch(self.mismatch, list(self.missing))
         if self.lost:
-            return StragglerError(step, list(self.missing), "lost the root",
+            return StragglerError(step, list(self.missing), f"lost: {list(self.lost)}",
                                   lost=list(self.lost))
         return StragglerError(step, list(self.missing))
 

@@ -624,15 +624,18 @@ class Healer:
         """The ranks whose death failed the step (to wait for), or none: the rank a
         ``PeerLost`` names, or the missing ranks of a ``StragglerError`` if every one of them
         is dead (its connection broke, it was replaced since the step began, or a peer
-        that saw it die said so: ``exc.lost``), or is this process (a replacement its peers
-        did not know yet)."""
+        that saw it die said so: ``exc.lost``, which may name this process, a replacement
+        its peers did not know yet)."""
         if isinstance(exc, PeerLost):
             return [exc.rank] if 0 <= exc.rank < len(known) else []
         mesh = self.mesh
+        # A peer that saw a rank die names it lost (a tree's dead root for its grandchildren,
+        # a dead leaf for the root): then it is dead here too, this process included (our
+        # peers took us for our dead predecessor). Missing alone, this process was only late:
+        # running the step again here, alone, would mix its vector into a later step.
         dead = [r for r in exc.missing if 0 <= r < len(known) and (
-            r == mesh.rank  # our peers took us for our dead predecessor
-            or mesh.is_lost(r) or mesh.incarnations.known[r] > known[r]
-            or r in exc.lost)]  # a peer saw it die (a tree's root, for its grandchildren)
+            r in exc.lost
+            or (r != mesh.rank and (mesh.is_lost(r) or mesh.incarnations.known[r] > known[r])))]
         return dead if dead and len(dead) == len(exc.missing) else []
 
     async def _healing(self, steps: Stepper, run: Callable[[], Awaitable[Result]]) -> Result:

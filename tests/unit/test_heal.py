@@ -672,3 +672,30 @@ def test_a_finished_last_step_is_sent_to_a_peer_that_asks_once_it_ended_here() -
             (3, 9, tags.ROLL, {"have": False})]
 
     asyncio.run(body())
+
+
+def test_a_step_failed_for_ranks_is_run_again_only_for_ranks_known_dead() -> None:
+    """Which ranks' deaths failed a step (the healer waits for their replacements and runs
+    it again): every missing rank must be dead, by its broken connection, a newer
+    incarnation, or a peer's word (``lost``). This process itself only by a peer's word:
+    missing alone it was late (a tree's root cut it at its deadline), and running the step
+    again alone would mix its vector into another step while its peers raise."""
+    from aioreduce.schemes import StragglerError
+
+    async def body() -> None:
+        mesh = FakeMesh()
+        broken = {3}
+        mesh.is_lost = lambda r: r in broken  # type: ignore[attr-defined]
+        healer, _calls = _healer(mesh)
+        known = [0, 0, 0, 0]
+        dead = healer._dead
+        assert dead(StragglerError(5, [3]), known) == [3]  # its connection broke here
+        assert dead(StragglerError(5, [2]), known) == []  # late, as far as we know
+        assert dead(StragglerError(5, [2], lost=[2]), known) == [2]  # a peer saw it die
+        assert dead(StragglerError(5, [2, 3]), known) == []  # not every one dead
+        assert dead(StragglerError(5, [1]), known) == []  # this process, only late
+        assert dead(StragglerError(5, [1], lost=[1]), known) == [1]  # taken for its predecessor
+        mesh.incarnations.known[2] = 1
+        assert dead(StragglerError(5, [2]), known) == [2]  # replaced since the step began
+
+    asyncio.run(body())

@@ -4,9 +4,9 @@ with a model (``schemeprog.py --state``) while a controller SIGKILLs a random ra
 lines then say how far the job is) about every ``--every`` steps (intermediate ranks
 included; the next kill waits until the last victim's replacement is back in the job, so two
 ranks of one family are never away at once).
-``--scheme ring --ranks 8``, ``--scheme transpose --ranks 4`` and ``--scheme tree --ranks 15``
-(binary, uncoded): the same for the ring, the transpose and the tree, whose step that lost a
-rank waits for the replacement and runs again
+``--scheme ring --ranks 8``, ``--scheme transpose --ranks 4``, ``--scheme tree --ranks 15``
+(binary, uncoded) and ``--scheme star --ranks 6``: the same for the schemes whose step that
+lost a rank waits for the replacement and runs again
 (``AIOREDUCE_REJOIN_WAIT``, which the launcher sets). ``--rejoin-wait S`` sets it shorter
 than a replacement takes to start (0.05 s is; on an idle machine 0.2 s may not be): the ring
 then runs again without the victim, re-formed over the live ranks, and takes the replacement
@@ -267,7 +267,7 @@ def main() -> int:
     p.add_argument("--pace", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scheme", default="coded-tree",
-                   choices=["coded-tree", "tree", "ring", "transpose"])
+                   choices=["coded-tree", "tree", "star", "ring", "transpose"])
     p.add_argument("--ranks", type=int, default=13)
     p.add_argument("--rejoin-wait", type=float, default=None,
                    help="seconds a failed ring step waits for a replacement (default: the "

@@ -126,7 +126,7 @@ class HealSoak:
                "--restart", "50", "--", sys.executable, SCHEMEPROG, self.scheme, "--state",
                "--steps",
                str(self.steps), "--pace", str(self.pace), "--deadline", "2", "--dim", str(self.dim)]
-        if self.lanes and self.scheme == "coded-tree":  # (the transpose's are on anyway)
+        if self.lanes and self.scheme in ("coded-tree", "tree", "star"):  # (the transpose: always)
             cmd += ["--options", json.dumps({"lanes": True})]
         if self.scheme == "tree":  # binary: a leaf's death fails the step far from the root
             cmd += ["--fanout", "2", "--stragglers", "0"]

@@ -170,6 +170,33 @@ def test_a_dead_leaf_is_named_lost_on_every_rank_even_those_that_never_talk_to_i
     clockloop.run(body)
 
 
+def test_a_leaf_whose_parent_came_back_sends_to_it_again() -> None:
+    """Leaf 3 saw its parent's connection break (failover LOST), and the parent is back (a
+    replacement: connected again) when the next step starts. A leaf sends its vector before
+    it waits for the result, so the send itself must see the connection is back; dropped,
+    the parent waits for it and the step fails at a deadline (a tree's rank healed
+    wrong this way). The clock does not move: the step ends exact only if it was sent."""
+
+    async def body(_loop: ClockLoop) -> None:
+        job = Job(ar.Tree(2, deadline=NO_WAIT), 7)
+        job.assert_exact(0, await job.run(0))
+        session = job.sessions[3]
+        assert isinstance(session, ReduceSession) and session.failover is not None
+        session.failover.parent_lost(1)
+        assert fo(job, 3) is Link.LOST
+        tasks = job.start(1, range(7))
+        for _turn in range(1000):
+            if all(t.done() for t in tasks.values()):
+                break
+            await asyncio.sleep(0)
+        assert all(t.done() for t in tasks.values())  # no timer was needed
+        job.assert_exact(1, {r: t.result() for r, t in tasks.items()})
+        assert fo(job, 3) is not Link.LOST
+        await job.close()
+
+    clockloop.run(body)
+
+
 def test_a_verdict_names_only_missing_ranks_as_lost() -> None:
     from aioreduce.schemes.reduce import Verdict
 

@@ -212,13 +212,11 @@ class DownPath:
         self.parent = session.family.parent
         self.sources = {self.parent: Source(session, self.parent, step, lay)}
         self.probe: Source | None = None  # the parent's source, kept past a bypassed step
-        # Before this step sends anything up: a parent whose connection came back (a
-        # replacement) is sent to again (a leaf sends before it waits for the result).
-        if failover.state is Link.LOST and not session.comm.is_lost(self.parent):
-            failover.parent_back()
 
     async def wait(self, elapsed: float) -> Outcome:
         s, fo, step = self.session, self.fo, self.step
+        if fo.state is Link.LOST and not s.comm.is_lost(self.parent):
+            fo.parent_back()
         self._act(fo.step_started(step))
         if s.comm.is_lost(self.parent):
             self._act(fo.parent_lost(step))

@@ -307,7 +307,11 @@ class ReduceSession:
         parent = self.family.parent
         assert parent is not None and self.failover is not None
         if self.failover.state is Link.LOST:
-            return  # nobody there to decode it
+            if self.comm.is_lost(parent):
+                return  # nobody there to decode it
+            # Its connection is back (a replacement): send to it again. (A leaf sends before
+            # its step waits for the result, where the failover hears it otherwise.)
+            self.failover.parent_back()
         self.send_data(parent, chunk, step, tag, meta)
 
     def rejoined(self, step: int) -> None:

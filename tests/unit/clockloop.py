@@ -31,3 +31,13 @@ async def advance(loop: ClockLoop, seconds: float) -> None:
     loop.now += seconds
     for _ in range(5):
         await asyncio.sleep(0)
+
+
+async def until(cond: Callable[[], bool]) -> None:
+    """Let the loop run what is ready, its clock standing still, until ``cond()`` holds;
+    fail if it never does (what the test waited on needed a timer)."""
+    for _ in range(1000):
+        if cond():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("never happened")

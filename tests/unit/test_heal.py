@@ -27,6 +27,10 @@ class FakeMesh:
         self.gate = asyncio.Event()
         self.gate.set()
         self.tasks: list[asyncio.Task[None]] = []
+        self.broken: set[int] = set()  # ranks whose connection broke
+
+    def is_lost(self, rank: int) -> bool:
+        return rank in self.broken
 
     async def send(self, rank: int, array: np.ndarray, *, step: int, tag: int = 0,
                    meta: dict[str, Any] | None = None) -> None:
@@ -684,8 +688,7 @@ def test_a_step_failed_for_ranks_is_run_again_only_for_ranks_known_dead() -> Non
 
     async def body() -> None:
         mesh = FakeMesh()
-        broken = {3}
-        mesh.is_lost = lambda r: r in broken  # type: ignore[attr-defined]
+        mesh.broken.add(3)
         healer, _calls = _healer(mesh)
         known = [0, 0, 0, 0]
         dead = healer._dead

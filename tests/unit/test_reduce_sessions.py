@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -25,7 +24,7 @@ from aioreduce.transport.memory import MemoryNetwork
 from aioreduce.wire import Header, tags
 
 from . import clockloop
-from .clockloop import ClockLoop
+from .clockloop import ClockLoop, until
 from .memjob import DIM, Job
 
 D = 0.25  # deadline (seconds): long enough that a busy machine does not make a rank late
@@ -115,17 +114,6 @@ async def test_parent_lost_after_sending_up() -> None:
     assert all(fo(job, k) is Link.LOST for k in KIDS[1])
 
 
-async def _without_time(tasks: Iterable[asyncio.Task[Any]]) -> None:
-    """Let the loop run what is ready, its clock (ClockLoop) standing still, until every
-    task is done; assert they are: the path under test needed no timer."""
-    tasks = list(tasks)
-    for _turn in range(1000):
-        if all(t.done() for t in tasks):
-            break
-        await asyncio.sleep(0)
-    assert all(t.done() for t in tasks)
-
-
 def test_the_root_lost_fails_the_step_on_every_rank_naming_it_lost() -> None:
     """The root dies while every other rank waits for its result: nobody has that step's
     result. Its children say so to their own (who never talk to it), so every rank raises
@@ -142,7 +130,7 @@ def test_the_root_lost_fails_the_step_on_every_rank_naming_it_lost() -> None:
         await tasks[0]  # the root decoded and "sent": its result is held
         job.net.kill(0)
         others = [tasks[r] for r in range(1, 13)]
-        await _without_time(others)
+        await until(lambda: all(t.done() for t in others))  # no timer was needed
         for r in range(1, 13):
             exc = tasks[r].exception()
             assert isinstance(exc, StragglerError) and exc.missing == [0] and exc.lost == [0], (
@@ -164,7 +152,7 @@ def test_a_dead_leaf_is_named_lost_on_every_rank_even_those_that_never_talk_to_i
         job.assert_exact(0, await job.run(0))
         job.net.kill(7)
         tasks = job.start(1, [r for r in range(15) if r != 7])
-        await _without_time(tasks.values())
+        await until(lambda: all(t.done() for t in tasks.values()))  # no timer was needed
         for r, task in tasks.items():
             exc = task.exception()
             assert isinstance(exc, StragglerError) and exc.missing == [7] and exc.lost == [7], (
@@ -189,7 +177,7 @@ def test_a_leaf_whose_parent_came_back_sends_to_it_again() -> None:
         session.failover.parent_lost(1)
         assert fo(job, 3) is Link.LOST
         tasks = job.start(1, range(7))
-        await _without_time(tasks.values())
+        await until(lambda: all(t.done() for t in tasks.values()))  # no timer was needed
         job.assert_exact(1, {r: t.result() for r, t in tasks.items()})
         assert fo(job, 3) is not Link.LOST
         await job.close()

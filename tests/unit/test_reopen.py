@@ -17,7 +17,7 @@ from aioreduce.schemes.links.reopen import ANSWER_TIMEOUT_S, Reopener
 from aioreduce.transport.memory import MemoryNetwork
 
 from . import clockloop
-from .clockloop import ClockLoop, advance
+from .clockloop import ClockLoop, advance, until
 
 
 class Links:
@@ -84,14 +84,6 @@ def _pair(*, touched: int = 3, has_lanes: bool = True) -> tuple[MemoryNetwork, L
     return net, links, peer, new
 
 
-async def _until(cond: Callable[[], bool]) -> None:
-    for _ in range(1000):
-        if cond():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("never happened")
-
-
 @pytest.mark.parametrize("touched, start", [(3, 5), (7, 8)])
 def test_both_ends_switch_at_the_step_answered_and_hold_that_step_until_the_lanes_open(
         touched: int, start: int) -> None:
@@ -108,7 +100,7 @@ def test_both_ends_switch_at_the_step_answered_and_hold_that_step_until_the_lane
         new.send(0, 6, "new:6a")
         new.send(0, 6, "new:6b")
         ready = asyncio.ensure_future(new.reopener.ready(5))
-        await _until(lambda: peer.reopener.holds(1, start))
+        await until(lambda: peer.reopener.holds(1, start))
         assert not peer.reopener.holds(1, start - 1)
         peer.send(1, start, "peer:first")
         peer.send(1, start + 1, "peer:second")
@@ -197,7 +189,7 @@ def test_a_peer_that_asks_again_has_one_opening_under_way_not_two() -> None:
         net, _links, peer, new = _pair(touched=3)
         net.hold(0, 1)  # the answers wait: the replacement asks again meanwhile
         new.reopener.propose(0, 4)
-        await _until(lambda: 1 in peer.reopener._pending)
+        await until(lambda: 1 in peer.reopener._pending)
         first = peer.reopener._pending[1].task
         new.reopener.propose(0, 4)  # the same again: the same opening
         for _ in range(20):
@@ -205,9 +197,9 @@ def test_a_peer_that_asks_again_has_one_opening_under_way_not_two() -> None:
         assert peer.reopener._pending[1].task is first and first is not None
         assert not first.done()
         new.reopener.propose(0, 5)
-        await _until(lambda: peer.reopener._pending.get(1) is not None
+        await until(lambda: peer.reopener._pending.get(1) is not None
                      and peer.reopener._pending[1].task is not first)
-        await _until(lambda: first is not None and first.done())
+        await until(lambda: first is not None and first.done())
         assert first is not None and first.cancelled()
         net.release(0, 1)
         await asyncio.wait_for(new.reopener.ready(5), 5)
@@ -235,7 +227,7 @@ def test_two_ends_replaced_at_once_open_at_the_lower_ranks_step_and_keep_their_o
         high.send(0, 7, "high:7a")  # held by its own proposal
         high.send(0, 8, "high:8")
         low.send(1, 7, "low:7")
-        await _until(lambda: 0 in high.reopener._pending
+        await until(lambda: 0 in high.reopener._pending
                      and high.reopener._pending[0].answer is None)  # it answered low's
         for _ in range(20):
             await asyncio.sleep(0)
@@ -266,7 +258,7 @@ def test_a_replacement_that_does_not_know_yet_whether_it_has_lanes_answers_once_
         unsure = Side(net, links, 1, touched=-1, has_lanes=None)  # type: ignore[arg-type]
         asker.reopener.propose(1, 5)
         asker.send(1, 5, "held")
-        await _until(lambda: 0 in unsure.reopener._deferred)
+        await until(lambda: 0 in unsure.reopener._deferred)
         for _ in range(20):  # no answer while it does not know
             await asyncio.sleep(0)
         assert asker.sent == [] and links.steps == []
@@ -291,12 +283,12 @@ def test_an_asker_that_gives_up_waiting_withdraws_and_the_late_answerer_drops_it
         net.hold(0, 1)  # the answer never gets there in time
         new.reopener.propose(0, 5)
         new.send(0, 5, "new:5")
-        await _until(lambda: 1 in peer.reopener._pending)
+        await until(lambda: 1 in peer.reopener._pending)
         peer.send(1, 5, "peer:5")  # held: its lanes with the replacement are opening
         assert peer.sent == [] and peer.reopener.holds(1, 5)
         await advance(loop, ANSWER_TIMEOUT_S + 1)
-        await _until(lambda: new.sent == ["new:5"])  # gave up: over the comm
-        await _until(lambda: 1 not in peer.reopener._pending)
+        await until(lambda: new.sent == ["new:5"])  # gave up: over the comm
+        await until(lambda: 1 not in peer.reopener._pending)
         assert peer.sent == ["peer:5"] and not peer.reopener.holds(1, 5)
         await asyncio.wait_for(peer.reopener.ready(5), 5)
         assert peer.opened == new.opened == [] and links.steps == [(0, 5)]

@@ -215,8 +215,8 @@ class DownPath:
 
     async def wait(self, elapsed: float) -> Outcome:
         s, fo, step = self.session, self.fo, self.step
-        if fo.state is Link.LOST and not s.comm.is_lost(self.parent):
-            fo.parent_back()
+        if fo.state is Link.LOST:
+            s.parent_back()
         self._act(fo.step_started(step))
         if s.comm.is_lost(self.parent):
             self._act(fo.parent_lost(step))

@@ -306,13 +306,20 @@ class ReduceSession:
                 meta: dict[str, object] | None) -> None:
         parent = self.family.parent
         assert parent is not None and self.failover is not None
-        if self.failover.state is Link.LOST:
-            if self.comm.is_lost(parent):
-                return  # nobody there to decode it
-            # Its connection is back (a replacement): send to it again. (A leaf sends before
-            # its step waits for the result, where the failover hears it otherwise.)
-            self.failover.parent_back()
+        # (A leaf sends before its step waits for the result: the send itself must see a
+        # parent that came back.)
+        if self.failover.state is Link.LOST and not self.parent_back():
+            return  # nobody there to decode it
         self.send_data(parent, chunk, step, tag, meta)
+
+    def parent_back(self) -> bool:
+        """Whether the parent is connected; one whose connection came back (a replacement)
+        takes the failover out of LOST, so it is sent to and asked again."""
+        assert self.family.parent is not None and self.failover is not None
+        if self.comm.is_lost(self.family.parent):
+            return False
+        self.failover.parent_back()
+        return True
 
     def rejoined(self, step: int) -> None:
         """A replacement process starting at ``step`` (see :class:`~aioreduce.schemes.base.

@@ -29,6 +29,7 @@ and maxima). Run the long versions as scripts (exit 1 on a failed check)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -142,7 +143,9 @@ class HealSoak:
         launcher = psutil.Process(proc.pid)
         next_kill = self.every
         quiet_from = self.steps - max(3 * self.every, 150)  # let the last victim heal
-        deadline = time.monotonic() + self.steps * self.pace * 6 + 120
+        budget = self.steps * self.pace * 6 + 120
+        deadline = time.monotonic() + budget
+        code: int | None = None
         try:
             while proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.01)  # polling the job's progress and the last victim's return
@@ -159,7 +162,9 @@ class HealSoak:
                     self.kills.append(Kill(victim, done, time.time()))
                     next_kill = done + self.every + rng.randrange(-self.every // 4,
                                                                  self.every // 4 + 1)
-            code = proc.wait(max(1.0, deadline - time.monotonic()))
+            # A job that does not end is reported below, with what it had done.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = proc.wait(max(1.0, deadline - time.monotonic()))
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -168,7 +173,20 @@ class HealSoak:
                 t.join(10)
         for k in self.kills:
             self._back(k)
+        if code is None:
+            raise AssertionError(f"the job did not end within {budget:.0f} s: {self.progress()}")
         return code
+
+    def progress(self) -> str:
+        """Where each rank was, the kills, and the launcher's last lines other than steps:
+        what a soak that did not end leaves to go on."""
+        last = {r: (got[-1]["step"], got[-1].get("inc")) for r, got in
+                sorted(self.steps_of.items()) if got}
+        kills = [(k.rank, k.at_step, k.back_step is not None, k.used_again is not None)
+                 for k in self.kills]
+        lines = [x.rstrip() for x in self.err if " STEP " not in x][-60:]
+        return (f"last (step, incarnation) per rank {last}; kills (rank, at step, stepped, "
+                f"used again) {kills}; stderr's last lines:\n" + "\n".join(lines))
 
     def report(self, code: int) -> dict:
         again = {s["result_step"] for got in self.steps_of.values() for s in got

@@ -7,10 +7,10 @@
   single worker.
 * A module whose tests share a module-scoped fixture (the torch tests' launches of 4 torch
   processes, made once for the module) is one group too: each worker would make the fixture
-  again (two CI runs made each of them twice, 30-50 s apiece).
+  again.
 * One thread per process for OpenMP and BLAS (torch's and numpy's), unless the environment
   says otherwise: a test starts several processes at once on a machine with few cores, and
-  a pool of threads in each fought the others for them (about 6 % of the torch tests' CPU).
+  a pool of threads in each fought the others for them.
 """
 
 from __future__ import annotations

@@ -178,13 +178,13 @@ class HealSoak:
         return code
 
     def progress(self) -> str:
-        """Where each rank was, the kills, and the launcher's last lines other than steps:
-        what a soak that did not end leaves to go on."""
+        """Where each rank was, the kills, and the launcher's last lines (stderr: the steps
+        are on stdout): what a soak that did not end leaves to go on."""
         last = {r: (got[-1]["step"], got[-1].get("inc")) for r, got in
                 sorted(self.steps_of.items()) if got}
         kills = [(k.rank, k.at_step, k.back_step is not None, k.used_again is not None)
                  for k in self.kills]
-        lines = [x.rstrip() for x in self.err if " STEP " not in x][-60:]
+        lines = [x.rstrip() for x in self.err[-60:]]
         return (f"last (step, incarnation) per rank {last}; kills (rank, at step, stepped, "
                 f"used again) {kills}; stderr's last lines:\n" + "\n".join(lines))
 

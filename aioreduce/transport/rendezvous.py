@@ -33,6 +33,7 @@ from typing import Any
 
 from ..errors import AuthError, PeerLost, RendezvousError
 from ..wire.control import (
+    CLOSING_BARRIER,
     Abort,
     Arrive,
     Control,
@@ -371,8 +372,11 @@ async def barrier(mesh: Mesh, timeout: float, *, closing: bool = False) -> None:
         return
     if closing:
         mesh.leaving = True  # a rank 0 that dies now is not dialed anew
-    n = mesh.barriers
-    mesh.barriers += 1
+    if closing:
+        n = CLOSING_BARRIER  # not counted: a rank that missed a caller's barrier closes too
+    else:
+        n = mesh.barriers
+        mesh.barriers += 1
 
     async def this_barrier(rank: int) -> Control:
         """The next control event from ``rank`` that is not of an earlier barrier (a late

@@ -65,10 +65,17 @@ class Abort:
     barrier: int = -1  # which barrier failed (-1: the rendezvous)
 
 
+# The job's last barrier (``Node.close``) is numbered apart from the callers' barriers: a rank
+# that missed one of those (a ``monitored_barrier`` it never called) still closes with the
+# others instead of the others waiting out the close timeout for it.
+CLOSING_BARRIER = 1 << 62
+
+
 @dataclass(frozen=True)
 class Arrive:
     """A rank to rank 0: it reached barrier number ``barrier`` (each rank counts its barrier
-    calls from 0, so a late arrival at one barrier is never counted at the next)."""
+    calls from 0, so a late arrival at one barrier is never counted at the next; the closing
+    one is :data:`CLOSING_BARRIER`)."""
 
     op: ClassVar[str] = "barrier"
     barrier: int = 0

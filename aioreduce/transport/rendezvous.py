@@ -372,7 +372,6 @@ async def barrier(mesh: Mesh, timeout: float, *, closing: bool = False) -> None:
         return
     if closing:
         mesh.leaving = True  # a rank 0 that dies now is not dialed anew
-    if closing:
         n = CLOSING_BARRIER  # not counted: a rank that missed a caller's barrier closes too
     else:
         n = mesh.barriers

@@ -24,18 +24,14 @@ from aioreduce.schemes.transpose.layout import PHASE2_TAG, Layout
 from aioreduce.schemes.transpose.stage import Slot, Stage
 from aioreduce.transport.memory import MemoryNetwork
 
-from .clockloop import AutoClockLoop, loop_perf_counter
+from .clockloop import AutoClockLoop
 
-# The tests run on a clock that jumps to the next timer whenever nothing is ready (tests/unit/
-# clockloop.py), and the stages read it as their perf_counter: a stage that waits for a lost
-# frame ends at its bound at once, and nothing depends on how busy the machine is.
+# The tests run on a clock that jumps to the next timer whenever nothing is ready, read by the
+# stages as their perf_counter (tests/unit/conftest.py): a stage that waits for a lost frame
+# ends at its bound at once, and nothing depends on how busy the machine is.
 AUTOJUMP = True
 D = 0.5  # a fixed step bound (0.25 s a stage)
-
-
-@pytest.fixture(autouse=True)
-def _stages_read_the_loops_clock(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(time, "perf_counter", loop_perf_counter)
+X0 = np.array([1.0, 2, 3, 4, 5, 6])
 
 
 async def test_these_tests_run_on_the_jumping_clock() -> None:
@@ -44,7 +40,6 @@ async def test_these_tests_run_on_the_jumping_clock() -> None:
     before = time.perf_counter()
     await asyncio.sleep(3600.0)  # at once
     assert time.perf_counter() - before == pytest.approx(3600.0, abs=1e-3)
-X0 = np.array([1.0, 2, 3, 4, 5, 6])
 
 
 async def run_step(net: MemoryNetwork, sessions: list, step: int,

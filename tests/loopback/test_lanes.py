@@ -292,7 +292,7 @@ def test_a_small_message_goes_from_the_callers_thread_and_its_rest_keeps_the_ord
         assert sender._sender is None and sender.sent == 3  # the path under test: inline
         # A send buffer far smaller than the message: the kernel takes part of it (what the
         # receiver's window admits), the rest queues. (A receive buffer as small made TCP
-        # crawl: 12 s for these 600 KB.)
+        # crawl: the figure is in docs/status.md, stop 72.)
         sender.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         for i, arr in enumerate(small):
             out = np.empty_like(arr)

@@ -342,6 +342,20 @@ def test_a_cut_stage_counts_as_needing_more_time_float_ratio() -> None:
     assert clock.deviation == pytest.approx(0.002)
 
 
+def test_a_stage_cut_for_a_silent_sender_teaches_the_others_time_not_the_deadline() -> None:
+    """A straggler that sent nothing is cut at the deadline: ``elapsed / fraction`` would teach
+    the estimate the deadline over the fraction (in the tail row the next ten or so bounds
+    rose from about 16 ms to 24); it learns how long the senders that did send took."""
+    clock = StageClock(warmup=1, gain=1.0, deviation_gain=1.0, min_deadline=0.0)
+    clock.observe(0.010, 1.0)
+    clock.observe(0.020, 2 / 3, others=0.011)  # cut at 20 ms; the other two were in at 11
+    assert clock.estimate == pytest.approx(0.011)
+    assert clock.deviation == pytest.approx(0.001)
+    assert list(clock.recent) == [0.010]  # a cut stage still raises no floor
+    clock.observe(0.020, 2 / 3)  # cut without a silent sender: slow data, the ratio as before
+    assert clock.estimate == pytest.approx(0.030)
+
+
 def test_the_proposal_covers_the_longest_recent_complete_stage_not_a_cut_one() -> None:
     """Calm stages with a tail the deviation misses (emulated hosts: estimate 117 ms, calm
     stages up to 207 ms were cut): the proposal is at least 1.5x the longest of the recent
@@ -632,6 +646,51 @@ async def test_an_optional_sender_is_not_waited_for_and_a_silent_one_is_named() 
     loop.call_soon(from1.set_result, None)
     await asyncio.wait_for(second.run(600.0, idle=0.001), 60)
     assert second.reason == "early" and second.fraction == 0.5 and from2.cancelled()
+
+
+async def test_a_stage_knows_how_long_the_senders_that_did_send_took() -> None:
+    loop = asyncio.get_running_loop()
+    first, second, never, silent = (loop.create_future() for _ in range(4))
+    stage = Stage([Slot(1, 0, 10, first), Slot(1, 1, 10, second, tail=True),
+                   Slot(2, 0, 20, silent, tail=True)], 40)
+    loop.call_later(0.003, first.set_result, None)
+    loop.call_later(0.005, second.set_result, None)
+    await stage.run(0.02, idle=600.0)
+    assert stage.reason == "deadline" and stage.silent() == {2}
+    assert stage.elapsed == pytest.approx(0.02, abs=1e-4)
+    assert stage.others_took(stage.silent()) == pytest.approx(0.005, abs=1e-4)
+    assert stage.others_took(frozenset({1, 2})) is None  # nobody else to learn from
+    # Rank 1 sent one slice of two before it went quiet: its whole would need elapsed / 0.5.
+    stage = Stage([Slot(1, 0, 10, first), Slot(1, 1, 10, never, tail=True),
+                   Slot(2, 0, 20, loop.create_future(), tail=True)], 40)
+    await stage.run(0.02, idle=600.0)
+    assert stage.silent() == {2}
+    assert stage.others_took(stage.silent()) == pytest.approx(2 * stage.elapsed)
+
+
+async def test_a_straggler_cut_in_a_step_does_not_raise_the_next_bounds() -> None:
+    """Ranks 0 and 1 cut rank 2, which starts step 2 long after them; their stage clocks
+    learn how long their own exchange took, not the deadline they waited."""
+    net = MemoryNetwork(3)
+    sessions = [Transpose(hadamard=False, warmup=2, max_loss=1.0).open(c) for c in net.comms]
+    xs = [X0, 10 * X0, 100 * X0]
+    for step in range(2):  # warm-up: everything waited for
+        assert all(isinstance(r, Result) and r.exact
+                   for r in await run_step(net, sessions, step, xs))
+    before = [s.clocks[0].estimate for s in sessions[:2]]
+    assert max(before) < 0.001
+    early = [asyncio.ensure_future(s.step(2, np.zeros(6), _ready(x)))
+             for s, x in zip(sessions[:2], xs[:2], strict=True)]
+    await asyncio.wait(early)
+    for task in early:
+        res = task.result()
+        assert 2 in res.stand_in and not res.exact  # rank 2 was cut: the path meant
+    assert res.deadline >= sessions[0].opts.min_deadline
+    for session, was in zip(sessions[:2], before, strict=True):
+        # (elapsed / fraction would have taught at least min_deadline x 2 at gain 1/8)
+        assert session.clocks[0].estimate < was + 0.001
+    late = await sessions[2].step(2, np.zeros(6), _ready(xs[2]))
+    assert isinstance(late, Result)
 
 
 async def test_a_stage_hands_over_each_slice_as_it_arrives_while_it_is_open() -> None:

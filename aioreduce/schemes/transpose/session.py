@@ -416,8 +416,9 @@ class TransposeSession:
             if lent:  # (before the caller changes its array)
                 links.release(peers)
             links.end_step(step)
-        self.clocks[0].observe(max(0.0, stage1.elapsed - extra), stage1.fraction)
-        self.clocks[1].observe(max(0.0, stage2.elapsed - extra / n), stage2.fraction)
+        for clock, stage, shift in ((self.clocks[0], stage1, extra),
+                                    (self.clocks[1], stage2, extra / n)):
+            _learn(clock, stage, shift, links.heard_at)
         tail.land(out, phase2, layout)
         own_part = _OwnContribution(mine, y if send_from is None else mine, rot, layout, out)
         return self._finish(step, like, own_part, out, into is not None, layout, phase2,
@@ -677,6 +678,18 @@ class TransposeSession:
 
     def _need(self) -> float:
         return 1.0 - self.opts.max_loss if self.opts.on_excess_loss == "wait" else 0.0
+
+
+def _learn(clock: StageClock, stage: Stage, shift: float, heard: Callable[[int], float]) -> None:
+    """Tell ``clock`` how long ``stage`` took, less ``shift`` (the rotation's time): where it
+    was cut while a sender had sent nothing, the time the others needed (a straggler's
+    lateness is not the network's; :meth:`StageClock.observe`)."""
+    silent = stage.silent(heard) if stage.fraction < 1.0 else frozenset()
+    others = stage.others_took(silent) if silent else None
+    if silent and others is None:
+        return  # nobody sent anything: nothing to learn about the network
+    clock.observe(max(0.0, stage.elapsed - shift), stage.fraction,
+                  None if others is None else max(0.0, others - shift))
 
 
 def _sendable(summed: np.ndarray, copy_out: np.ndarray | None, a: int, b: int) -> np.ndarray:

@@ -142,6 +142,20 @@ class Stage:
             src for src in {slot.src for slot in self.slots} - got
             if heard is None or heard(src) < self._t0)
 
+    def others_took(self, silent: frozenset[int]) -> float | None:
+        """After :meth:`run`: the seconds the senders not in ``silent`` needed for their
+        slices: when their last one arrived, or, if some of theirs are missing too, the
+        elapsed time over the fraction of theirs received (as a cut stage counts, see
+        :meth:`~.clock.StageClock.observe`). None if every sender is in ``silent``."""
+        theirs = [slot for slot in self.slots if slot.src not in silent]
+        total = sum(slot.size for slot in theirs)
+        if not total:
+            return None
+        got = sum(slot.size for slot in theirs if slot.arrived)
+        if got == total:
+            return max(0.0, self._last - self._t0)
+        return self.elapsed / max(got / total, 0.05)
+
     def _flowing_until(self, t0: float, idle: float, heard: Callable[[int], float] | None,
                        limit: float) -> float | None:
         """Until when every sender with slices still missing counts as delivering (it sent

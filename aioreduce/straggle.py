@@ -80,10 +80,24 @@ class StraggleModel:
             if rule.load_rate > 0:
                 rng = np.random.default_rng([self.seed, i, rank, step, 4])
                 extra += max(0.0, compute_seconds) * rng.exponential(1.0) / rule.load_rate
-            if rule.spike_prob > 0:
-                rng = np.random.default_rng([self.seed, i, rank, step, 1])
-                extra += rule.spike if rng.random() < rule.spike_prob else 0.0
+            if rule.spike_prob > 0 and self._spiked(i, rank, step):
+                extra += rule.spike
         return extra
+
+    def late_on_purpose(self, rank: int, step: int, world: int) -> bool:
+        """Whether ``rank``'s own step is late by design at ``step``: a rule names it, a pause
+        rule picked it, or a spike rule hit it. No collective can bring such a rank's result
+        on time; what a straggler-tolerant one bounds is how long the others wait for it
+        (benchmarks report that tail apart)."""
+        if rank in self.stragglers(step, world):
+            return True
+        return any(rule.spike_prob > 0 and rule.applies(rank) and self._spiked(i, rank, step)
+                   for i, rule in enumerate(self.rules))
+
+    def _spiked(self, i: int, rank: int, step: int) -> bool:
+        """Whether spike rule ``i`` hits ``rank`` at ``step`` (the same draw everywhere)."""
+        draw = np.random.default_rng([self.seed, i, rank, step, 1]).random()
+        return bool(draw < self.rules[i].spike_prob)
 
     def _paused(self, i: int, step: int, world: int) -> int:
         """The rank rule ``i`` (a pause) pauses at ``step``: the same on every rank."""

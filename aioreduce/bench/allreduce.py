@@ -13,7 +13,9 @@ Besides the makespan, each rank's own completion time (from the common start unt
 rank has the result) is reported: ``rank_p50_s``, ``rank_p99_s``. A bounded-time scheme
 (``transpose``) lets the ranks that were not delayed finish while a delayed rank is still
 computing, which the makespan (it waits for the last rank) cannot show; a rank's own injected
-delay always counts in its own time. ``lost`` is the mean fraction of contributions missing
+delay always counts in its own time. ``on_time_p50_s``, ``on_time_p99_s``: the same over the
+ranks not delayed on purpose at that step (named, paused or spiked), which is the tail a
+straggler-tolerant scheme bounds. ``lost`` is the mean fraction of contributions missing
 from a rank's result, ``raised`` the steps the safety valve refused. After each step every
 rank waits, off the clock, until its peers' kernels have acknowledged every byte it sent: a
 straggler-tolerant step can end with messages it did not need still on the links, and with the
@@ -266,6 +268,15 @@ def makespans(straggle: str, t: np.ndarray, first_iter: int = 0) -> np.ndarray:
     return spans
 
 
+def late_on_purpose(straggle: str, ranks: int, iters: int, first_iter: int = 0) -> np.ndarray:
+    """``late[rank, i]``: whether ``rank``'s own step at iteration ``first_iter + i`` was late
+    by design (named, paused or spiked: :meth:`StraggleModel.late_on_purpose`), with the
+    run's draws."""
+    model = parse_seeded(straggle)
+    return np.array([[model.late_on_purpose(r, first_iter + i, ranks) for i in range(iters)]
+                     for r in range(ranks)], dtype=bool).reshape(ranks, iters)
+
+
 def _report(cfg: Config, name: str, scheme: Scheme | None, t: np.ndarray, err: float,
             world: int) -> None:
     """t: (ranks, iters, 6) start, end, received, refused, sends acknowledged, CPU seconds.
@@ -284,6 +295,14 @@ def _report(cfg: Config, name: str, scheme: Scheme | None, t: np.ndarray, err: f
     # Over one rank's steps only: a rank that is late by the same amount every step (one
     # whose link carries another flow) makes the pooled ratio high and its own flat.
     own_tail = np.quantile(by_rank, 0.99, axis=1) / np.maximum(np.median(by_rank, axis=1), 1e-9)
+    # The ranks that were on time, each step: how long they waited for the late ones (a
+    # spiked rank's own step is late whatever the collective does; at a spike in 100 rank-steps
+    # or more the pooled p99 is theirs).
+    on_time = by_rank[~late_on_purpose(cfg.straggle, t.shape[0], t.shape[1],
+                                       warmup_iterations(cfg))]
+    if on_time.size:
+        out.update({"on_time_p50_s": float(np.median(on_time)),
+                    "on_time_p99_s": float(np.quantile(on_time, 0.99))})
     out.update({"rank_p50_s": float(np.median(own)), "rank_p99_s": float(np.quantile(own, 0.99)),
                 "own_tail_max": float(own_tail.max()),
                 "lost": float(1.0 - received.mean()), "raised": int(t[:, :, 3].sum()),

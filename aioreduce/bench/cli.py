@@ -379,12 +379,13 @@ def _print_allreduce(rows: list[dict[str, Any]], *, bound: bool = False) -> None
     print(f"{first['nodes']} ranks, {fmt_size(first['size_bytes'])}B vector, "
           f"{first['iters']} iterations (median and p99 of the per-step makespan; of each "
           "rank's own completion time: rank p50, rank p99, pooled over the ranks, and the "
-          "largest of each rank's own p99/p50; CPU per rank per step: the mean rank's and the "
-          "busiest rank's)")
+          "largest of each rank's own p99/p50; on time: p99/p50 of the ranks not delayed on "
+          "purpose at that step; CPU per rank per step: the mean rank's and the busiest "
+          "rank's)")
     extra = f" {'bound ms':>9} {'of bound':>8}" if bound else ""
     print(f"{'scheme':>11} {'median ms':>10} {'p99 ms':>9} {'model ms':>9} {'vs gloo':>8} "
           f"{'max rel err':>12} {'rank p50':>9} {'rank p99':>9} {'p99/p50':>8} {'own max':>7} "
-          f"{'lost':>7} "
+          f"{'on time':>7} {'lost':>7} "
           f"{'raised':>6} {'cpu ms':>7} {'cpu max':>7}{extra}")
     for r in rows:
         model = f"{r['model_s'] * 1e3:9.1f}" if r.get("model_s") is not None else f"{'-':>9}"
@@ -392,9 +393,12 @@ def _print_allreduce(rows: list[dict[str, Any]], *, bound: bool = False) -> None
         err = f"{r['max_rel_err']:12.2e}" if "max_rel_err" in r else f"{'-':>12}"
         tail = r["rank_p99_s"] / r["rank_p50_s"] if r.get("rank_p50_s") else float("nan")
         own = r.get("own_tail_max", float("nan"))
+        on_time = (r["on_time_p99_s"] / r["on_time_p50_s"] if r.get("on_time_p50_s")
+                   else float("nan"))
         print(f"{r['scheme']:>11} {r['median_s'] * 1e3:10.2f} {r['p99_s'] * 1e3:9.2f} "
               f"{model} {ratio} {err} {r['rank_p50_s'] * 1e3:9.2f} "
-              f"{r['rank_p99_s'] * 1e3:9.2f} {tail:8.2f} {own:7.2f} {r['lost']:7.2%} "
+              f"{r['rank_p99_s'] * 1e3:9.2f} {tail:8.2f} {own:7.2f} {on_time:7.2f} "
+              f"{r['lost']:7.2%} "
               f"{r['raised']:6d} {r['cpu_s'] * 1e3:7.2f} {r['cpu_max_s'] * 1e3:7.2f}"
               f"{_bound_cells(r, bound)}")
 

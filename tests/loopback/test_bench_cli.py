@@ -131,6 +131,10 @@ def test_transpose_bench_reports_loss_and_each_ranks_own_time() -> None:
     # Rank 1 is late by the same delay every step: the ranks' completion times pooled have a
     # tail, each rank's own (the column beside them) much less of one.
     assert t["own_tail_max"] < t["rank_p99_s"] / t["rank_p50_s"]
+    # The ranks on time (0 and 2, rank 1 is delayed on purpose) waited within the bound; under
+    # the ring they waited for rank 1 every step.
+    assert t["on_time_p99_s"] < 0.5 < ring["on_time_p50_s"]
+    assert t["on_time_p99_s"] < t["rank_p99_s"]
     # The makespan leaves out the delayed rank; its late sends come after it, and are waited
     # for before the next step (so the ring's step after it does not pay for them).
     assert t["tail_s"] > 0

@@ -39,6 +39,23 @@ def test_load_exponential_scales_with_the_ranks_own_compute() -> None:
     assert m.extra_delay(3, 7, 0.01) != m.extra_delay(4, 7, 0.01)
 
 
+def test_late_on_purpose_is_a_spike_that_hit_a_named_rank_or_the_paused_one() -> None:
+    m = parse_straggle("all:shifted-exp=0.002,500;all:spike=0.05,0.2;rank=3:delay=0.1", seed=2)
+    for rank in range(3):
+        for step in range(200):
+            spiked = m.extra_delay(rank, step, 0.0) >= 0.2  # (the exponential part is < 0.2)
+            assert m.late_on_purpose(rank, step, 4) == spiked
+    assert all(m.late_on_purpose(3, step, 4) for step in range(20))  # named: every step
+    hit = sum(m.late_on_purpose(0, step, 4) for step in range(2000))
+    assert 60 < hit < 140  # about 5 % of the steps
+    paused = parse_straggle("all:pause=0.1,0.2", seed=5)
+    for step in range(20):
+        late = [r for r in range(4) if paused.late_on_purpose(r, step, 4)]
+        assert late == [r for r in range(4) if paused.extra_delay(r, step, 0.0, 4) > 0]
+        assert len(late) == 1
+    assert not parse_straggle("all:shifted-exp=0.002,500").late_on_purpose(0, 0, 4)
+
+
 @pytest.mark.parametrize("spec, message", [
     ("rank=4", "TARGET:MODEL"),
     ("node=4:delay=1", "target must be"),

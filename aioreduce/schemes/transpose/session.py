@@ -418,7 +418,7 @@ class TransposeSession:
             links.end_step(step)
         for clock, stage, shift in ((self.clocks[0], stage1, extra),
                                     (self.clocks[1], stage2, extra / n)):
-            _learn(clock, stage, shift, links.heard_at)
+            _observe_stage(clock, stage, shift, links.heard_at)
         tail.land(out, phase2, layout)
         own_part = _OwnContribution(mine, y if send_from is None else mine, rot, layout, out)
         return self._finish(step, like, own_part, out, into is not None, layout, phase2,
@@ -680,7 +680,8 @@ class TransposeSession:
         return 1.0 - self.opts.max_loss if self.opts.on_excess_loss == "wait" else 0.0
 
 
-def _learn(clock: StageClock, stage: Stage, shift: float, heard: Callable[[int], float]) -> None:
+def _observe_stage(clock: StageClock, stage: Stage, shift: float,
+                   heard: Callable[[int], float]) -> None:
     """Tell ``clock`` how long ``stage`` took, less ``shift`` (the rotation's time): where it
     was cut while a sender had sent nothing, the time the others needed (a straggler's
     lateness is not the network's; :meth:`StageClock.observe`)."""

@@ -431,6 +431,12 @@ def _print_p2p(results: list[dict[str, Any]]) -> None:
                   f"{r['loop_floor_rtt_us']:.0f} ({r['loop_floor_rtt_us'] / raw:.2f}) and a "
                   f"minimal framed one {r['framed_floor_rtt_us']:.0f} "
                   f"({r['framed_floor_rtt_us'] / raw:.2f})")
+            cpu = r.get("cpu_us")
+            if cpu:
+                print("CPU per round trip on rank 0's thread (its send and receive, kernel "
+                      f"time included): event loop {cpu['aioreduce']:.0f} us, blocking "
+                      f"{cpu['lanes']:.0f}, raw {cpu['raw']:.0f}; bare protocol "
+                      f"{cpu['loop']:.0f}, minimal framed {cpu['framed']:.0f}")
 
 
 def _sweep(opts: argparse.Namespace) -> int:

@@ -234,10 +234,16 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
         small = np.zeros(ACK, np.uint8)
         kinds = (*MODES, "loop", "framed")
         rtts: dict[str, list[float]] = {m: [] for m in kinds}
+        # This side's CPU per round trip, each driver's: everything of a round trip here runs
+        # on this thread (the event loop's, the lanes' read by the waiting thread, raw), so
+        # its CPU clock, kernel time included, is what a message pair costs this rank; the
+        # rest of a round trip's time is the peer's and the wake-ups'.
+        cpu: dict[str, float] = {m: 0.0 for m in kinds}
         # Round by round, the five in turn (the order rotating): a round trip's time on
         # this host swings with where the two processes run, and all five see the same.
         for i in range(len(kinds) * rtt_rounds):
             for mode in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
+                c0 = time.thread_time()
                 t0 = time.perf_counter()
                 if mode == "framed":
                     arrived = framed_proto.post(step, small)
@@ -275,6 +281,7 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
                     _recv_exact(raw, raw_ack)
                     raw.sendall(raw_ack)
                 rtts[mode].append(time.perf_counter() - t0)
+                cpu[mode] += time.thread_time() - c0
                 if mode == "lanes":
                     links.end_step(step)  # (as a scheme's step ends, outside the timing)
                 step += 1
@@ -286,7 +293,8 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
                    "aioreduce_rtt_us": a * 1e6, "lanes_rtt_us": lane * 1e6,
                    "raw_rtt_us": r * 1e6, "loop_floor_rtt_us": floor_rtt * 1e6,
                    "framed_floor_rtt_us": statistics.median(rtts["framed"]) * 1e6,
-                   "ratio": r / a, "lanes_ratio": r / lane})
+                   "ratio": r / a, "lanes_ratio": r / lane,
+                   "cpu_us": {m: cpu[m] / len(rtts[m]) * 1e6 for m in kinds}})
         await links.close(1.0)
         bare_transport.close()
         framed_transport.close()

@@ -36,6 +36,9 @@ def test_p2p_json_has_every_field() -> None:
     assert rows[2]["kind"] == "latency" and rows[2]["rounds"] == 25  # 5 rounds of five
     assert rows[2]["aioreduce_rtt_us"] > 0 and rows[2]["lanes_rtt_us"] > 0
     assert rows[2]["loop_floor_rtt_us"] > 0 and rows[2]["framed_floor_rtt_us"] > 0
+    # Rank 0's CPU per round trip, every driver's (each made at least a send and a receive)
+    assert set(rows[2]["cpu_us"]) == {"raw", "aioreduce", "lanes", "loop", "framed"}
+    assert all(v > 0 for v in rows[2]["cpu_us"].values())
 
 
 def test_allreduce_bench_json_verify() -> None:

@@ -14,7 +14,9 @@ time and received fraction, and the proposals its peers piggyback on their frame
 * **Then**, as TCP sets its retransmission timeout (RFC 6298): an EWMA of the completion time
   ``estimate`` and an EWMA of its deviation; this rank proposes ``estimate + slack ×
   deviation``. A stage cut at 3/4 of its data counts as ``elapsed / 0.75`` (floating point;
-  the public OptiReduce code divides integers here). The deadline is the median of every
+  the public OptiReduce code divides integers here); one cut while a sender had sent nothing
+  counts as the time the others took (a straggler's lateness is not the network's). The
+  deadline is the median of every
   rank's proposal, clamped to ``[min_deadline, median of the ceilings]``: the median keeps
   one slow rank from stretching everyone's deadline. Until a rank has heard a peer's
   proposal (they ride on the first adaptive step's frames) it uses its ceiling. (A

@@ -67,12 +67,11 @@ class BulkLink(Protocol):
         :meth:`recv_now`) or the link is interrupted: True; False once :meth:`wake` was
         called."""
 
+    def wait_head(self) -> bool:
+        """:meth:`wait_readable` before a message's head (an in-order receive's wait)."""
+
     def wake(self) -> None:
         """End a :meth:`wait_readable` in progress, or the next one (from any thread)."""
-
-    def read_ahead_now(self) -> bool:
-        """Read what is there into the link's read-ahead without blocking; whether bytes are
-        buffered now."""
 
     def recv_now(self, view: memoryview, unit: int = 1) -> int:
         """Read what is there into ``view`` without blocking; the bytes read. ``unit`` > 1:

@@ -167,24 +167,30 @@ class Lane:
         """Queue one message (``meta``: at most :data:`MAX_META` bytes of msgpack); ``payload``
         must stay unchanged until it is sent (:meth:`flush`, or :attr:`sent` counts it), or,
         ``lent``, until :meth:`release` returns."""
-        self._raise_if_failed()
+        if self._error is not None:
+            self._raise_if_failed()
         if len(meta) > MAX_META:
             raise ValueError(f"lane meta of {len(meta)} bytes, at most {MAX_META}")
         if lent and not self._lends:
             raise ValueError(f"lane to rank {self.peer}: a lent send before allow_lending()")
-        head = HEADER.pack(step, index, payload.nbytes, len(meta)) + meta
+        head = HEADER.pack(step, index, payload.nbytes, len(meta))
+        if meta:
+            head += meta
+        flat = _flat(payload)
         with self._idle_lock:
-            if (not self._pending and self._error is None
-                    and len(head) + payload.nbytes <= INLINE_BYTES):
-                head, payload = self._send_now(head, payload)
-                if not head and not payload.nbytes:
+            total = len(head) + flat.nbytes
+            if not self._pending and total <= INLINE_BYTES and self._error is None:
+                taken = self._send_now(head, flat)
+                if taken == total:
                     self.sent += 1
                     return
-            message = _Message(head, _flat(payload), lent)
+                cut = min(taken, len(head))
+                head, flat = head[cut:], flat[taken - cut:]
+            message = _Message(head, flat, lent)
             if lent:
                 self._lent.append(message)
             self._pending += 1
-            self._unsent += len(head) + payload.nbytes
+            self._unsent += len(head) + flat.nbytes
         if self._sender is None:
             self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                             name=f"aioreduce-lane-to-{self.peer}")
@@ -222,19 +228,17 @@ class Lane:
                 self._releasing -= 1
                 self._idle.notify_all()  # the sender thread waits for this copy
 
-    def _send_now(self, head: bytes, payload: memoryview) -> tuple[bytes, memoryview]:
+    def _send_now(self, head: bytes, flat: memoryview) -> int:
         """Hand what the kernel takes at once to it from the caller's thread (the sender
-        thread is idle: nothing is queued before it); returns what is left."""
-        flat = _flat(payload)
+        thread is idle: nothing is queued before it); returns how many bytes it took (all of
+        them after an error: the sender thread's way, the next send raises it)."""
         try:
-            n = self.sock.sendmsg([head, flat], [], socket.MSG_DONTWAIT)
+            return self.sock.sendmsg([head, flat], [], socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
-            n = 0
-        except OSError as exc:  # the sender thread's way: the next send raises
+            return 0
+        except OSError as exc:
             self._error = exc
-            return b"", flat[:0]
-        cut = min(n, len(head))
-        return head[cut:], flat[n - cut:]
+            return len(head) + flat.nbytes
 
     def flush(self, timeout: float | None = None) -> bool:
         """Block until every queued message is in the kernel (or raise the send's error);
@@ -409,23 +413,29 @@ class Lane:
             self._poll.register(self.sock, select.POLLIN)
             self._poll.register(self._wake_r, select.POLLIN)
         events = self._poll.poll()
-        if any(fd == self._wake_r for fd, _ in events):
+        if len(events) > 1 or events[0][0] == self._wake_r:  # (not any(): a generator's cost)
             with contextlib.suppress(OSError):
                 while os.read(self._wake_r, 64):
                     pass
             return False
         return True
 
-    def read_ahead_now(self) -> bool:
-        """Read what the socket holds into the read-ahead buffer without blocking; whether
-        bytes are buffered now (a caller about to read a message's head need not poll: in a
-        stream of messages, a syscall less each). An ended lane says so at the next read."""
+    def wait_head(self) -> bool:
+        """:meth:`wait_readable` before a message's head (the in-order receive's wait): True
+        once one can be read, False once :meth:`wake` was called. After a large message the
+        next one's head is likely in already (a stream of them: the sender was writing while
+        we copied), so a read that does not block comes first and saves the poll; otherwise
+        the poll comes first, as a read that finds nothing raises, which costs three times a
+        poll that finds bytes waiting (a round trip, a ring waiting on its neighbour)."""
         if self._r1 > self._r0:
             return True
-        try:  # (not contextlib.suppress: this runs once a message)
-            return self._read_ahead(socket.MSG_DONTWAIT, self._head_only)
-        except LaneClosed:
-            return True
+        if self._head_only:
+            try:
+                if self._read_ahead(socket.MSG_DONTWAIT, True):
+                    return True
+            except LaneClosed:
+                return True  # the read that follows says so
+        return self.wait_readable()
 
     def wake(self) -> None:
         """End a :meth:`wait_readable` in progress, or the next one (any thread); unlike

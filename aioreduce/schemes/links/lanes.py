@@ -238,7 +238,7 @@ class LaneLinks:
                 if self._skip_left[src]:  # the rest of a stale message
                     self._skip_left[src] = self._drop(lane, self._skip_left[src])
                     continue
-                if not lane.read_ahead_now() and not lane.wait_readable():
+                if not lane.wait_head():
                     continue  # woken: look at the floor again
                 m_step, m_tag, nbytes, meta_bytes = lane.read_head()
                 if meta_bytes:  # a described message: its header is checked, not needed

@@ -232,6 +232,39 @@ def test_small_messages_are_read_ahead_with_their_heads() -> None:
         receiver.close()
 
 
+def test_a_head_after_a_large_message_is_read_without_a_poll() -> None:
+    """wait_head (an in-order receive's wait): after a large message the next head is read
+    at once if it is in (a stream of them); otherwise, and before the first, it polls, so a
+    wake ends it and nothing raises for a read that found nothing."""
+    sender, receiver = _pair(local=True)
+    polls: list[int] = []
+    poll = receiver.wait_readable
+
+    def counted(unit: int = 1) -> bool:
+        polls.append(unit)
+        return poll(unit)
+
+    receiver.wait_readable = counted  # type: ignore[method-assign]
+    try:
+        big = [np.random.default_rng(i).standard_normal(100_000) for i in range(2)]
+        for i, arr in enumerate(big):
+            sender.send(6, i, byte_view(arr))
+        assert sender.flush(30)
+        for i, arr in enumerate(big):
+            assert receiver.wait_head() is True
+            out = np.empty_like(arr)
+            _recv(receiver, 6, i, byte_view(out))
+            assert (out == arr).all()
+        assert len(polls) == 1  # the path under test: the second head came without a poll
+        receiver.wake()
+        assert receiver.wait_head() is False  # nothing in: it polled, and the wake ended it
+        assert len(polls) == 2
+        _round_trip(sender, receiver, 7, 0, check=lambda: receiver.wait_head() is True)
+    finally:
+        sender.close()
+        receiver.close()
+
+
 @pytest.mark.parametrize("local", [False, True], ids=["tcp", "unix"])
 async def test_two_meshes_open_lanes_each_way_through_their_connection(local: bool) -> None:
     meshes = [Mesh(r, 2, SECRET, "job", MeshOptions(local_unix=local)) for r in range(2)]

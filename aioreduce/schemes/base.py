@@ -70,6 +70,10 @@ class BulkLink(Protocol):
     def wait_head(self) -> bool:
         """:meth:`wait_readable` before a message's head (an in-order receive's wait)."""
 
+    def take_bare(self, step: int, index: int, view: memoryview) -> bool:
+        """Copy the next message's payload into ``view`` if it is wholly read ahead and is
+        (``step``, ``index``), bare, of ``view.nbytes``; whether it did."""
+
     def wake(self) -> None:
         """End a :meth:`wait_readable` in progress, or the next one (from any thread)."""
 

@@ -426,7 +426,8 @@ class Lane:
         next one's head is likely in already (a stream of them: the sender was writing while
         we copied), so a read that does not block comes first and saves the poll; otherwise
         the poll comes first, as a read that finds nothing raises, which costs three times a
-        poll that finds bytes waiting (a round trip, a ring waiting on its neighbour)."""
+        poll that finds bytes waiting (a round trip, a ring waiting on its neighbour), and
+        the read after it takes what is there (a small message whole: :meth:`take_bare`)."""
         if self._r1 > self._r0:
             return True
         if self._head_only:
@@ -435,7 +436,32 @@ class Lane:
                     return True
             except LaneClosed:
                 return True  # the read that follows says so
-        return self.wait_readable()
+        if not self.wait_readable():
+            return False
+        # What is there now, so that take_bare finds a small message whole (not
+        # contextlib.suppress: this runs once a message).
+        try:  # noqa: SIM105
+            self._read_ahead(socket.MSG_DONTWAIT, self._head_only)
+        except LaneClosed:
+            pass  # the read that follows says so
+        return True
+
+    def take_bare(self, step: int, index: int, view: memoryview) -> bool:
+        """If the read-ahead buffer holds the whole next message and it is (``step``,
+        ``index``), without meta, of ``view.nbytes`` (a flat byte view), copy its payload
+        into ``view`` and return True; otherwise change nothing and return False (the caller
+        reads it the general way: :meth:`read_head`). One call for an in-order receive's
+        usual small message, where the general way takes six."""
+        r0 = self._r0
+        start = r0 + HEADER.size
+        end = start + view.nbytes
+        if end > self._r1:
+            return False
+        if HEADER.unpack_from(self._rbuf, r0) != (step, index, view.nbytes, 0):
+            return False
+        view[:] = self._rview[start:end]
+        self._r0 = end
+        return True
 
     def wake(self) -> None:
         """End a :meth:`wait_readable` in progress, or the next one (any thread); unlike

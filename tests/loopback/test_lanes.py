@@ -265,6 +265,40 @@ def test_a_head_after_a_large_message_is_read_without_a_poll() -> None:
         receiver.close()
 
 
+def test_take_bare_copies_only_the_whole_expected_bare_message() -> None:
+    """An in-order receive's one-call path: the next message read ahead whole, bare, of the
+    size and (step, index) expected; anything else leaves the lane as it was for the general
+    read (another index, another size, meta, a message not wholly in)."""
+    sender, receiver = _pair(local=True)
+    try:
+        small = np.arange(16.0)
+        sender.send(8, 0, byte_view(small))
+        sender.send(8, 1, byte_view(small), b"meta")
+        big = np.random.default_rng(1).standard_normal(100_000)
+        sender.send(8, 2, byte_view(big))
+        assert sender.flush(30)
+        out = np.zeros(16)
+        assert receiver.wait_head() is True
+        held = receiver.buffered
+        assert not receiver.take_bare(8, 1, byte_view(out))  # another index
+        assert not receiver.take_bare(8, 0, byte_view(np.zeros(8)))  # another size
+        assert receiver.buffered == held and (out == 0).all()
+        assert receiver.take_bare(8, 0, byte_view(out))
+        assert (out == small).all()
+        assert not receiver.take_bare(8, 1, byte_view(out))  # it has meta: the general way
+        assert receiver.read_head() == (8, 1, small.nbytes, 4)
+        assert receiver.read_meta(4) == b"meta"
+        receiver.read_into(byte_view(out))
+        assert (out == small).all()
+        got = np.empty_like(big)
+        assert not receiver.take_bare(8, 2, byte_view(got))  # not wholly read ahead
+        _recv(receiver, 8, 2, byte_view(got))
+        assert (got == big).all()
+    finally:
+        sender.close()
+        receiver.close()
+
+
 @pytest.mark.parametrize("local", [False, True], ids=["tcp", "unix"])
 async def test_two_meshes_open_lanes_each_way_through_their_connection(local: bool) -> None:
     meshes = [Mesh(r, 2, SECRET, "job", MeshOptions(local_unix=local)) for r in range(2)]

@@ -240,6 +240,10 @@ class LaneLinks:
                     continue
                 if not lane.wait_head():
                     continue  # woken: look at the floor again
+                with self._lock:  # the usual small message, whole in the lane's read-ahead
+                    if key >= self._book.floor and lane.take_bare(step, tag, view):
+                        self._count(step, src, view.nbytes)
+                        break
                 m_step, m_tag, nbytes, meta_bytes = lane.read_head()
                 if meta_bytes:  # a described message: its header is checked, not needed
                     self._described(src, lane, m_step, m_tag, meta_bytes)

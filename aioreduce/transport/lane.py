@@ -176,11 +176,19 @@ class Lane:
         head = HEADER.pack(step, index, payload.nbytes, len(meta))
         if meta:
             head += meta
-        flat = _flat(payload)
+        flat = payload if payload.ndim == 1 and payload.format == "B" else payload.cast("B")
         with self._idle_lock:
             total = len(head) + flat.nbytes
             if not self._pending and total <= INLINE_BYTES and self._error is None:
-                taken = self._send_now(head, flat)
+                # Straight to the kernel from this thread (the sender thread is idle: nothing
+                # is queued before it), what it takes at once; the rest goes to the thread.
+                try:
+                    taken = self.sock.sendmsg([head, flat], [], socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    taken = 0
+                except OSError as exc:  # the sender thread's way: the next send raises
+                    self._error = exc
+                    taken = total
                 if taken == total:
                     self.sent += 1
                     return
@@ -227,18 +235,6 @@ class Lane:
             finally:
                 self._releasing -= 1
                 self._idle.notify_all()  # the sender thread waits for this copy
-
-    def _send_now(self, head: bytes, flat: memoryview) -> int:
-        """Hand what the kernel takes at once to it from the caller's thread (the sender
-        thread is idle: nothing is queued before it); returns how many bytes it took (all of
-        them after an error: the sender thread's way, the next send raises it)."""
-        try:
-            return self.sock.sendmsg([head, flat], [], socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return 0
-        except OSError as exc:
-            self._error = exc
-            return len(head) + flat.nbytes
 
     def flush(self, timeout: float | None = None) -> bool:
         """Block until every queued message is in the kernel (or raise the send's error);

@@ -239,6 +239,7 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
         # its CPU clock, kernel time included, is what a message pair costs this rank; the
         # rest of a round trip's time is the peer's and the wake-ups'.
         cpu: dict[str, float] = {m: 0.0 for m in kinds}
+
         async def round_trip(mode: str) -> None:
             nonlocal step
             if mode == "framed":

@@ -457,6 +457,7 @@ class Lane:
             return False
         view[:] = self._rview[start:end]
         self._r0 = end
+        self._head_only = False  # (a message that fits the read-ahead: read ahead again)
         return True
 
     def wake(self) -> None:

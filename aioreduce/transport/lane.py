@@ -176,7 +176,7 @@ class Lane:
         head = HEADER.pack(step, index, payload.nbytes, len(meta))
         if meta:
             head += meta
-        flat = payload if payload.ndim == 1 and payload.format == "B" else payload.cast("B")
+        flat = _flat(payload)
         with self._idle_lock:
             total = len(head) + flat.nbytes
             if not self._pending and total <= INLINE_BYTES and self._error is None:
@@ -426,21 +426,21 @@ class Lane:
         the read after it takes what is there (a small message whole: :meth:`take_bare`)."""
         if self._r1 > self._r0:
             return True
-        if self._head_only:
-            try:
-                if self._read_ahead(socket.MSG_DONTWAIT, True):
-                    return True
-            except LaneClosed:
-                return True  # the read that follows says so
+        if self._head_only and self._read_now():
+            return True
         if not self.wait_readable():
             return False
-        # What is there now, so that take_bare finds a small message whole (not
-        # contextlib.suppress: this runs once a message).
-        try:  # noqa: SIM105
-            self._read_ahead(socket.MSG_DONTWAIT, self._head_only)
-        except LaneClosed:
-            pass  # the read that follows says so
+        self._read_now()  # what is there now, so that take_bare finds a small message whole
         return True
+
+    def _read_now(self) -> bool:
+        """Read what the socket holds into the read-ahead buffer without blocking; whether
+        bytes are buffered now. An ended lane counts as bytes: the read that follows says so
+        (not contextlib.suppress: this runs once a message)."""
+        try:
+            return self._read_ahead(socket.MSG_DONTWAIT, self._head_only)
+        except LaneClosed:
+            return True
 
     def take_bare(self, step: int, index: int, view: memoryview) -> bool:
         """If the read-ahead buffer holds the whole next message and it is (``step``,

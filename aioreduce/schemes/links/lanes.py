@@ -291,7 +291,7 @@ class LaneLinks:
         (step, slice, bytes), for a receiver that knows what it receives (a ring's segments:
         the header would cost more than a small one's copy); never for a message the
         receiver may take early."""
-        if peer in self._gone or self.comm.is_lost(peer):  # (is_lost's test, one call less)
+        if self.is_lost(peer):
             return False
         lane = self._outs[peer]
         if self._backlog is None:  # never skipped: nothing to keep count of

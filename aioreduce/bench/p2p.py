@@ -241,7 +241,6 @@ async def _worker(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int
         cpu: dict[str, float] = {m: 0.0 for m in kinds}
 
         async def round_trip(mode: str) -> None:
-            nonlocal step
             if mode == "framed":
                 arrived = framed_proto.post(step, small)
                 if me == 1:

@@ -16,12 +16,11 @@ time and received fraction, and the proposals its peers piggyback on their frame
   deviation``. A stage cut at 3/4 of its data counts as ``elapsed / 0.75`` (floating point;
   the public OptiReduce code divides integers here); one cut while a sender had sent nothing
   counts as the time the others took (a straggler's lateness is not the network's). The
-  deadline is the median of every
-  rank's proposal, clamped to ``[min_deadline, median of the ceilings]``: the median keeps
-  one slow rank from stretching everyone's deadline. Until a rank has heard a peer's
-  proposal (they ride on the first adaptive step's frames) it uses its ceiling. (A
-  mean-based proposal, ``2 × estimate``, sat below the P90 of stage times when 4 ranks
-  shared 2 cores and cut a fifth of all steps; the deviation term follows the jitter
+  deadline is the median of every rank's proposal, clamped to ``[min_deadline, median of the
+  ceilings]``: the median keeps one slow rank from stretching everyone's deadline. Until a
+  rank has heard a peer's proposal (they ride on the first adaptive step's frames) it uses its
+  ceiling. (A mean-based proposal, ``2 × estimate``, sat below the P90 of stage times when 4
+  ranks shared 2 cores and cut a fifth of all steps; the deviation term follows the jitter
   instead.)
 * **A floor from recent stages**: the proposal is at least ``recent_margin`` × the longest of
   the last ``recent`` stages that completed (warm-up's included). Calm stages over shaped

@@ -305,6 +305,8 @@ def _report(cfg: Config, name: str, scheme: Scheme | None, t: np.ndarray, err: f
                     "on_time_p99_s": float(np.quantile(on_time, 0.99))})
     out.update({"rank_p50_s": float(np.median(own)), "rank_p99_s": float(np.quantile(own, 0.99)),
                 "own_tail_max": float(own_tail.max()),
+                # Which ranks those are: each rank's own median completion.
+                "rank_p50_per_rank_s": [round(float(x), 6) for x in np.median(by_rank, axis=1)],
                 "lost": float(1.0 - received.mean()), "raised": int(t[:, :, 3].sum()),
                 "tail_s": float(np.median(tail))})
     # CPU per rank per step (getrusage over each timed step): the mean rank's and the

@@ -74,6 +74,16 @@ class BulkLink(Protocol):
         """Copy the next message's payload into ``view`` if it is wholly read ahead and is
         (``step``, ``index``), bare, of ``view.nbytes``; whether it did."""
 
+    @property
+    def streaming(self) -> bool:
+        """Whether :meth:`read_expected` would try (large messages coming, none read ahead)."""
+
+    def read_expected(self, step: int, index: int, view: memoryview) -> bool | None:
+        """Read the next message's head and payload in one call, the payload into ``view``:
+        True if it was (``step``, ``index``), bare, of ``view.nbytes`` (all of it read);
+        False if it was another (read ahead again; ``view`` may hold some of its bytes);
+        None if nothing was tried or nothing is there yet."""
+
     def wake(self) -> None:
         """End a :meth:`wait_readable` in progress, or the next one (from any thread)."""
 

@@ -373,6 +373,9 @@ class Lane:
         more than the rest of a message's head and :data:`HEAD_ROOM` bytes."""
         if self._r0 == self._r1:
             self._r0 = self._r1 = 0
+            if len(self._rbuf) > READ_AHEAD:  # grown by read_expected: back to its size
+                self._rbuf = bytearray(READ_AHEAD)
+                self._rview = memoryview(self._rbuf)
         elif self._r1 > READ_AHEAD - MAX_META - HEADER.size:  # make room for a head and meta
             held = self._r1 - self._r0
             self._rview[:held] = self._rview[self._r0:self._r1]
@@ -459,6 +462,52 @@ class Lane:
         self._r0 = end
         self._head_only = False  # (a message that fits the read-ahead: read ahead again)
         return True
+
+    @property
+    def streaming(self) -> bool:
+        """Whether :meth:`read_expected` would try: the last message was large (more are
+        likely coming, each read best in one call) and nothing is read ahead."""
+        return self._head_only and self._r1 == self._r0
+
+    def read_expected(self, step: int, index: int, view: memoryview) -> bool | None:
+        """In a stream of large messages (:attr:`streaming`), read the next one's head and
+        what is there of its payload in one call (the payload straight into ``view``, a
+        flat byte view), without blocking; if it is (``step``, ``index``), bare, of
+        ``view.nbytes``, read the rest of it (blocking, as :meth:`read_into`) and return
+        True. False: it was another message; its bytes are read ahead again, for the usual
+        reads (``view`` may hold some of them). None: nothing tried, or nothing there yet.
+        Where the general way reads a head and then its payload, this saves a call a
+        message: at 64 KiB about a sixth of a stream's time on one host."""
+        if not self.streaming:
+            return None
+        self._r0 = self._r1 = 0
+        try:
+            n = self.sock.recvmsg_into([self._rview[:HEADER.size], view], 0,
+                                       socket.MSG_DONTWAIT)[0]
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            raise LaneClosed(self.peer, f"lane from rank {self.peer}: {exc}") from None
+        if n == 0:
+            raise LaneClosed(self.peer, f"lane from rank {self.peer} closed")
+        total = view.nbytes
+        if n >= HEADER.size and HEADER.unpack_from(self._rbuf) == (step, index, total, 0):
+            got = n - HEADER.size
+            if got < total:
+                self.read_into(view[got:])
+            self._head_only = total > READ_AHEAD
+            return True
+        # Another message (a failed step's, one with meta, another size): what landed in
+        # ``view`` goes back behind the head, as if read ahead (the buffer grows for it
+        # until it is read; _read_ahead gives it back its size).
+        past = max(0, n - HEADER.size)
+        if n > len(self._rbuf):
+            grown = bytearray(max(n, READ_AHEAD))
+            grown[:HEADER.size] = self._rview[:HEADER.size]
+            self._rbuf, self._rview = grown, memoryview(grown)
+        self._rview[HEADER.size:n] = view[:past]
+        self._r1 = n
+        return False
 
     def wake(self) -> None:
         """End a :meth:`wait_readable` in progress, or the next one (any thread); unlike

@@ -344,3 +344,75 @@ async def test_lanes_added_for_a_replaced_peer_deliver_and_the_old_lane_never_do
     assert got.endswith(np.array([4.0]).tobytes())
     new_peer.close()
     out_new.close()
+
+
+def _count_expected(links: LaneLinks) -> list[bool | None]:
+    """What each of the in-order receives' one-call reads (``read_expected``) answered."""
+    lane = links._ins[PEER]
+    answers: list[bool | None] = []
+    read = lane.read_expected
+
+    def counted(step: int, index: int, view: memoryview) -> bool | None:
+        answers.append(got := read(step, index, view))
+        return got
+
+    lane.read_expected = counted  # type: ignore[method-assign]
+    return answers
+
+
+async def test_a_stream_of_large_messages_is_read_a_call_each_and_stays_in_step(
+        inline) -> None:
+    """After a large message, the next one's head and payload are read in one call, the
+    payload straight into the receive's array; a failed step's message, a described one
+    and one of another size in the stream are read the general way from what that call read
+    (more than the read-ahead buffer holds: it grows for them), and the stream stays in
+    step."""
+    links, peer = inline
+    answers = _count_expected(links)
+    big = [np.arange(2000.0) + k for k in range(6)]  # 16 KB each: above the read-ahead
+    links.discard_before(1)
+    peer.sendall(_bare(1, 0, big[0]) + _bare(1, 1, big[1]) + _bare(0, 9, big[2])
+                 + _bare(1, 2, big[3]) + _message(1, 3, big[4], {"x": 1})
+                 + _bare(1, 4, np.ones(7)) + _bare(1, 5, big[5]))
+    got = [np.empty(2000) for _ in range(6)]
+    for index, k in ((0, 0), (1, 1), (2, 3), (3, 4)):
+        await asyncio.to_thread(links.recv, PEER, got[k], 1, index)
+    with pytest.raises(LaneMismatch) as info:
+        await asyncio.to_thread(links.recv, PEER, np.empty(2000), 1, 4)
+    assert info.value.got == (1, 4, 56)
+    await asyncio.to_thread(links.recv, PEER, got[5], 1, 5)
+    for k in (0, 1, 3, 4, 5):
+        assert (got[k] == big[k]).all()
+    # (1, 1) in one call; (1, 2) after the stale message read from what the call read;
+    # the described (1, 3) and the wrong size (1, 4) read the general way.
+    assert answers == [True, False, True, False, False]
+    assert len(links._ins[PEER]._rbuf) > 8 << 10  # the path under test: the buffer grew
+    links.end_step(1)
+
+
+async def test_a_discard_waits_for_a_streamed_payload_coming(inline) -> None:
+    """A payload read in one call with its head (a stream) is read to its end before
+    discard_before returns, then the receive gives up; the stream goes on."""
+    links, peer = inline
+    answers = _count_expected(links)
+    first = np.arange(4000.0)
+    peer.sendall(_bare(3, 0, first))
+    out = np.empty_like(first)
+    await asyncio.to_thread(links.recv, PEER, out, 3, 0)
+    assert (out == first).all() and links._ins[PEER].streaming
+    wire = _bare(4, 0, first + 1)
+    peer.sendall(wire[: len(wire) // 2])
+    reading = asyncio.ensure_future(asyncio.to_thread(links.recv, PEER, out, 4, 0))
+    await _until(lambda: links._reading[PEER] == (4, 0))
+    discarding = asyncio.ensure_future(asyncio.to_thread(links.discard_before, 5))
+    await asyncio.sleep(0)  # (let it start; it cannot return before the rest came)
+    assert not discarding.done()
+    peer.sendall(wire[len(wire) // 2:] + _bare(5, 0, first + 2))
+    await asyncio.wait_for(discarding, 10)
+    with pytest.raises(Withdrawn):
+        await asyncio.wait_for(reading, 10)
+    await asyncio.to_thread(links.recv, PEER, out, 5, 0)
+    assert (out == first + 2).all()
+    assert answers == [True, True]  # the path under test: both read with their heads
+    lane = links._ins[PEER]
+    assert lane.streaming and lane.read_expected(6, 0, memoryview(out).cast("B")) is None

@@ -238,6 +238,18 @@ class LaneLinks:
                 if self._skip_left[src]:  # the rest of a stale message
                     self._skip_left[src] = self._drop(lane, self._skip_left[src])
                     continue
+                if lane.streaming:  # large messages coming: head and payload in one read
+                    with self._lock:
+                        if key < self._book.floor:
+                            continue
+                        self._reading[src] = key  # (discard_before waits for this copy)
+                    landed = self._land(src, lane, view, key, expected=True)
+                    if landed:
+                        break
+                    if landed is None:  # nothing there yet
+                        lane.wait_readable()  # (or woken: either way, look again)
+                        continue
+                    # Another message: its bytes are read ahead, for the general way.
                 if not lane.wait_head():
                     continue  # woken: look at the floor again
                 with self._lock:  # the usual small message, whole in the lane's read-ahead
@@ -265,18 +277,7 @@ class LaneLinks:
                         self._count(step, src, nbytes)
                         break
                     self._reading[src] = key  # (discard_before waits for this copy)
-                try:
-                    lane.read_into(view)
-                finally:
-                    with self._lock:  # (the lock of _cond: notify may be called here)
-                        self._reading[src] = None
-                        if self._discarding:
-                            self._cond.notify_all()
-                        over = key < self._book.floor
-                        if not over:
-                            self._count(step, src, nbytes)
-                if over:
-                    raise Withdrawn()  # over meanwhile: the bytes landed for nobody
+                self._land(src, lane, view, key, expected=False)
                 break
         except PeerLost as exc:
             self._lost(src, exc)
@@ -613,6 +614,31 @@ class LaneLinks:
                 self._loop.call_soon_threadsafe(done)
         except RuntimeError:  # the loop is closed: nobody waits for it any more
             pass
+
+    def _land(self, src: int, lane: BulkLink, view: memoryview, key: tuple[int, int], *,
+              expected: bool) -> bool | None:
+        """Read the message that ``recv`` waits for into ``view`` (``expected``: head and all
+        in one read, see :meth:`BulkLink.read_expected`, whose answer is returned), the
+        caller having set ``_reading[src]``: discard_before waits until this copy is over.
+        Raises :class:`Withdrawn` if the step ended meanwhile (the bytes landed for nobody)."""
+        landed: bool | None = None
+        try:
+            if expected:
+                landed = lane.read_expected(key[0], key[1], view)
+            else:
+                lane.read_into(view)
+                landed = True
+        finally:
+            with self._lock:  # (the lock of _cond: notify may be called here)
+                self._reading[src] = None
+                if self._discarding:
+                    self._cond.notify_all()
+                over = key < self._book.floor
+                if landed and not over:
+                    self._count(key[0], src, view.nbytes)
+        if landed and over:
+            raise Withdrawn()
+        return landed
 
     def _count(self, step: int, src: int, nbytes: int) -> None:
         """A message of ``nbytes`` from ``src`` completed a receive of ``step`` (telemetry)."""

@@ -386,11 +386,16 @@ class Lane:
         except BlockingIOError:
             return False
         except OSError as exc:
-            raise LaneClosed(self.peer, f"lane from rank {self.peer}: {exc}") from None
+            raise self._ended(exc) from None
         if n == 0:
-            raise LaneClosed(self.peer, f"lane from rank {self.peer} closed")
+            raise self._ended()
         self._r1 += n
         return True
+
+    def _ended(self, exc: Exception | None = None) -> LaneClosed:
+        """What a read raises that failed with ``exc`` (None: it found the lane's end)."""
+        why = f": {exc}" if exc is not None else " closed"
+        return LaneClosed(self.peer, f"lane from rank {self.peer}{why}")
 
     def _take(self, view: memoryview) -> int:
         """Copy what the read-ahead buffer holds, at most ``view.nbytes``, into ``view``."""
@@ -487,9 +492,9 @@ class Lane:
         except BlockingIOError:
             return None
         except OSError as exc:
-            raise LaneClosed(self.peer, f"lane from rank {self.peer}: {exc}") from None
+            raise self._ended(exc) from None
         if n == 0:
-            raise LaneClosed(self.peer, f"lane from rank {self.peer} closed")
+            raise self._ended()
         total = view.nbytes
         if n >= HEADER.size and HEADER.unpack_from(self._rbuf) == (step, index, total, 0):
             got = n - HEADER.size
@@ -534,9 +539,9 @@ class Lane:
         except BlockingIOError:
             return 0
         except OSError as exc:
-            raise LaneClosed(self.peer, f"lane from rank {self.peer}: {exc}") from None
+            raise self._ended(exc) from None
         if n == 0 and view.nbytes:
-            raise LaneClosed(self.peer, f"lane from rank {self.peer} closed")
+            raise self._ended()
         return n
 
     def _recv_whole(self, view: memoryview, unit: int) -> int:
@@ -553,7 +558,7 @@ class Lane:
         try:
             queued = recv_queue_bytes(self.sock.fileno())
         except (OSError, ValueError) as exc:
-            raise LaneClosed(self.peer, f"lane from rank {self.peer}: {exc}") from None
+            raise self._ended(exc) from None
         want = min(queued, view.nbytes)
         want -= want % unit
         if not want:  # part of an element (or the end: the read says so) goes read ahead
@@ -564,12 +569,12 @@ class Lane:
         except BlockingIOError:
             return 0
         except OSError as exc:
-            raise LaneClosed(self.peer, f"lane from rank {self.peer}: {exc}") from None
+            raise self._ended(exc) from None
         try:
             while n % unit:  # (not seen: the kernel gives what it said it holds) its rest
                 n += self.sock.recv_into(view[n:], unit - n % unit, socket.MSG_WAITALL)
         except OSError as exc:
-            raise LaneClosed(self.peer, f"lane from rank {self.peer}: {exc}") from None
+            raise self._ended(exc) from None
         return n
 
     @property
@@ -596,9 +601,9 @@ class Lane:
             try:
                 n = self.sock.recv_into(flat[got:])
             except OSError as exc:
-                raise LaneClosed(self.peer, f"lane from rank {self.peer}: {exc}") from None
+                raise self._ended(exc) from None
             if n == 0:
-                raise LaneClosed(self.peer, f"lane from rank {self.peer} closed")
+                raise self._ended()
             got += n
 
     # -- teardown --------------------------------------------------------------------------------

@@ -45,6 +45,8 @@ import psutil
 
 from .harness import SCHEMEPROG
 
+STALL_S = 60.0  # past its budget, a job whose observer has not stepped for this long is stuck
+
 
 @dataclass
 class Kill:
@@ -143,13 +145,23 @@ class HealSoak:
         launcher = psutil.Process(proc.pid)
         next_kill = self.every
         quiet_from = self.steps - max(3 * self.every, 150)  # let the last victim heal
+        # The job's time: steps x pace, six times over, and two minutes for its start and end.
+        # Past that it may go on while its steps still come (a large --dim takes longer a
+        # step than the pace), up to four times as long; a job whose observer has not
+        # stepped for STALL_S is stuck.
         budget = self.steps * self.pace * 6 + 120
-        deadline = time.monotonic() + budget
+        start = time.monotonic()
+        deadline, last = start + budget, (0, start)
         code: int | None = None
         try:
-            while proc.poll() is None and time.monotonic() < deadline:
+            while proc.poll() is None:
+                now = time.monotonic()
+                if now >= deadline and (now - last[1] > STALL_S or now >= start + 4 * budget):
+                    break
                 time.sleep(0.01)  # polling the job's progress and the last victim's return
                 done = len(self.steps_of.get(self.observer, []))
+                if done != last[0]:
+                    last = (done, now)
                 if self.kills and not self._back(self.kills[-1]):
                     continue
                 if done >= next_kill and done < quiet_from:
@@ -164,7 +176,7 @@ class HealSoak:
                                                                  self.every // 4 + 1)
             # A job that does not end is reported below, with what it had done.
             with contextlib.suppress(subprocess.TimeoutExpired):
-                code = proc.wait(max(1.0, deadline - time.monotonic()))
+                code = proc.wait(1.0)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -174,7 +186,8 @@ class HealSoak:
         for k in self.kills:
             self._back(k)
         if code is None:
-            raise AssertionError(f"the job did not end within {budget:.0f} s: {self.progress()}")
+            raise AssertionError(f"the job did not end within {time.monotonic() - start:.0f} s "
+                                 f"(budget {budget:.0f} s): {self.progress()}")
         return code
 
     def progress(self) -> str:

@@ -507,7 +507,7 @@ class Lane:
         # until it is read; _read_ahead gives it back its size).
         past = max(0, n - HEADER.size)
         if n > len(self._rbuf):
-            grown = bytearray(max(n, READ_AHEAD))
+            grown = bytearray(n)  # (n > the buffer, so more than READ_AHEAD)
             grown[:HEADER.size] = self._rview[:HEADER.size]
             self._rbuf, self._rview = grown, memoryview(grown)
         self._rview[HEADER.size:n] = view[:past]

@@ -16,7 +16,7 @@ from .transport import MeshOptions
 def env_extras(env_map: Mapping[str, str], max_frame: int | None = None) -> dict[str, Any]:
     """The :class:`Node` arguments that ``AIOREDUCE_*`` variables set besides the job itself
     (see :meth:`Node.from_env`): ``options`` (``AIOREDUCE_LATENCY``,
-    ``AIOREDUCE_LOCAL_UNIX``), ``trace``, ``gc_every``, ``rejoin_wait``
+    ``AIOREDUCE_LOCAL_UNIX``, ``AIOREDUCE_LANE_SPIN``), ``trace``, ``gc_every``, ``rejoin_wait``
     (``AIOREDUCE_REJOIN_WAIT``) and ``straggle``, each only if its variable is set; a
     malformed value is a :class:`ConfigError` naming the variable. Shared with the torch
     backend."""
@@ -31,6 +31,9 @@ def env_extras(env_map: Mapping[str, str], max_frame: int | None = None) -> dict
             raise ConfigError(f"AIOREDUCE_LOCAL_UNIX={value!r}: give 1 (ranks on one host "
                               "talk over Unix sockets, the default) or 0 (TCP always)")
         mesh["local_unix"] = value == "1"
+    if env_map.get("AIOREDUCE_LANE_SPIN"):
+        mesh["lane_spin"] = _seconds(env_map, "AIOREDUCE_LANE_SPIN", 1, "the seconds an "
+                                     "in-order lane receive polls before it blocks (0: never)")
     if mesh:
         if max_frame is not None:
             mesh["max_payload"] = max_frame

@@ -376,6 +376,10 @@ def run_allreduce(cfg: Config, timeout: float = 3600.0, *, hosts: Hosts | None =
         env["AIOREDUCE_LATENCY"] = repr(cfg.latency)
     env.setdefault("OMP_NUM_THREADS", "1")  # 2 cores shared by many ranks: no thread storms
     if cfg.netns and hosts is None:
+        if cfg.nodes > (os.cpu_count() or 1):
+            # Emulated hosts share this machine's cores: a rank that polled before blocking
+            # (its own host looks like a core per rank) would take a waiting rank's core.
+            env.setdefault("AIOREDUCE_LANE_SPIN", "0")
         out = run_on_cluster(cfg.nodes, cfg.link_mbit, cfg.background, worker, env, timeout,
                              cpus_per_host=cfg.cpus_per_host)
         tag = "RESULT "

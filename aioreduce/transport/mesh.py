@@ -48,7 +48,7 @@ from ..wire.handshake import (
 )
 from ..wire.incarnation import JOINING, Incarnations, Newer, Unregistered
 from .inbox import NO_FLOOR, Inbox, PeerBudget
-from .lane import ACCEPT_TIMEOUT_S, Lane, LaneListener, dial, local_name, proof
+from .lane import ACCEPT_TIMEOUT_S, SPIN_S, Lane, LaneListener, dial, local_name, proof
 from .protocol import FrameProtocol
 from .ratelog import RateLimitedLog
 from .sockopts import raise_fd_limit
@@ -91,6 +91,16 @@ class MeshOptions:
     # Unix too, 2.7 against 3.1-3.5 (2026-11-26). A binary tree of 7 ranks at 64 MiB:
     # 171-184 ms against 197-205. False: TCP always (AIOREDUCE_LOCAL_UNIX=0).
     local_unix: bool = True
+    # Seconds an in-order lane receive (the ring's, a round trip's) polls for its message
+    # before it blocks (``Lane.spin``); None: ``lane.SPIN_S`` where this host has a core for
+    # each of its ranks, else 0.
+    lane_spin: float | None = None
+
+
+def spin_for(ranks_here: int, cores: int) -> float:
+    """The lanes' poll before a blocking receive for ``ranks_here`` ranks on a host whose
+    processes may use ``cores`` cores: ``lane.SPIN_S`` if each rank has one, else 0."""
+    return SPIN_S if ranks_here <= cores else 0.0
 
 
 class Mesh:
@@ -639,6 +649,16 @@ class Mesh:
         outs, ins = await self.open_links([send_to], [recv_from], step, timeout)
         return outs[send_to], ins[recv_from]
 
+    def lane_spin(self) -> float:
+        """How long this rank's in-order lane receives poll before they block (see
+        ``MeshOptions.lane_spin``): the ranks on this host are those whose address has our
+        host (as the job's table gives them)."""
+        if self.options.lane_spin is not None:
+            return self.options.lane_spin
+        mine = self.addresses.get(self.rank, (self.host, 0))[0]
+        here = sum(1 for host, _port in self.addresses.values() if host == mine)
+        return spin_for(max(1, here), len(os.sched_getaffinity(0)))
+
     def bulk_links(self) -> Mesh:
         """This mesh offers its lanes as the schemes' bulk links (``Comm.bulk_links``)."""
         return self
@@ -745,8 +765,10 @@ class Mesh:
                         sorted(lost), step, next(iter(lost.values())))
         out_lanes = {r: cast(Lane, lane) for r, lane in outs.items() if r not in lost}
         in_lanes = {r: cast(Lane, lane) for r, lane in ins.items() if r not in lost}
+        spin = self.lane_spin()
         for lane in in_lanes.values():
             lane.latency = self.options.latency
+            lane.spin = spin
         self._lanes.update(out_lanes.values())
         return out_lanes, in_lanes
 

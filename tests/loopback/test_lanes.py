@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -21,17 +22,20 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from aioreduce.errors import PeerLost
+from aioreduce.errors import ConfigError, PeerLost
+from aioreduce.settings import env_extras
 from aioreduce.transport import Mesh, MeshOptions
 from aioreduce.transport.lane import (
     LOCAL_PREFIX,
     PROOF_BYTES,
+    SPIN_S,
     Lane,
     LaneListener,
     dial,
     local_name,
     proof,
 )
+from aioreduce.transport.mesh import spin_for
 from aioreduce.wire import byte_view
 
 pytestmark = pytest.mark.loopback
@@ -263,6 +267,58 @@ def test_a_head_after_a_large_message_is_read_without_a_poll() -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+def test_with_spin_a_head_that_comes_is_read_without_a_poll_and_a_wake_still_ends_it(
+        ) -> None:
+    """Lane.spin: wait_head reads without blocking first (a rank with a core of its own: a
+    reply is likely that soon), so a message that comes meanwhile is read without the poll;
+    a wake during the spin is seen by the poll after it (False), and the lane stays usable."""
+    sender, receiver = _pair(local=True)
+    polls: list[int] = []
+    poll = receiver.wait_readable
+
+    def counted(unit: int = 1) -> bool:
+        polls.append(unit)
+        return poll(unit)
+
+    receiver.wait_readable = counted  # type: ignore[method-assign]
+    try:
+        receiver.spin = 60.0  # (longer than the test: it ends when the message comes)
+        answer: list[bool] = []
+        waiting = threading.Thread(target=lambda: answer.append(receiver.wait_head()))
+        waiting.start()
+        arr = np.arange(10.0)
+        sender.send(9, 0, byte_view(arr))
+        waiting.join(60)
+        assert answer == [True] and polls == []  # the path under test: read by the spin
+        out = np.empty_like(arr)
+        assert receiver.take_bare(9, 0, byte_view(out)) and (out == arr).all()
+        receiver.spin = 0.001
+        receiver.wake()
+        assert receiver.wait_head() is False  # spun, nothing came, then the poll saw the wake
+        assert len(polls) == 1
+        _round_trip(sender, receiver, 10, 0, check=lambda: receiver.wait_head() is True)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_lanes_spin_only_where_each_rank_has_a_core() -> None:
+    """The mesh's lanes spin (``SPIN_S``) where this host's ranks have a core each, not where
+    they share cores; ``MeshOptions.lane_spin`` and ``AIOREDUCE_LANE_SPIN`` decide instead."""
+    assert spin_for(1, 1) == spin_for(8, 16) == SPIN_S > 0
+    assert spin_for(13, 2) == spin_for(3, 2) == 0.0
+    mesh = Mesh(0, 3, SECRET, "job", MeshOptions())
+    mesh.addresses = {0: ("10.0.0.1", 1), 1: ("10.0.0.1", 2), 2: ("10.0.0.2", 3)}
+    cores = len(os.sched_getaffinity(0))
+    assert mesh.lane_spin() == (SPIN_S if cores >= 2 else 0.0)  # two ranks on 10.0.0.1
+    mesh.addresses = {r: ("127.0.0.1", r) for r in range(cores + 1)}
+    assert mesh.lane_spin() == 0.0
+    assert Mesh(0, 3, SECRET, "job", MeshOptions(lane_spin=0.25)).lane_spin() == 0.25
+    assert env_extras({"AIOREDUCE_LANE_SPIN": "0"})["options"].lane_spin == 0.0
+    with pytest.raises(ConfigError, match="AIOREDUCE_LANE_SPIN"):
+        env_extras({"AIOREDUCE_LANE_SPIN": "soon"})
 
 
 def test_take_bare_copies_only_the_whole_expected_bare_message() -> None:

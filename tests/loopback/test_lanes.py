@@ -68,6 +68,19 @@ def _round_trip(sender: Lane, receiver: Lane, step: int, index: int,
     assert (out == arr).all()
 
 
+def _count_polls(lane: Lane) -> list[int]:
+    """The ``unit`` of every ``wait_readable`` call on ``lane`` from now on (its polls)."""
+    polls: list[int] = []
+    poll = lane.wait_readable
+
+    def counted(unit: int = 1) -> bool:
+        polls.append(unit)
+        return poll(unit)
+
+    lane.wait_readable = counted  # type: ignore[method-assign]
+    return polls
+
+
 def _intrude(listener: LaneListener, hostile: list[bytes | None]) -> list[socket.socket]:
     """Connect ``hostile`` to the listener, alternating its TCP port and its Unix name."""
     out = []
@@ -241,14 +254,7 @@ def test_a_head_after_a_large_message_is_read_without_a_poll() -> None:
     at once if it is in (a stream of them); otherwise, and before the first, it polls, so a
     wake ends it and nothing raises for a read that found nothing."""
     sender, receiver = _pair(local=True)
-    polls: list[int] = []
-    poll = receiver.wait_readable
-
-    def counted(unit: int = 1) -> bool:
-        polls.append(unit)
-        return poll(unit)
-
-    receiver.wait_readable = counted  # type: ignore[method-assign]
+    polls = _count_polls(receiver)
     try:
         big = [np.random.default_rng(i).standard_normal(100_000) for i in range(2)]
         for i, arr in enumerate(big):
@@ -275,14 +281,7 @@ def test_with_spin_a_head_that_comes_is_read_without_a_poll_and_a_wake_still_end
     reply is likely that soon), so a message that comes meanwhile is read without the poll;
     a wake during the spin is seen by the poll after it (False), and the lane stays usable."""
     sender, receiver = _pair(local=True)
-    polls: list[int] = []
-    poll = receiver.wait_readable
-
-    def counted(unit: int = 1) -> bool:
-        polls.append(unit)
-        return poll(unit)
-
-    receiver.wait_readable = counted  # type: ignore[method-assign]
+    polls = _count_polls(receiver)
     try:
         receiver.spin = 60.0  # (longer than the test: it ends when the message comes)
         answer: list[bool] = []

@@ -86,9 +86,10 @@ SEND_TIMEOUT_S = 0.02
 # How long an in-order receive polls for its message (reads that do not block) before it
 # waits in poll, where each rank has a core of its own (``MeshOptions.lane_spin``; not where
 # ranks share cores: a polling rank would take the core a waiting one needs). A rank that
-# waits lets its core go idle, and waking it is slow on a VM: on this 2-core one a round trip
-# of two ranks took 95-139 us against 23-26 with this first (a raw blocking socket's: 30-55).
-# MPI libraries poll before they block for the same reason.
+# waits lets its core go idle, and waking an idle core is slow on a VM: a round trip of two
+# ranks took four times a raw socket's without this poll and less than one with it
+# (docs/architecture.md, "Where one message's time goes"). MPI libraries poll before they
+# block for the same reason.
 SPIN_S = 100e-6
 # A lane's abstract Unix name: this prefix and a random nonce in hex, so that nobody can take
 # the name before us, and a peer's offer can be checked for its shape before we connect.

@@ -367,7 +367,10 @@ def run_allreduce(cfg: Config, timeout: float = 3600.0, *, hosts: Hosts | None =
                   ) -> list[dict[str, Any]]:
     """Run ``cfg.nodes`` ranks (on ``hosts`` over SSH, else locally with aioreduce-launch, or
     one per emulated host with ``cfg.netns``); return rank 0's result objects."""
-    worker = [sys.executable, "-m", "aioreduce.bench.allreduce", "--worker",
+    # -P: the ranks import aioreduce from PYTHONPATH or site-packages as this command did, not
+    # from the current directory (-m puts it first): an A/B with PYTHONPATH on a worktree,
+    # started in a checkout, ran the checkout's code in every rank.
+    worker = [sys.executable, "-P", "-m", "aioreduce.bench.allreduce", "--worker",
               json.dumps(asdict(cfg))]
     env = dict(os.environ)
     if cfg.straggle:

@@ -303,7 +303,7 @@ def run_ddp(cfg: DdpConfig, settings: list[str], timeout: float = 3600.0
     rows: list[dict[str, Any]] = []
     for setting in settings:
         one = DdpConfig(**{**asdict(cfg), "straggle": "" if setting == "none" else setting})
-        worker = [sys.executable, "-m", "aioreduce.bench.ddp", "--worker",
+        worker = [sys.executable, "-P", "-m", "aioreduce.bench.ddp", "--worker",
                   json.dumps(asdict(one))]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, "-m", "aioreduce_launch.cli", "-n", str(cfg.nodes), "--",

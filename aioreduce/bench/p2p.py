@@ -319,7 +319,7 @@ def run_p2p(sizes: list[int], trials: int, min_bytes: int, rtt_rounds: int,
             timeout: float = 600.0) -> list[dict[str, Any]]:
     """Start the two ranks with aioreduce-launch; return the result objects rank 0 printed."""
     cmd = [sys.executable, "-m", "aioreduce_launch.cli", "-n", "2", "--",
-           sys.executable, "-m", "aioreduce.bench.p2p", "--worker",
+           sys.executable, "-P", "-m", "aioreduce.bench.p2p", "--worker",
            ",".join(map(str, sizes)), str(trials), str(min_bytes), str(rtt_rounds)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout)
     if proc.returncode:

@@ -447,8 +447,6 @@ class Lane:
         them is seen by the poll after)."""
         if self._r1 > self._r0:
             return True
-        if self._head_only and self._read_now():
-            return True
         if self.spin:  # reads that do not block, this long, before the poll (see SPIN_S)
             until = time.perf_counter() + self.spin
             while True:
@@ -456,6 +454,8 @@ class Lane:
                     return True
                 if time.perf_counter() > until:
                     break
+        elif self._head_only and self._read_now():  # (the spin's first read does this)
+            return True
         if not self.wait_readable():
             return False
         self._read_now()  # what is there now, so that take_bare finds a small message whole

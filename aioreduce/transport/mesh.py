@@ -150,6 +150,9 @@ class Mesh:
         # A rank asks for a group's last step that failed there (see aioreduce.heal).
         self.on_result_ask: Callable[[int, control.ResultAsk], None] | None = None
         self._dial_locks: dict[int, asyncio.Lock] = {}
+        # rank -> (the address being dialed, resolved when the rank moves elsewhere): see
+        # set_address.
+        self._dialing: dict[int, tuple[tuple[str, int], asyncio.Future[None]]] = {}
         self._floor: tuple[int, int] = (NO_FLOOR, 0)  # what discard_before set last
         self._server: asyncio.Server | None = None
         self._local_server: asyncio.AbstractServer | None = None  # the Unix socket beside it
@@ -388,7 +391,7 @@ class Mesh:
         if isinstance(event, control.Moved) and rank == 0 and event.rank != self.rank:
             if (0 <= event.rank < self.world_size
                     and not self.incarnations.stale(event.rank, event.incarnation)):
-                self.addresses[event.rank] = (event.host, event.port)
+                self.set_address(event.rank, (event.host, event.port))
                 self._judge(event.rank, event.incarnation, "rank 0's table")
         elif isinstance(event, control.Running) and self.on_running is not None:
             self.on_running(rank, event)
@@ -438,10 +441,26 @@ class Mesh:
             live = self._live(rank)
             if live is not None:
                 return live
-            addr = address or self.addresses.get(rank)
-            if addr is None:
-                raise PeerLost(rank, "address unknown (rendezvous not done?)")
-            return await self._dial(rank, addr)
+            while True:
+                addr = address or self.addresses.get(rank)
+                if addr is None:
+                    raise PeerLost(rank, "address unknown (rendezvous not done?)")
+                try:
+                    return await self._dial(rank, addr)
+                except PeerLost:
+                    # The rank moved while we dialed where it was (its replacement rejoined
+                    # elsewhere): dial where it is now.
+                    if address is not None or self.addresses.get(rank) in (None, addr):
+                        raise
+
+    def set_address(self, rank: int, address: tuple[str, int]) -> None:
+        """Where ``rank`` listens from now on. A dial of it in progress to another address
+        (where its dead process listened) is given up, and :meth:`connect` dials the new one:
+        that old port may be anyone's now, even a listener that never answers."""
+        self.addresses[rank] = address
+        dialing = self._dialing.get(rank)
+        if dialing is not None and dialing[0] != address and not dialing[1].done():
+            dialing[1].set_result(None)
 
     def _peer_lost(self, rank: int) -> None:
         for listener in list(self._lost_listeners):
@@ -497,8 +516,27 @@ class Mesh:
             if conn is not None:
                 try:
                     return await self._handshake(conn, rank, f"rank {rank} (local socket)")
-                except _Unproven as exc:  # someone else holds the name: see the docstring
+                except (_Unproven, PeerLost) as exc:  # someone else holds the name (see
+                    # the docstring), silent or refusing
                     self._refusals.warn("rank %d: %s; dialing TCP instead", self.rank, exc)
+        # Given up if the rank moves meanwhile (see set_address).
+        moved = asyncio.get_running_loop().create_future()
+        self._dialing[rank] = (addr, moved)
+        dial = asyncio.ensure_future(self._dial_tcp(rank, addr))
+        try:
+            await asyncio.wait({dial, moved}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if self._dialing.get(rank, (addr, None))[1] is moved:
+                del self._dialing[rank]
+            if not dial.done():
+                dial.cancel()  # it aborts its connection
+        if not dial.done():
+            host, port = self.addresses[rank]
+            raise PeerLost(rank, f"dialing {addr[0]}:{addr[1]} given up: the rank moved to "
+                           f"{host}:{port}")
+        return dial.result()
+
+    async def _dial_tcp(self, rank: int, addr: tuple[str, int]) -> FrameProtocol:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.options.connect_timeout):
@@ -513,7 +551,11 @@ class Mesh:
             conn.abort("connected to itself")
             raise PeerLost(rank, f"cannot connect to {addr[0]}:{addr[1]}: nothing listens "
                            "there (the dial connected to itself)")
-        return await self._handshake(conn, rank, f"rank {rank} at {addr[0]}:{addr[1]}")
+        try:
+            return await self._handshake(conn, rank, f"rank {rank} at {addr[0]}:{addr[1]}")
+        except asyncio.CancelledError:
+            conn.abort("dial given up")
+            raise
 
     async def _open_local(self, rank: int, port: int) -> FrameProtocol | None:
         """A connection to ``rank``'s abstract Unix socket, or None if it is not on this host."""
@@ -531,8 +573,9 @@ class Mesh:
 
     async def _handshake(self, conn: FrameProtocol, rank: int, where: str) -> FrameProtocol:
         """Connector side of the handshake on a fresh connection to ``rank``. Fails with
-        :class:`AuthError`; with its subclass ``_Unproven`` if the peer never proved the
-        secret (not a rank of this job: a squatter on a Unix name, or a wrong secret)."""
+        :class:`AuthError` when refused; with its subclass ``_Unproven`` if the peer never
+        proved the secret (not a rank of this job: a squatter on a Unix name, or a wrong
+        secret); with :class:`PeerLost` if it answered nothing in time."""
         hs = ConnectorHandshake(self._secret, self.job, self.rank, rank, self.incarnations.mine)
         proved, claimed = False, JOINING
         try:
@@ -556,7 +599,12 @@ class Mesh:
             failure = (f"{where} refused our handshake (wrong secret or job id, or is rank "
                        f"{self.rank} started twice?)")
         except TimeoutError as exc:
-            failure = f"handshake with {where}: {exc}"
+            # Silence proves nothing, unlike a refusal: a stopped process, or a listener that
+            # is not a rank of this job (a dead rank's old port, taken by anyone since). As
+            # an unreachable peer: the caller may retry, heal, or dial where it moved.
+            conn.abort("handshake timed out")
+            raise PeerLost(rank, f"handshake with {where}: {exc} (the process is stopped, or "
+                           "that address is not this job's any more)") from None
         except AuthError as exc:
             failure = str(exc)
         else:

@@ -302,7 +302,7 @@ async def _admit(mesh: Mesh, rank: int, msg: Control) -> None:
         log.error("rank 0: the replacement of rank %d sent %s; expected a registration with "
                   "world size %d", rank, msg, mesh.world_size)
         return
-    mesh.addresses[rank] = (msg.host, msg.port)
+    mesh.set_address(rank, (msg.host, msg.port))
     await mesh.send_control(rank, _table(mesh, tuple(mesh.incarnations.known)))
     inc = mesh.incarnations.known[rank]
     moved = Moved(rank, msg.host, msg.port, inc)

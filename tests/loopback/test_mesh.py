@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from aioreduce.wire import FrameDecoder, Header, Kind, encode_frame
@@ -269,3 +271,75 @@ def test_a_dial_that_tcp_connects_to_itself_counts_as_refused() -> None:
         return "connected"
 
     assert "the dial connected to itself" in ar.run(main())
+
+
+async def _silent_listener() -> tuple[socket.socket, tuple[str, int]]:
+    """A TCP port that accepts and never speaks: what a dead rank's old port may be now."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    sock.setblocking(False)
+    return sock, sock.getsockname()
+
+
+async def _read_to_the_end(sock: socket.socket) -> bytes:
+    """What the dialer sent before it hung up (each read bounded: never waits forever)."""
+    loop, got = asyncio.get_running_loop(), b""
+    sock.setblocking(False)
+    while chunk := await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 30):
+        got += chunk
+    return got
+
+
+async def test_a_dial_answered_by_silence_is_a_lost_peer_not_a_refusal() -> None:
+    """The port a dead rank listened on is taken by a listener that accepts and never
+    answers (in CI: a lane listener of another process). The dial fails as an unreachable
+    peer (``PeerLost``: retried, healed), not as a refused handshake (``AuthError``: the job
+    ends)."""
+    import aioreduce as ar
+    from aioreduce.transport import Mesh, MeshOptions
+
+    silent, addr = await _silent_listener()
+    mesh = Mesh(1, 2, b"k" * 32, "job", MeshOptions(local_unix=False, handshake_timeout=0.2))
+    try:
+        with pytest.raises(ar.PeerLost, match="no handshake frame") as caught:
+            await mesh.connect(0, addr)
+        assert not isinstance(caught.value, ar.AuthError)
+        accepted, _ = silent.accept()  # the dial reached it, said hello, and hung up
+        assert await _read_to_the_end(accepted)
+        accepted.close()
+    finally:
+        silent.close()
+        await mesh.close()
+
+
+async def test_a_dial_to_the_address_a_rank_left_goes_where_it_moved() -> None:
+    """Rank 1 dials rank 0 where its dead process listened; a listener there never answers.
+    Rank 0's replacement is announced meanwhile (``set_address``, as a Moved does): the dial
+    is given up at once, not after the handshake timeout, and the connection is made to the
+    new address."""
+    from aioreduce.transport import Mesh, MeshOptions
+
+    loop = asyncio.get_running_loop()
+    silent, old = await _silent_listener()
+    opts = MeshOptions(local_unix=False, handshake_timeout=3600)  # only the move ends it
+    zero, one = Mesh(0, 2, b"k" * 32, "job", opts), Mesh(1, 2, b"k" * 32, "job", opts)
+    try:
+        new = await zero.listen("127.0.0.1")
+        one.addresses[0] = old
+        dialing = asyncio.create_task(one.connect(0))
+        accepted, _ = await asyncio.wait_for(loop.sock_accept(silent), 30)  # it is in there
+        assert not dialing.done()
+        one.set_address(0, new)
+        conn = await asyncio.wait_for(dialing, 30)
+        assert conn.transport is not None
+        assert conn.transport.get_extra_info("peername")[1] == new[1]
+        assert await _read_to_the_end(accepted)  # a hello, then it hung up
+        accepted.close()
+        data = np.arange(1000, dtype=np.float64)
+        await one.send(0, data, step=0)
+        out = np.zeros_like(data)
+        await asyncio.wait_for(zero.recv_into(1, out, step=0), 30)
+        assert (out == data).all()
+    finally:
+        silent.close()
+        await one.close()
+        await zero.close()

@@ -179,6 +179,9 @@ def test_a_new_rank_0_serves_a_replacement_that_reached_it_before_the_word_the_j
         def connected(self, rank: int) -> bool:
             return True
 
+        def set_address(self, rank: int, address: tuple[str, int]) -> None:
+            self.addresses[rank] = address
+
         async def send_control(self, rank: int, event: c.Control) -> None:
             self.sent.append((rank, event))
 

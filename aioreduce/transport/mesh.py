@@ -441,22 +441,18 @@ class Mesh:
             live = self._live(rank)
             if live is not None:
                 return live
-            while True:
-                addr = address or self.addresses.get(rank)
-                if addr is None:
-                    raise PeerLost(rank, "address unknown (rendezvous not done?)")
-                try:
-                    return await self._dial(rank, addr)
-                except PeerLost:
-                    # The rank moved while we dialed where it was (its replacement rejoined
-                    # elsewhere): dial where it is now.
-                    if address is not None or self.addresses.get(rank) in (None, addr):
-                        raise
+            addr = address or self.addresses.get(rank)
+            if addr is None:
+                raise PeerLost(rank, "address unknown (rendezvous not done?)")
+            return await self._dial(rank, addr)
 
     def set_address(self, rank: int, address: tuple[str, int]) -> None:
-        """Where ``rank`` listens from now on. A dial of it in progress to another address
-        (where its dead process listened) is given up, and :meth:`connect` dials the new one:
-        that old port may be anyone's now, even a listener that never answers."""
+        """Where ``rank`` listens from now on (its replacement process). A dial of it in
+        progress to another address, where its dead process listened, fails at once with
+        :class:`PeerLost`: that old port may be anyone's now, even a listener that never
+        answers. Not dialed again at the new address: what the caller meant for the dead
+        process (a step it was in) is lost with it, and its step fails as it would have had
+        the dial been refused; the next :meth:`connect` dials the new address."""
         self.addresses[rank] = address
         dialing = self._dialing.get(rank)
         if dialing is not None and dialing[0] != address and not dialing[1].done():
@@ -532,8 +528,8 @@ class Mesh:
                 dial.cancel()  # it aborts its connection
         if not dial.done():
             host, port = self.addresses[rank]
-            raise PeerLost(rank, f"dialing {addr[0]}:{addr[1]} given up: the rank moved to "
-                           f"{host}:{port}")
+            raise PeerLost(rank, f"dialing {addr[0]}:{addr[1]} given up: a new process of the "
+                           f"rank listens at {host}:{port}")
         return dial.result()
 
     async def _dial_tcp(self, rank: int, addr: tuple[str, int]) -> FrameProtocol:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -291,19 +292,28 @@ def test_ranks_that_left_a_group_at_different_steps_are_named_on_every_rank() ->
                 "rank 2 at step 4)") in res.stdout, res.stdout + res.stderr[-2000:]
 
 
-def test_a_groups_last_step_that_some_ranks_finished_is_taken_by_those_that_did_not() -> None:
+@pytest.mark.parametrize("old_port", ["closed", "silent"])
+def test_a_groups_last_step_that_some_ranks_finished_is_taken_by_those_that_did_not(
+        old_port: str) -> None:
     # rollprog.py: rank 3 is killed as it is about to send the ring's last all-gather
     # segment of group 1's last step, to rank 0: ranks 1 and 2 finish the step and go on,
     # rank 0 cannot. Rank 0 takes the step's result from a rank that finished it; group 2
     # fails at once on every rank, the replacement heals, and the group runs with it. (With
     # last=False the job ends there: rank 0 waits in replace_lost() for ranks already in
-    # the next group.)
+    # the next group.) "silent": rank 3's old port accepts and never answers (CI once met
+    # that: another process's listener had taken it), so rank 0's dial for group 2 hangs
+    # until the replacement registers; it fails then, and the group runs again as above
+    # (before, rank 0 waited out the handshake timeout and the job ended on an AuthError).
     prog = Path(__file__).resolve().parent / "rollprog.py"
+    env = dict(os.environ, ROLL_SILENT_OLD_PORT="1" if old_port == "silent" else "0")
     res = subprocess.run([sys.executable, "-m", "aioreduce_launch.cli", "-n", "4",
                           "--restart", "1", "--kill-timeout", "2", "--", sys.executable,
-                          str(prog)], capture_output=True, text=True, timeout=120)
+                          str(prog)], capture_output=True, text=True, timeout=120, env=env)
     out = res.stdout + res.stderr[-3000:]
     assert res.returncode == 0, out
+    if old_port == "silent":
+        assert "given up: a new process of the rank listens at" in res.stderr, out
+        _wait_gone(str(prog))  # the silent listener's holder ends with the launcher
     for rank in range(4):
         # Every group's sums exact on every rank that ran it (the replacement: from group 2).
         for g in range(2 if rank == 3 else 0, 4):
@@ -496,3 +506,24 @@ def test_rank_0_and_a_leaf_killed_together_both_come_back(ranks) -> None:
         assert not errors, (r, errors, "".join(lines[r].err[-20:]))
     digests = {lines[r].tagged("FINAL")[0]["digest"] for r in range(13)}
     assert len(digests) == 1
+
+
+def _wait_gone(marker: str, timeout: float = 30) -> None:
+    """Every process whose command line names ``marker`` exits within ``timeout`` (waited
+    for on its pidfd, not polled)."""
+    import select
+
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker.encode() not in (entry / "cmdline").read_bytes():
+                continue
+            fd = os.pidfd_open(int(entry.name))
+        except OSError:  # gone meanwhile
+            continue
+        try:
+            ready, _w, _x = select.select([fd], [], [], timeout)
+            assert ready, f"process {entry.name} still runs"
+        finally:
+            os.close(fd)

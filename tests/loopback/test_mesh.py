@@ -311,11 +311,12 @@ async def test_a_dial_answered_by_silence_is_a_lost_peer_not_a_refusal() -> None
         await mesh.close()
 
 
-async def test_a_dial_to_the_address_a_rank_left_goes_where_it_moved() -> None:
+async def test_a_dial_to_the_address_a_rank_left_fails_when_it_moves() -> None:
     """Rank 1 dials rank 0 where its dead process listened; a listener there never answers.
     Rank 0's replacement is announced meanwhile (``set_address``, as a Moved does): the dial
-    is given up at once, not after the handshake timeout, and the connection is made to the
-    new address."""
+    fails at once as a lost peer, not after the handshake timeout (what it was for, the dead
+    process's step, is lost with it), and hangs up; the next dial reaches the new process."""
+    import aioreduce as ar
     from aioreduce.transport import Mesh, MeshOptions
 
     loop = asyncio.get_running_loop()
@@ -329,11 +330,14 @@ async def test_a_dial_to_the_address_a_rank_left_goes_where_it_moved() -> None:
         accepted, _ = await asyncio.wait_for(loop.sock_accept(silent), 30)  # it is in there
         assert not dialing.done()
         one.set_address(0, new)
-        conn = await asyncio.wait_for(dialing, 30)
-        assert conn.transport is not None
-        assert conn.transport.get_extra_info("peername")[1] == new[1]
+        with pytest.raises(ar.PeerLost, match=f"a new process of the rank listens at "
+                                              f"127.0.0.1:{new[1]}"):
+            await asyncio.wait_for(dialing, 30)
         assert await _read_to_the_end(accepted)  # a hello, then it hung up
         accepted.close()
+        conn = await asyncio.wait_for(one.connect(0), 30)
+        assert conn.transport is not None
+        assert conn.transport.get_extra_info("peername")[1] == new[1]
         data = np.arange(1000, dtype=np.float64)
         await one.send(0, data, step=0)
         out = np.zeros_like(data)

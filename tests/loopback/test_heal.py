@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -511,8 +512,6 @@ def test_rank_0_and_a_leaf_killed_together_both_come_back(ranks) -> None:
 def _wait_gone(marker: str, timeout: float = 30) -> None:
     """Every process whose command line names ``marker`` exits within ``timeout`` (waited
     for on its pidfd, not polled)."""
-    import select
-
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue

@@ -273,7 +273,7 @@ def test_a_dial_that_tcp_connects_to_itself_counts_as_refused() -> None:
     assert "the dial connected to itself" in ar.run(main())
 
 
-async def _silent_listener() -> tuple[socket.socket, tuple[str, int]]:
+def _silent_listener() -> tuple[socket.socket, tuple[str, int]]:
     """A TCP port that accepts and never speaks: what a dead rank's old port may be now."""
     sock = socket.create_server(("127.0.0.1", 0))
     sock.setblocking(False)
@@ -291,13 +291,13 @@ async def _read_to_the_end(sock: socket.socket) -> bytes:
 
 async def test_a_dial_answered_by_silence_is_a_lost_peer_not_a_refusal() -> None:
     """The port a dead rank listened on is taken by a listener that accepts and never
-    answers (in CI: a lane listener of another process). The dial fails as an unreachable
+    answers (in CI: another process's listener). The dial fails as an unreachable
     peer (``PeerLost``: retried, healed), not as a refused handshake (``AuthError``: the job
     ends)."""
     import aioreduce as ar
     from aioreduce.transport import Mesh, MeshOptions
 
-    silent, addr = await _silent_listener()
+    silent, addr = _silent_listener()
     mesh = Mesh(1, 2, b"k" * 32, "job", MeshOptions(local_unix=False, handshake_timeout=0.2))
     try:
         with pytest.raises(ar.PeerLost, match="no handshake frame") as caught:
@@ -320,7 +320,7 @@ async def test_a_dial_to_the_address_a_rank_left_fails_when_it_moves() -> None:
     from aioreduce.transport import Mesh, MeshOptions
 
     loop = asyncio.get_running_loop()
-    silent, old = await _silent_listener()
+    silent, old = _silent_listener()
     opts = MeshOptions(local_unix=False, handshake_timeout=3600)  # only the move ends it
     zero, one = Mesh(0, 2, b"k" * 32, "job", opts), Mesh(1, 2, b"k" * 32, "job", opts)
     try:

@@ -693,6 +693,18 @@ class Mesh:
         outs, ins = await self.open_links([send_to], [recv_from], step, timeout)
         return outs[send_to], ins[recv_from]
 
+    async def _offer_of(self, dst: int, fut: asyncio.Future[Header], step: int,
+                        timeout: float) -> Header:
+        """``dst``'s lane offer for ``step``; a ``TimeoutError`` that names it and us if
+        it does not come within ``timeout`` (a peer that is not opening lanes at this step:
+        the job's log must say who)."""
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise TimeoutError(f"rank {self.rank}: rank {dst} sent no lane offer for step "
+                               f"{step} within {timeout:g} s (it is not opening lanes with "
+                               "us at that step)") from None
+
     def lane_spin(self) -> float:
         """How long this rank's in-order lane receives poll before they block (see
         ``MeshOptions.lane_spin``): the ranks on this host are those whose address has our
@@ -745,7 +757,7 @@ class Mesh:
             for dst in lost:
                 if dst in told:
                     told[dst].cancel()
-            got = await asyncio.gather(*(asyncio.wait_for(fut, timeout)
+            got = await asyncio.gather(*(self._offer_of(dst, fut, step, timeout)
                                          for dst, fut in told.items() if dst not in lost),
                                        return_exceptions=partial)
             offers: dict[int, tuple[str, int, str, str | None]] = {}

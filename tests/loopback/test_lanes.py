@@ -379,6 +379,21 @@ async def test_two_meshes_open_lanes_each_way_through_their_connection(local: bo
             await m.close()
 
 
+async def test_a_lane_offer_that_never_comes_is_named() -> None:
+    """Rank 0 opens lanes with rank 1 at step 3; rank 1 never does (it is not at that step,
+    or not opening lanes): the error names both ranks and the step, not a bare timeout."""
+    meshes = [Mesh(r, 2, SECRET, "job", MeshOptions()) for r in range(2)]
+    try:
+        addrs = [await m.listen("127.0.0.1") for m in meshes]
+        for m in meshes:
+            m.addresses = {0: addrs[0], 1: addrs[1]}
+        with pytest.raises(TimeoutError, match="rank 0: rank 1 sent no lane offer for step 3"):
+            await meshes[0].open_lanes(1, 1, step=3, timeout=0.2)
+    finally:
+        for m in meshes:
+            await m.close()
+
+
 @pytest.mark.parametrize("local", [False, True], ids=["tcp", "unix"])
 def test_unacked_counts_what_the_peer_has_not_taken_until_it_does(local: bool) -> None:
     """What ``Mesh.drained`` waits for over lanes: bytes our sender thread holds or the kernel

@@ -186,6 +186,9 @@ class Inbox:
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
         fut: asyncio.Future[Header] = loop.create_future()
+        if key in self._posted and self._posted[key].future.done():
+            # Cancelled by its owner this turn; its withdrawal (a done-callback) has not run.
+            del self._posted[key]
         if key in self._posted:
             raise RuntimeError(f"a receive from rank {self.rank} for step {key[0]} tag {key[1]} "
                                "is already posted")
@@ -262,6 +265,8 @@ class Inbox:
     def choose(self, conn: FrameProtocol, header: Header) -> Destination:
         key = (header.step, header.tag)
         posted = self._posted.pop(key, None)
+        if posted is not None and posted.future.done():
+            posted = None  # cancelled this turn, not withdrawn yet: its buffer is not ours
         if posted is not None:
             err = self._mismatch(header, posted.view, posted.dtype)
             if err:
@@ -322,6 +327,10 @@ class Inbox:
             return
         payload = frame.payload if frame.payload is not None else memoryview(b"")
         waiting = self._posted.pop(key, None)
+        if waiting is not None and waiting.future.done():
+            # Cancelled by its owner this turn, before its withdrawal ran: nobody waits for
+            # this frame, which is kept as if no receive had been posted.
+            waiting = None
         if waiting is None:
             if self._unstage(key) is not None:  # e.g. a result re-sent after a parent died
                 log.debug("rank %d sent step %d tag %d twice; keeping the newer frame",

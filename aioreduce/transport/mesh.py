@@ -519,6 +519,8 @@ class Mesh:
         moved = asyncio.get_running_loop().create_future()
         self._dialing[rank] = (addr, moved)
         dial = asyncio.ensure_future(self._dial_tcp(rank, addr))
+        # Its failure is ours, or nobody's if we are cancelled first: heard either way.
+        dial.add_done_callback(lambda t: t.cancelled() or t.exception())
         try:
             await asyncio.wait({dial, moved}, return_when=asyncio.FIRST_COMPLETED)
         finally:

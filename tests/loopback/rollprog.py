@@ -6,10 +6,10 @@ from a rank that finished it and goes on with them; group 2 then fails at once o
 (rank 3 is gone), they wait for its replacement, which heals the group's number (the state
 hooks) and runs group 2 with them (see test_heal).
 
-With ``ROLL_SILENT_OLD_PORT=1`` the dying rank 3 leaves its TCP listener behind, held by a
-child that accepts nothing and answers nothing until the launcher exits: a rank dialing rank
-3's old address then meets silence, as CI once did when another process's listener had taken a
-dead rank's port.
+With ``ROLL_SILENT_OLD_PORT=<file>`` the dying rank 3 leaves its TCP listener behind, held
+by a child that accepts connections and answers nothing until the launcher exits (it creates
+``<file>`` at its first): a rank dialing rank 3's old address then meets silence, as CI once did
+when another process's listener had taken a dead rank's port.
 
 Prints, per rank: ``GROUP <g> <sum of each step's result>`` for every group that completed
 (its last run), and ``ROLLED <n>``: the steps this rank took from a peer.
@@ -21,6 +21,7 @@ import asyncio
 import os
 import select
 import signal
+import socket
 
 import numpy as np
 
@@ -31,11 +32,12 @@ GROUPS, STEPS, SIZE = 4, 3, 1000
 DIE_GROUP = 1
 
 
-def _hold_port(listen_fd: int) -> None:
-    """Fork a child that keeps ``listen_fd`` (this process's listener) open and silent until
-    the launcher, our parent, exits. It leaves our session, so the launcher's teardown of
-    this process does not take it, and closes every other descriptor, so our connections
-    still break when we die."""
+def _hold_port(listen_fd: int, marker: str) -> None:
+    """Fork a child that keeps ``listen_fd`` (this process's listener) and whatever it
+    accepts there open and silent until the launcher, our parent, exits; it creates
+    ``marker`` when it accepts its first connection. It leaves our session, so the launcher's
+    teardown of this process does not take it, and closes every other descriptor, so our
+    connections still break when we die."""
     watch = os.pidfd_open(os.getppid())
     if os.fork() == 0:
         os.setsid()
@@ -43,22 +45,38 @@ def _hold_port(listen_fd: int) -> None:
         os.closerange(0, low)
         os.closerange(low + 1, high)
         os.closerange(high + 1, 65536)
-        select.select([watch], [], [], 120)
-        os._exit(0)
+        held = []
+        while True:
+            ready, _w, _x = select.select([listen_fd, watch], [], [], 120)
+            if watch in ready or not ready:
+                os._exit(0)
+            held.append(_accept(listen_fd))
+            if len(held) == 1:
+                open(marker, "w").close()
     os.close(watch)
 
 
-def _arm(world: int, step: int, hold_fd: int | None) -> None:
+def _accept(listen_fd: int) -> int:
+    """One connection from the listener ``listen_fd`` (its descriptor, kept open)."""
+    sock = socket.socket(fileno=os.dup(listen_fd))
+    try:
+        conn, _addr = sock.accept()
+    finally:
+        sock.close()
+    return conn.detach()
+
+
+def _arm(world: int, step: int, hold: tuple[int, str] | None) -> None:
     """Rank 3: die as the ring's last all-gather send of ``step`` (to rank 0) is made
-    (leaving ``hold_fd``, its listener, to a silent child if given)."""
+    (leaving its listener to a silent child if ``hold``: its descriptor, the marker)."""
     send = LaneLinks.send
     last = 2 * world - 2  # the ring's indices: reduce-scatter 0..n-2, all-gather n..2n-2
 
     def dying(self: LaneLinks, dst: int, array: np.ndarray, step_: int, index: int,
               *args: object, **kwargs: object) -> bool:
         if step_ == step and index == last:
-            if hold_fd is not None:
-                _hold_port(hold_fd)
+            if hold is not None:
+                _hold_port(*hold)
             os.kill(os.getpid(), signal.SIGKILL)
         return send(self, dst, array, step_, index, *args, **kwargs)  # type: ignore[arg-type]
 
@@ -75,9 +93,9 @@ async def main() -> None:
         if node.rank == 3 and not node.mesh.incarnations.rejoined:
             # The group's steps are numbered from 0, one per call: group 1's last is 5.
             hold = None
-            if os.environ.get("ROLL_SILENT_OLD_PORT") == "1":
+            if marker := os.environ.get("ROLL_SILENT_OLD_PORT"):
                 assert node.mesh._server is not None
-                hold = node.mesh._server.sockets[0].fileno()
+                hold = (node.mesh._server.sockets[0].fileno(), marker)
             _arm(node.world_size, DIE_GROUP * STEPS + STEPS - 1, hold)
         while group[0] < GROUPS:
             g = group[0]

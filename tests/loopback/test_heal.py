@@ -295,25 +295,30 @@ def test_ranks_that_left_a_group_at_different_steps_are_named_on_every_rank() ->
 
 @pytest.mark.parametrize("old_port", ["closed", "silent"])
 def test_a_groups_last_step_that_some_ranks_finished_is_taken_by_those_that_did_not(
-        old_port: str) -> None:
+        old_port: str, tmp_path: Path) -> None:
     # rollprog.py: rank 3 is killed as it is about to send the ring's last all-gather
     # segment of group 1's last step, to rank 0: ranks 1 and 2 finish the step and go on,
     # rank 0 cannot. Rank 0 takes the step's result from a rank that finished it; group 2
     # fails at once on every rank, the replacement heals, and the group runs with it. (With
     # last=False the job ends there: rank 0 waits in replace_lost() for ranks already in
     # the next group.) "silent": rank 3's old port accepts and never answers (CI once met
-    # that: another process's listener had taken it), so rank 0's dial for group 2 hangs
-    # until the replacement registers; it fails then, and the group runs again as above
-    # (before, rank 0 waited out the handshake timeout and the job ended on an AuthError).
+    # that: another process's listener had taken it). Rank 0's dial for group 2 reaches it
+    # and hangs until the replacement registers, or until a peer whose lane to rank 3
+    # broke reports the step failed; either way the group runs again as above (before,
+    # where the dial outlived the step's failure, rank 0 waited out the handshake timeout
+    # and the job ended on an AuthError). Here rank 0's dial failed first in 14 runs of 14
+    # (6 beside two busy loops), and at 61daac3 the job then failed, 4 runs of 4; in one CI
+    # run a peer's report came first (the path the check below still accepts).
     prog = Path(__file__).resolve().parent / "rollprog.py"
-    env = dict(os.environ, ROLL_SILENT_OLD_PORT="1" if old_port == "silent" else "0")
+    dialed = tmp_path / "dialed"
+    env = dict(os.environ, ROLL_SILENT_OLD_PORT=str(dialed) if old_port == "silent" else "")
     res = subprocess.run([sys.executable, "-m", "aioreduce_launch.cli", "-n", "4",
                           "--restart", "1", "--kill-timeout", "2", "--", sys.executable,
                           str(prog)], capture_output=True, text=True, timeout=120, env=env)
     out = res.stdout + res.stderr[-3000:]
     assert res.returncode == 0, out
     if old_port == "silent":
-        assert "given up: a new process of the rank listens at" in res.stderr, out
+        assert dialed.exists(), out  # the old port was dialed (and answered nothing)
         _wait_gone(str(prog))  # the silent listener's holder ends with the launcher
     for rank in range(4):
         # Every group's sums exact on every rank that ran it (the replacement: from group 2).

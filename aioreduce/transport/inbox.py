@@ -186,10 +186,8 @@ class Inbox:
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
         fut: asyncio.Future[Header] = loop.create_future()
-        if key in self._posted and self._posted[key].future.done():
-            # Cancelled by its owner this turn; its withdrawal (a done-callback) has not run.
-            del self._posted[key]
-        if key in self._posted:
+        existing = self._posted.get(key)
+        if existing is not None and not existing.future.done():  # (done: see _pop_posted)
             raise RuntimeError(f"a receive from rank {self.rank} for step {key[0]} tag {key[1]} "
                                "is already posted")
         staged = self._unstage(key)
@@ -264,9 +262,7 @@ class Inbox:
     # -- the connection's side (its Router) ----------------------------------------------------
     def choose(self, conn: FrameProtocol, header: Header) -> Destination:
         key = (header.step, header.tag)
-        posted = self._posted.pop(key, None)
-        if posted is not None and posted.future.done():
-            posted = None  # cancelled this turn, not withdrawn yet: its buffer is not ours
+        posted = self._pop_posted(key)
         if posted is not None:
             err = self._mismatch(header, posted.view, posted.dtype)
             if err:
@@ -326,11 +322,7 @@ class Inbox:
                       self.rank, header.step, header.tag, self.floor)
             return
         payload = frame.payload if frame.payload is not None else memoryview(b"")
-        waiting = self._posted.pop(key, None)
-        if waiting is not None and waiting.future.done():
-            # Cancelled by its owner this turn, before its withdrawal ran: nobody waits for
-            # this frame, which is kept as if no receive had been posted.
-            waiting = None
+        waiting = self._pop_posted(key)
         if waiting is None:
             if self._unstage(key) is not None:  # e.g. a result re-sent after a parent died
                 log.debug("rank %d sent step %d tag %d twice; keeping the newer frame",
@@ -392,6 +384,13 @@ class Inbox:
             self.control.get_nowait()
 
     # -- helpers ------------------------------------------------------------------------------
+    def _pop_posted(self, key: Key) -> _Posted | None:
+        """The receive posted for ``key``, taken out; None if there is none, or if its owner
+        cancelled it this turn (its withdrawal, a done-callback, has not run yet): nobody
+        waits for a frame there, and its buffer is not ours to write."""
+        posted = self._posted.pop(key, None)
+        return None if posted is None or posted.future.done() else posted
+
     def _unstage(self, key: Key) -> tuple[Header, memoryview, float] | None:
         staged = self._staged.pop(key, None)
         if staged is not None:

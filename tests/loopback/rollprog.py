@@ -35,7 +35,7 @@ DIE_GROUP = 1
 def _hold_port(listen_fd: int, marker: str) -> None:
     """Fork a child that keeps ``listen_fd`` (this process's listener) and whatever it
     accepts there open and silent until the launcher, our parent, exits; it creates
-    ``marker`` when it accepts its first connection. It leaves our session, so the launcher's
+    ``marker`` when it accepts a connection. It leaves our session, so the launcher's
     teardown of this process does not take it, and closes every other descriptor, so our
     connections still break when we die."""
     watch = os.pidfd_open(os.getppid())
@@ -45,14 +45,12 @@ def _hold_port(listen_fd: int, marker: str) -> None:
         os.closerange(0, low)
         os.closerange(low + 1, high)
         os.closerange(high + 1, 65536)
-        held = []
         while True:
             ready, _w, _x = select.select([listen_fd, watch], [], [], 120)
             if watch in ready or not ready:
                 os._exit(0)
-            held.append(_accept(listen_fd))
-            if len(held) == 1:
-                open(marker, "w").close()
+            _accept(listen_fd)  # (its descriptor stays open, silent, until we exit)
+            open(marker, "w").close()
     os.close(watch)
 
 

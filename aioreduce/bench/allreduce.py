@@ -33,6 +33,7 @@ import cProfile
 import json
 import math
 import os
+import pstats
 import queue
 import resource
 import subprocess
@@ -162,7 +163,7 @@ async def _worker(cfg: Config) -> None:
                 await node.barrier(timeout=300)
                 t0 = time.monotonic()
                 cpu0 = cpu_seconds()
-                profile.start(it >= warmup)
+                profile.start(name, it >= warmup)
                 received, refused = 1.0, 0.0
                 value: np.ndarray | None = None
                 delay = sleep + model.extra_delay(rank, it, sleep, world)
@@ -215,31 +216,59 @@ async def _worker(cfg: Config) -> None:
 
 class _Profile:
     """``AIOREDUCE_BENCH_PROFILE=DIR``: each rank profiles its timed steps only (cProfile of
-    the event loop's thread; barriers and drains between steps left out) and writes
-    ``DIR/rank<N>.prof`` (read with ``python -m pstats``). Where a step's CPU goes, per rank:
-    timed by the thread's CPU clock, as with many ranks per core a wall clock charges a call
-    for the time its rank waited to run again (a send that woke a peer took 130 us)."""
+    the event loop's thread; barriers and drains between steps left out), one profile per
+    scheme, and writes ``DIR/<scheme>/rank<N>.prof`` (read with ``python -m pstats``; the
+    bench prints each rank's calls per step from them: :func:`calls_per_step`). Where a
+    step's CPU goes, per rank: timed by the thread's CPU clock, as with many ranks per core a
+    wall clock charges a call for the time its rank waited to run again (a send that woke a
+    peer took 130 us)."""
 
     def __init__(self, rank: int) -> None:
-        where = os.environ.get("AIOREDUCE_BENCH_PROFILE")
-        self.path = os.path.join(where, f"rank{rank}.prof") if where else None
-        self.profiler = cProfile.Profile(time.thread_time) if where else None
-        self.on = False
+        self.where = os.environ.get("AIOREDUCE_BENCH_PROFILE") or None
+        self.rank = rank
+        self.profilers: dict[str, cProfile.Profile] = {}
+        self.on: cProfile.Profile | None = None
 
-    def start(self, timed: bool) -> None:
-        if self.profiler is not None and timed:
-            self.profiler.enable()
-            self.on = True
+    def start(self, scheme: str, timed: bool) -> None:
+        if self.where is not None and timed:
+            profiler = self.profilers.get(scheme)
+            if profiler is None:
+                profiler = self.profilers[scheme] = cProfile.Profile(time.thread_time)
+            profiler.enable()
+            self.on = profiler
 
     def stop(self) -> None:
-        if self.profiler is not None and self.on:
-            self.profiler.disable()
-            self.on = False
+        if self.on is not None:
+            self.on.disable()
+            self.on = None
 
     def dump(self) -> None:
-        if self.profiler is not None and self.path is not None:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            self.profiler.dump_stats(self.path)
+        if self.where is None:
+            return
+        for scheme, profiler in self.profilers.items():
+            path = profile_path(self.where, scheme, self.rank)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            profiler.dump_stats(path)
+
+
+def profile_path(where: str, scheme: str, rank: int) -> str:
+    """Where rank ``rank`` writes its profile of ``scheme`` (see :class:`_Profile`)."""
+    return os.path.join(where, scheme, f"rank{rank}.prof")
+
+
+def calls_per_step(where: str, scheme: str, nodes: int, iters: int) -> list[float] | None:
+    """Each rank's function calls per timed step of ``scheme`` in its profile (cProfile's
+    count: builtins included, and a coroutine's every resumption counts as a call): a
+    measure of a step's Python work that, unlike its CPU time, does not move with the
+    machine's load (two runs agree within about 1 %). None if a profile is missing."""
+    counts = []
+    for rank in range(nodes):
+        path = profile_path(where, scheme, rank)
+        if not os.path.exists(path):
+            return None
+        stats = pstats.Stats(path).stats  # type: ignore[attr-defined]
+        counts.append(sum(entry[1] for entry in stats.values()) / max(1, iters))
+    return counts
 
 
 def cpu_seconds() -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -335,7 +336,7 @@ def _ddp(opts: argparse.Namespace) -> list[dict[str, Any]]:
 def _allreduce(opts: argparse.Namespace) -> list[dict[str, Any]]:
     from ..codes import TreeTopology
     from ..costmodel.config import Config, variant
-    from .allreduce import SCHEMES, run_allreduce
+    from .allreduce import SCHEMES, calls_per_step, run_allreduce
 
     names = [s.strip() for s in opts.scheme.split(",") if s.strip()]
     bases = [variant(name)[0] for name in names]
@@ -362,6 +363,12 @@ def _allreduce(opts: argparse.Namespace) -> list[dict[str, Any]]:
                  background=opts.background, latency=opts.latency, in_place=opts.in_place,
                  gc_every=opts.gc_every, cpus_per_host=opts.cpus_per_host)
     results = run_allreduce(cfg)
+    where = os.environ.get("AIOREDUCE_BENCH_PROFILE")
+    if where:  # (the ranks wrote their profiles where they ran: this host, or its netns)
+        for r in results:
+            counts = calls_per_step(where, r["scheme"], nodes, opts.iters)
+            if counts is not None:
+                r["calls_per_rank_step"] = [round(c, 1) for c in counts]
     gloo = next((r for r in results if r["scheme"] == "gloo"), None)
     rows = [r for r in results if r["scheme"] != "gloo"]
     if gloo is not None:
@@ -401,6 +408,12 @@ def _print_allreduce(rows: list[dict[str, Any]], *, bound: bool = False) -> None
               f"{r['lost']:7.2%} "
               f"{r['raised']:6d} {r['cpu_s'] * 1e3:7.2f} {r['cpu_max_s'] * 1e3:7.2f}"
               f"{_bound_cells(r, bound)}")
+    for r in rows:
+        calls = r.get("calls_per_rank_step")
+        if calls:
+            print(f"{r['scheme']}: Python calls per rank-step (cProfile, builtins and "
+                  f"coroutine resumptions counted): mean {sum(calls) / len(calls):.1f}, "
+                  f"by rank {' '.join(f'{c:.0f}' for c in calls)}")
 
 
 def _bound_cells(row: dict[str, Any], shown: bool) -> str:

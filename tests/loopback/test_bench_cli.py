@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -116,6 +117,21 @@ def test_bound_flag_prints_the_bound_beside_the_median() -> None:
     assert float(rows["transpose"][-2]) == pytest.approx(
         (2 * 65536 * 3 / 4 / 125e6 + 2 * 2e-4) * 1e3, abs=0.01)
 
+
+
+def test_profile_writes_one_profile_per_scheme_and_rank_and_counts_calls(tmp_path) -> None:
+    env = {**os.environ, "AIOREDUCE_BENCH_PROFILE": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-m", "aioreduce.bench.cli", "allreduce", "--scheme",
+                          "tree,ring", "--size", "4K", "--iters", "3", "--json"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr
+    rows = {r["scheme"]: r for r in map(json.loads, res.stdout.splitlines())}
+    for scheme in ("tree", "ring"):
+        assert sorted(p.name for p in (tmp_path / scheme).iterdir()) == [
+            f"rank{r}.prof" for r in range(4)]
+        calls = rows[scheme]["calls_per_rank_step"]
+        # (every rank ran its steps under the profiler: a step is tens of calls at least)
+        assert len(calls) == 4 and all(c > 10 for c in calls), calls
 
 
 def test_transpose_bench_reports_loss_and_each_ranks_own_time() -> None:

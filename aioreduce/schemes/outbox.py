@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,33 @@ class _Pending:
     nbytes: int
     task: asyncio.Task[None] | None = None
     started: bool = False  # handed to the transport, waiting for the peer to take it
+
+
+class _Rest:
+    """The rest of a coroutine whose first step ran by hand, as an awaitable for a task:
+    ``waiting`` is what that step yielded (the future it waits on), handed on to the task,
+    which resumes us when it is done, as it would have resumed the coroutine itself."""
+
+    __slots__ = ("coro", "waiting")
+
+    def __init__(self, coro: Coroutine[Any, Any, None], waiting: object) -> None:
+        self.coro, self.waiting = coro, waiting
+
+    def __await__(self) -> Generator[Any, None, None]:
+        coro, waiting = self.coro, self.waiting
+        while True:
+            try:
+                yield waiting
+            except BaseException as exc:  # (cancelled: the coroutine gets to clean up)
+                try:
+                    waiting = coro.throw(exc)
+                except StopIteration:
+                    return
+            else:
+                try:
+                    waiting = coro.send(None)
+                except StopIteration:
+                    return
 
 
 class Outbox:
@@ -55,7 +82,7 @@ class Outbox:
         # Only frames already handed to the transport count: a send whose task has not run
         # yet says nothing about the peer (we may be catching up through several steps
         # without yielding to the event loop).
-        behind = {p.step for p in pending if p.started and p.step != step}
+        behind = {p.step for p in pending if p.started and p.step != step} if pending else ()
         if len(behind) >= self.max_steps:
             if peer not in self._skipping:
                 log.warning("rank %d: rank %d is not reading (%d steps, %d bytes unsent); "
@@ -65,12 +92,28 @@ class Outbox:
             self._skipping[peer] = (min(first, step), max(last, step))
             return False
         entry = _Pending(step, array.nbytes)
-
-        async def run() -> None:
+        if not pending:
+            # Started here, not in a task: most sends hand their frame to the kernel at once
+            # and never suspend, and a task (made, scheduled, run a loop turn later, followed
+            # to its end) cost a small frame more than its send. A send that has to wait (a
+            # full socket, a connection to make) goes on in a task. With a send to this peer
+            # still waiting, in a task too, after it: frames to a peer leave in order.
+            coro = self.comm.send(peer, array, step=step, tag=tag, meta=meta)
+            try:
+                waiting = coro.send(None)
+            except StopIteration:
+                return True  # every byte is with the kernel
+            except Exception as exc:  # (a task's failure would be logged alike)
+                log.debug("rank %d: send to rank %d failed: %s", self.comm.rank, peer, exc)
+                return True
             entry.started = True
-            await self.comm.send(peer, array, step=step, tag=tag, meta=meta)
+            entry.task = asyncio.ensure_future(_Rest(coro, waiting))
+        else:
+            async def run() -> None:
+                entry.started = True
+                await self.comm.send(peer, array, step=step, tag=tag, meta=meta)
 
-        entry.task = asyncio.ensure_future(run())
+            entry.task = asyncio.ensure_future(run())
         pending.append(entry)
         entry.task.add_done_callback(lambda t: self._done(peer, entry))
         return True

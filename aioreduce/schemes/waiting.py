@@ -16,8 +16,9 @@ async def first_done(futures: Iterable[asyncio.Future[Any]]) -> None:
     """Return once one of ``futures`` is done (at once if one is already); their results
     and exceptions are left to the caller. Cancelling the wait leaves the futures alone."""
     futs = list(futures)
-    if any(f.done() for f in futs):
-        return
+    for f in futs:  # (a loop, not any() over a generator: this runs several times a step)
+        if f.done():
+            return
     waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def wake(_: asyncio.Future[Any]) -> None:

@@ -9,7 +9,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -167,8 +167,10 @@ class Source:
         self.verdict_f = comm.post_recv(rank, EMPTY[:0], step=step, tag=VERDICT_TAG)
 
     def complete(self) -> bool:
-        return all(f.done() and not f.cancelled() and f.exception() is None
-                   for f in self.chunks)
+        for f in self.chunks:  # (loops, not generators: these run several times a step)
+            if not f.done() or f.cancelled() or f.exception() is not None:
+                return False
+        return True
 
     def verdict(self) -> Verdict | None:
         f = self.verdict_f
@@ -177,8 +179,10 @@ class Source:
         return None
 
     def broken(self) -> bool:
-        return any(f.done() and not f.cancelled() and f.exception() is not None
-                   for f in (*self.chunks, self.verdict_f))
+        for f in (*self.chunks, self.verdict_f):
+            if f.done() and not f.cancelled() and f.exception() is not None:
+                return True
+        return False
 
     def failure(self) -> BaseException | None:
         """What broke this source (see :meth:`broken`)."""
@@ -220,8 +224,11 @@ class DownPath:
         self._act(fo.step_started(step))
         if s.comm.is_lost(self.parent):
             self._act(fo.parent_lost(step))
+        began = time.perf_counter() - elapsed
         deadline = Deadline(s.opts.deadline - elapsed)
-        give_up = Deadline(s.opts.deadline * 4 + 10 - elapsed)
+        # Set once the deadline passed: most steps end before it, and a timer each step that
+        # never fires is work for nothing.
+        give_up: Deadline | None = None
         behind: int | None = None
         try:
             while True:
@@ -253,16 +260,20 @@ class DownPath:
                         s.conclude(Outcome(step, verdict=verdict), forward=True)
                         raise verdict.error(step)
                     raise StragglerError(step, [self.parent], "lost the parent")
-                await first_done([*(f for src in self.sources.values() for f in src.pending()),
-                                  *(f for f in (deadline.fired, give_up.fired) if not f.done())])
-                if deadline.fired.done():
+                waits: list[asyncio.Future[Any]] = [
+                    f for src in self.sources.values() for f in src.pending()]
+                waits.append(deadline.fired if give_up is None else give_up.fired)
+                await first_done(waits)
+                if give_up is None and deadline.fired.done():
+                    give_up = Deadline(s.opts.deadline * 4 + 10 - (time.perf_counter() - began))
                     self._act(fo.deadline_passed(step))
-                if give_up.fired.done():
+                if give_up is not None and give_up.fired.done():
                     raise StragglerError(step, [self.parent], "no result from the parent in "
                                          "time")
         finally:
             deadline.cancel()
-            give_up.cancel()
+            if give_up is not None:
+                give_up.cancel()
 
     def _act(self, asks: list[Ask]) -> None:
         for ask in asks:

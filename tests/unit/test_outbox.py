@@ -1,0 +1,93 @@
+"""The outbox starts a send at once and follows it in a task only if it has to wait."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from aioreduce.schemes.outbox import Outbox
+
+
+class _Comm:
+    """Records sends; a send waits on ``gate`` while one is set (a full socket)."""
+
+    rank = 0
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, int]] = []  # (peer, step)
+        self.gate: asyncio.Future[None] | None = None
+        self.cleaned: list[tuple[int, int]] = []
+        self.fail = False
+
+    async def send(self, rank: int, array: np.ndarray, *, step: int, tag: int = 0,
+                   meta: dict[str, Any] | None = None) -> None:
+        if self.fail:
+            raise ConnectionError("gone")
+        self.sent.append((rank, step))
+        try:
+            if self.gate is not None:
+                await self.gate
+        finally:
+            self.cleaned.append((rank, step))
+
+
+def _run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_a_send_that_does_not_wait_leaves_nothing_behind() -> None:
+    async def main() -> None:
+        comm = _Comm()
+        box = Outbox(comm)  # type: ignore[arg-type]
+        tasks = len(asyncio.all_tasks())
+        assert box.send(1, np.zeros(4), step=0, tag=0)
+        assert comm.sent == [(1, 0)]  # sent before the call returned, not a turn later
+        assert box._pending[1] == [] and len(asyncio.all_tasks()) == tasks
+    _run(main())
+
+
+def test_a_waiting_send_goes_on_in_a_task_and_later_ones_follow_it_in_order() -> None:
+    async def main() -> None:
+        comm = _Comm()
+        box = Outbox(comm)  # type: ignore[arg-type]
+        comm.gate = asyncio.get_running_loop().create_future()
+        box.send(1, np.zeros(4), step=0, tag=0)
+        gate, comm.gate = comm.gate, None
+        box.send(1, np.zeros(4), step=1, tag=0)  # behind the waiting one: in a task
+        box.send(2, np.zeros(4), step=1, tag=0)  # another peer: at once
+        assert comm.sent == [(1, 0), (2, 1)]
+        assert [p.step for p in box._pending[1]] == [0, 1] and box._pending[2] == []
+        gate.set_result(None)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        # Peer 1's frames left in the order they were given (step 0's was with the
+        # transport, waiting for room, when step 1's went).
+        assert comm.sent == [(1, 0), (2, 1), (1, 1)] and box._pending[1] == []
+    _run(main())
+
+
+def test_close_cancels_a_waiting_send_which_cleans_up() -> None:
+    async def main() -> None:
+        comm = _Comm()
+        box = Outbox(comm)  # type: ignore[arg-type]
+        comm.gate = asyncio.get_running_loop().create_future()
+        box.send(1, np.zeros(4), step=0, tag=0)
+        assert comm.cleaned == []
+        await box.close(timeout=0)
+        for _ in range(3):  # (a cancelled task runs once more, then its callbacks)
+            await asyncio.sleep(0)
+        assert comm.cleaned == [(1, 0)]  # the send's own finally ran: it was cancelled, not lost
+        assert box._pending[1] == []
+    _run(main())
+
+
+def test_a_send_that_fails_at_once_is_dropped_as_a_failed_task_was() -> None:
+    async def main() -> None:
+        comm = _Comm()
+        comm.fail = True
+        box = Outbox(comm)  # type: ignore[arg-type]
+        assert box.send(1, np.zeros(4), step=0, tag=0)
+        assert box._pending[1] == []
+    _run(main())

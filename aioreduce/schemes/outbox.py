@@ -49,6 +49,9 @@ class _Rest:
         while True:
             try:
                 yield waiting
+            except GeneratorExit:  # (we are being closed, not resumed: close it too)
+                coro.close()
+                raise
             except BaseException as exc:  # (cancelled: the coroutine gets to clean up)
                 try:
                     waiting = coro.throw(exc)

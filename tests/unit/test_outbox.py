@@ -91,3 +91,23 @@ def test_a_send_that_fails_at_once_is_dropped_as_a_failed_task_was() -> None:
         assert box.send(1, np.zeros(4), step=0, tag=0)
         assert box._pending[1] == []
     _run(main())
+
+
+def test_the_rest_of_a_send_closed_unfinished_closes_its_coroutine() -> None:
+    from aioreduce.schemes.outbox import _Rest
+
+    closed = []
+
+    async def send() -> None:
+        try:
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+        finally:
+            closed.append(True)
+
+    coro = send()
+    waiting = coro.send(None)  # (the first step, as Outbox.send runs it)
+    rest = _Rest(coro, waiting).__await__()
+    next(rest)
+    rest.close()  # (as a never-finished task's generator is, when it is collected)
+    assert closed == [True]

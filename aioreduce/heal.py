@@ -662,10 +662,12 @@ class Healer:
         """A step boundary (``step`` is about to run): answer every rank that asked. One
         state at a time: while one is on its way, later askers wait for it to be sent (so a
         healing peer holds one copy of its state however many ask)."""
+        if not self._asked or self._sending:  # (every step: nobody asked)
+            return
         only = self._serve_only
         asked = {rank: ask for rank, ask in self._asked.items()
                  if only is None or only.get(rank) == ask.incarnation}
-        if not asked or self._sending:
+        if not asked:
             return
         for rank in asked:
             del self._asked[rank]

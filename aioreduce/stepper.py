@@ -135,7 +135,9 @@ class Stepper:
             like = self.like
         else:
             vec = np.ascontiguousarray(vector)
-            like = self.like = np.empty_like(vec)
+            if self.like is None:  # (else check_input found the same shape and dtype: kept)
+                self.like = np.empty_like(vec)
+            like = self.like
             delay = self._injected(step, since_return)
             if delay > 0:
                 own = asyncio.ensure_future(_after(delay, vec))
@@ -197,6 +199,8 @@ class Stepper:
     def _injected(self, step: int, compute_seconds: float) -> float:
         """Injected straggling (a delay model per rank): the seconds this rank's vector is
         held back at ``step`` (or the process dies here, if the model says so)."""
+        if not self.straggle.rules:  # (nearly every job: two calls a step less)
+            return 0.0
         if self.straggle.kills(self.rank, step) and not self.replacement:
             # A real death, as a crashed or preempted machine: no cleanup, no goodbye.
             os.kill(os.getpid(), signal.SIGKILL)

@@ -160,13 +160,14 @@ async def _worker(cfg: Config) -> None:
                 # --in-place: ours get the same treatment (a copy made before the clock, summed
                 # into), so the two are compared doing the same work.
                 work = vec.copy() if _in_place(cfg, scheme) else None
+                # The injected delay is drawn before the clock (the bench's work, not ours).
+                delay = sleep + model.extra_delay(rank, it, sleep, world)
                 await node.barrier(timeout=300)
                 t0 = time.monotonic()
                 cpu0 = cpu_seconds()
                 profile.start(name, it >= warmup)
                 received, refused = 1.0, 0.0
                 value: np.ndarray | None = None
-                delay = sleep + model.extra_delay(rank, it, sleep, world)
                 if scheme is None:
                     assert dist is not None and tensor is not None
                     await asyncio.sleep(delay)

@@ -85,7 +85,7 @@ class Outbox:
         # Only frames already handed to the transport count: a send whose task has not run
         # yet says nothing about the peer (we may be catching up through several steps
         # without yielding to the event loop).
-        behind = {p.step for p in pending if p.started and p.step != step}
+        behind = {p.step for p in pending if p.started and p.step != step} if pending else ()
         if len(behind) >= self.max_steps:
             if peer not in self._skipping:
                 log.warning("rank %d: rank %d is not reading (%d steps, %d bytes unsent); "

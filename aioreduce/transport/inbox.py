@@ -43,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -190,7 +190,7 @@ class Inbox:
         if existing is not None and not existing.future.done():  # (done: see _pop_posted)
             raise RuntimeError(f"a receive from rank {self.rank} for step {key[0]} tag {key[1]} "
                                "is already posted")
-        staged = self._unstage(key)
+        staged = self._unstage(key) if self._staged else None
         if staged is not None:
             self._copy_in(fut, view, dtype, *staged)
             return fut
@@ -249,6 +249,20 @@ class Inbox:
                 if self._stale(header):
                     del self._held[conn]
                     conn.resume_with(None)
+
+    @staticmethod
+    def set_floors(inboxes: Iterable[Inbox], step: int, tag: int = 0) -> None:
+        """:meth:`set_floor` on each of ``inboxes``, in one call: a mesh moves every peer's
+        floor twice a step, and most inboxes then hold nothing staged or held, so only
+        their key moves (a method call each cost a 13-rank tree's leaf 12 % of its calls)."""
+        key = (step, tag)
+        for inbox in inboxes:
+            if key <= inbox.floor_key:
+                continue
+            if inbox._staged_steps or inbox._held:  # (a step staged is in the heap)
+                inbox.set_floor(step, tag)
+            else:
+                inbox.floor_key = key
 
     @property
     def floor(self) -> int:
@@ -311,7 +325,10 @@ class Inbox:
             rkey, posted = receiving
             assert rkey == key, "frames on one connection complete in order"
             if frame.payload is not None and not posted.future.done():
-                self._resolve(posted.future, header, self._now())
+                if self.latency <= 0:  # (inline: nearly every frame of a step lands here)
+                    posted.future.set_result(header)
+                else:
+                    self._resolve(posted.future, header, self._now())
             return
         stale = self._stale(header)
         if stale and not header.payload_nbytes() and self._handled(header):

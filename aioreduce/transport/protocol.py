@@ -80,6 +80,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.closed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._drained = asyncio.Event()
         self._drained.set()
+        # Whether the transport asked us to stop writing: ``_drained``'s state as a plain
+        # attribute, read by every send (``Event.is_set`` is a Python call).
+        self._paused = False
         self._send_lock = asyncio.Lock()
         self._zero_copy = is_uvloop(asyncio.get_running_loop())
         self._held = False  # reading paused while the decoder waits for a destination
@@ -121,6 +124,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
             reason += " in the middle of a frame"
         if not self.closed.done():
             self.closed.set_result(reason)
+        self._paused = False
         self._drained.set()  # wake senders; they see `closed`
         if self.router is not None:
             self.router.closed(self, reason)
@@ -222,9 +226,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     # -- sending ------------------------------------------------------------------------------
     def pause_writing(self) -> None:
+        self._paused = True
         self._drained.clear()
 
     def resume_writing(self) -> None:
+        self._paused = False
         self._drained.set()
 
     def _check_open(self) -> asyncio.Transport:
@@ -238,8 +244,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
         if self._zero_copy:
             # One writelines call queues the whole frame, so concurrent sends cannot interleave
             # and need no lock; "drained" then covers every frame queued so far.
-            self._check_open().writelines(buffers)
-            if not self._drained.is_set():  # checked here: a call less for most frames
+            transport = self.transport
+            if transport is None or self.closed.done() or transport.is_closing():
+                transport = self._check_open()  # (raises; checked inline: a call less a frame)
+            transport.writelines(buffers)
+            if self._paused:  # checked here: a call less for most frames
                 await self._wait_drained()
             return
         async with self._send_lock:

@@ -18,6 +18,7 @@ import functools
 import math
 import re
 import struct
+import threading
 from typing import Any, NamedTuple
 
 import msgpack
@@ -171,8 +172,18 @@ def _pack(kind: Kind, step: int, tag: int, src: int, dtype: str, shape: tuple[in
         body["shape"] = list(shape)
     if meta:
         body["meta"] = meta
-    out: bytes = msgpack.packb(body, use_bin_type=True)
+    # One packer per thread, kept: msgpack.packb makes a Packer (and its buffer) per call,
+    # in a Python function of its own, for every frame sent. (Per thread: lanes' senders
+    # encode frames too; a failed pack resets the packer's buffer.)
+    try:
+        packer = _PACKERS.packer
+    except AttributeError:
+        packer = _PACKERS.packer = msgpack.Packer(use_bin_type=True)
+    out: bytes = packer.pack(body)
     return out
+
+
+_PACKERS = threading.local()
 
 
 _PRE_AUTH_LIMITS: dict[str, int] = {"max_str_len": 256, "max_bin_len": 256,

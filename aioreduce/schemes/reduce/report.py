@@ -15,6 +15,8 @@ def _ints(value: object) -> tuple[int, ...]:
     # (type() is, not isinstance: cheaper, and a peer's bools are not ranks)
     if type(value) is not list and type(value) is not tuple:
         return ()
+    if not value:  # (a report's "late" nearly always: no comprehension, no sort)
+        return ()
     return tuple(sorted([v for v in value if type(v) is int]))
 
 

@@ -20,7 +20,6 @@ which result chunks it already forwarded, the failover state, and the background
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -68,6 +67,9 @@ class ReduceSession:
         self._known_up_to = -1  # the latest step whose outcome arrived before we asked
         self._decode = (-1, 0.0)  # (step, seconds this rank spent decoding it), for telemetry
         self._chunking = opts.chunking(spans_hosts(comm))
+        # The last step's layout: the next one's too while the vector keeps its size and
+        # dtype (the family and the chunking are the session's; five calls less a step).
+        self._layout: Layout | None = None
         # Lanes (opts.lanes, opened at the first step if the comm has bulk links): the chunks
         # to and from the parent and the children travel on them; verdicts, requests and
         # whatever involves the grandparent or grandchildren stay on the comm. A peer whose
@@ -110,7 +112,9 @@ class ReduceSession:
             self.reopener.decided()
         await self.reopener.ready(step)  # lanes that open again from this step on
         self._touched = max(self._touched, step)
-        lay = Layout.of(like, fam, *self._chunking)
+        lay = self._layout
+        if lay is None or lay.length != like.size or lay.dtype != like.dtype:
+            lay = self._layout = Layout.of(like, fam, *self._chunking)
         self._end_probe()
         up = UpPath(self, step, lay) if fam.children else None
         down = (DownPath(self, step, lay, self.failover) if self.failover is not None
@@ -204,7 +208,7 @@ class ReduceSession:
     def post_data(self, src: int, out: np.ndarray, step: int, tag: int
                   ) -> asyncio.Future[Header]:
         """Receive chunk ``tag`` of ``step`` from ``src`` into ``out`` (over its lane, if any)."""
-        lanes = self._lanes_for(src, step, tag)
+        lanes = self._lanes_for(src, step, tag) if self.lanes is not None else None
         if lanes is not None:
             return lanes.post(src, out, step, tag)
         return self.comm.post_recv(src, out, step=step, tag=tag)
@@ -217,7 +221,7 @@ class ReduceSession:
                                                              tag, meta))
             return
         self._touched = max(self._touched, step)
-        lanes = self._lanes_for(peer, step, tag)
+        lanes = self._lanes_for(peer, step, tag) if self.lanes is not None else None
         if lanes is not None:
             lanes.send(peer, array, step, tag, meta or {})
         else:
@@ -460,8 +464,10 @@ class ReduceSession:
 def _result(outcome: Outcome, like: np.ndarray, t0: float) -> Result:
     assert outcome.value is not None and outcome.report is not None
     value = outcome.value.reshape(like.shape)
-    with contextlib.suppress(ValueError):
+    try:  # noqa: SIM105 (contextlib.suppress: three calls more, every step)
         value.setflags(write=False)  # it may still be on its way to slower ranks
+    except ValueError:
+        pass
     rep = outcome.report
     return Result(value, outcome.step, list(rep.used), list(rep.late), rep.exact,
                   rep.error_bound, time.perf_counter() - t0)

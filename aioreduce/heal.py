@@ -186,7 +186,8 @@ class Healer:
         if (self._reform is not None or self._joins) and isinstance(session, Reforms):
             await self._boundary(session, steps.step)
         self._serving_at = steps.step
-        self.serve(steps.step)
+        if self._asked:  # (nearly every step: nobody asked)
+            self.serve(steps.step)
         try:
             if not self.rejoin_wait:
                 return await self._healing(steps, run)

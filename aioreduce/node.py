@@ -287,10 +287,16 @@ class Node(Peers):
                              "max and product: gather with Node.allgather)")
         if any_shape:
             self._steps.like = None
-        array, like = self._inputs.numpy(vector)
+        array: np.ndarray | Callable[[], np.ndarray]
+        if type(vector) is np.ndarray:  # the usual argument: nothing to convert
+            array, like = vector, None
+        else:
+            array, like = self._inputs.numpy(vector)
         session = self._sessions.current
         assert session is not None  # aggregate()/allreduce() checked it
         res = await self.healer.step(self._steps, lambda: self._steps.run(
             session, type(self.scheme).__name__, array, into, divisor, arrival),
             into, rerun=rerun, session=session, last=last, arrival=arrival)
-        return res if into is not None else self._inputs.result(res, like, callable(array))
+        if into is not None or (like is None and type(array) is np.ndarray):
+            return res  # (what Inputs.result returns for these, without the call)
+        return self._inputs.result(res, like, callable(array))

@@ -171,7 +171,7 @@ def test_sends_held_for_more_steps_than_the_bound_are_dropped() -> None:
         new.reopener.propose(0, 5)
         for step in (5, 5, 6, 7, 8):
             new.send(0, step, f"s{step}")
-        assert new.reopener._pending[0].held_steps == {5, 6}
+        assert new.reopener.opening[0].held_steps == {5, 6}
         new.comm._lost(0)
         await asyncio.wait_for(new.reopener.ready(8), 5)
         assert new.sent == ["s5", "s5", "s6"]
@@ -189,16 +189,16 @@ def test_a_peer_that_asks_again_has_one_opening_under_way_not_two() -> None:
         net, _links, peer, new = _pair(touched=3)
         net.hold(0, 1)  # the answers wait: the replacement asks again meanwhile
         new.reopener.propose(0, 4)
-        await until(lambda: 1 in peer.reopener._pending)
-        first = peer.reopener._pending[1].task
+        await until(lambda: 1 in peer.reopener.opening)
+        first = peer.reopener.opening[1].task
         new.reopener.propose(0, 4)  # the same again: the same opening
         for _ in range(20):
             await asyncio.sleep(0)
-        assert peer.reopener._pending[1].task is first and first is not None
+        assert peer.reopener.opening[1].task is first and first is not None
         assert not first.done()
         new.reopener.propose(0, 5)
-        await until(lambda: peer.reopener._pending.get(1) is not None
-                     and peer.reopener._pending[1].task is not first)
+        await until(lambda: peer.reopener.opening.get(1) is not None
+                     and peer.reopener.opening[1].task is not first)
         await until(lambda: first is not None and first.done())
         assert first is not None and first.cancelled()
         net.release(0, 1)
@@ -227,13 +227,13 @@ def test_two_ends_replaced_at_once_open_at_the_lower_ranks_step_and_keep_their_o
         high.send(0, 7, "high:7a")  # held by its own proposal
         high.send(0, 8, "high:8")
         low.send(1, 7, "low:7")
-        await until(lambda: 0 in high.reopener._pending
-                     and high.reopener._pending[0].answer is None)  # it answered low's
+        await until(lambda: 0 in high.reopener.opening
+                     and high.reopener.opening[0].answer is None)  # it answered low's
         for _ in range(20):
             await asyncio.sleep(0)
         # What its own proposal held is held again by the agreed opening (from 7), not sent
         # over the comm while low expects it on the lanes.
-        assert high.sent == ["high:6"] and high.reopener._pending[0].held_steps == {7, 8}
+        assert high.sent == ["high:6"] and high.reopener.opening[0].held_steps == {7, 8}
         net.release(1, 0)
         await asyncio.wait_for(asyncio.gather(low.reopener.ready(99),
                                               high.reopener.ready(99)), 5)
@@ -242,7 +242,7 @@ def test_two_ends_replaced_at_once_open_at_the_lower_ranks_step_and_keep_their_o
         assert high.opened == [(0, "1->0@7", "0->1@7", 7)]
         assert sorted(links.steps) == [(0, 7), (1, 7)]
         assert high.sent == ["high:6", "high:7a", "high:8"] and low.sent == ["low:7"]
-        assert not low.reopener._pending and not high.reopener._pending
+        assert not low.reopener.opening and not high.reopener.opening
 
     asyncio.run(main())
 
@@ -283,12 +283,12 @@ def test_an_asker_that_gives_up_waiting_withdraws_and_the_late_answerer_drops_it
         net.hold(0, 1)  # the answer never gets there in time
         new.reopener.propose(0, 5)
         new.send(0, 5, "new:5")
-        await until(lambda: 1 in peer.reopener._pending)
+        await until(lambda: 1 in peer.reopener.opening)
         peer.send(1, 5, "peer:5")  # held: its lanes with the replacement are opening
         assert peer.sent == [] and peer.reopener.holds(1, 5)
         await advance(loop, ANSWER_TIMEOUT_S + 1)
         await until(lambda: new.sent == ["new:5"])  # gave up: over the comm
-        await until(lambda: 1 not in peer.reopener._pending)
+        await until(lambda: 1 not in peer.reopener.opening)
         assert peer.sent == ["peer:5"] and not peer.reopener.holds(1, 5)
         await asyncio.wait_for(peer.reopener.ready(5), 5)
         assert peer.opened == new.opened == [] and links.steps == [(0, 5)]

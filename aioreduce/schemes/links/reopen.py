@@ -81,7 +81,9 @@ class Reopener:
         # dropped, as an outbox skips a peer that does not read (the tree asks again).
         self._max_held = held_steps
         self._touched, self._has_lanes, self._opened = touched, has_lanes, opened
-        self._pending: dict[int, _Pending] = {}
+        # Peers whose lanes are opening again (read, never changed, by the session: when it is
+        # empty, as nearly always, a step neither waits nor holds a send for it).
+        self.opening: dict[int, _Pending] = {}
         self._deferred: dict[int, int] = {}  # peer -> the step it asked, answered at decided()
         self._closed = False
 
@@ -97,19 +99,19 @@ class Reopener:
         loop = asyncio.get_running_loop()
         pending = _Pending(start, loop.create_future(), answer=loop.create_future())
         self._drop(peer, run=True)
-        self._pending[peer] = pending
+        self.opening[peer] = pending
         self._send(peer, start, LaneReopen(start))
         pending.task = asyncio.ensure_future(self._asked(peer, pending))
 
     def holds(self, peer: int, step: int) -> bool:
         """Whether a send of ``step`` to ``peer`` must wait (see :meth:`hold`)."""
-        pending = self._pending.get(peer)
+        pending = self.opening.get(peer)
         return pending is not None and step >= pending.start
 
     def hold(self, peer: int, step: int, send: Callable[[], None]) -> bool:
         """Run ``send`` (of ``step``) once the lanes with ``peer`` are open or failed, in
         order; False (dropped) if that would hold more steps than the bound."""
-        pending = self._pending[peer]
+        pending = self.opening[peer]
         if (step not in pending.held_steps and self._max_held is not None
                 and len(pending.held_steps) >= self._max_held):
             log.warning("rank %d: rank %d's lanes are still opening; its step %d is not "
@@ -121,7 +123,7 @@ class Reopener:
 
     async def ready(self, step: int) -> None:
         """Return once no opening holds ``step`` back (call before posting for it)."""
-        waits = [p.done for p in self._pending.values() if step >= p.start]
+        waits = [p.done for p in self.opening.values() if step >= p.start]
         if waits:
             await asyncio.wait(waits)
 
@@ -137,7 +139,7 @@ class Reopener:
         """Give up every opening under way (held sends dropped: the session that held them
         is being replaced, e.g. a re-formed transpose's, which opens lanes of its own)."""
         self._deferred.clear()
-        for peer in list(self._pending):
+        for peer in list(self.opening):
             self._drop(peer, run=False)
 
     def close(self) -> None:
@@ -158,19 +160,19 @@ class Reopener:
             # The asker gave up waiting for our answer to its ask of ``header.step`` (lost or
             # late): drop that opening now rather than hold our steps with it until the
             # opening times out.
-            ours = self._pending.get(peer)
+            ours = self.opening.get(peer)
             if ours is not None and ours.answer is None and ours.asked == header.step:
                 self._drop(peer, run=True)
             self._deferred.pop(peer, None)
             return
         if event.answer:
             # (An answer travels at the step it answers: one to an earlier ask is not ours.)
-            pending = self._pending.get(peer)
+            pending = self.opening.get(peer)
             if (pending is not None and pending.answer is not None
                     and not pending.answer.done() and header.step == pending.start):
                 pending.answer.set_result(event.start)
             return
-        ours = self._pending.get(peer)
+        ours = self.opening.get(peer)
         if ours is not None and ours.answer is not None and not ours.answer.done():
             if self.comm.rank < peer:
                 # Both ends replaced, asking each other: ours stands, the peer answers it.
@@ -195,17 +197,17 @@ class Reopener:
         # One opening per peer, however often it asks: an earlier one (or our own proposal,
         # given up) is cancelled, and what it held goes through the new one, which holds it
         # again from its own start on.
-        earlier = self._pending.pop(peer, None)
+        earlier = self.opening.pop(peer, None)
         if start >= 0:
             pending = _Pending(start, asyncio.get_running_loop().create_future(), asked=asked)
-            self._pending[peer] = pending
+            self.opening[peer] = pending
             pending.task = asyncio.ensure_future(self._open(peer, pending))
         if earlier is not None:
             self._retire(earlier, run=True)
 
     def _peer_lost(self, peer: int) -> None:
         self._deferred.pop(peer, None)
-        pending = self._pending.get(peer)
+        pending = self.opening.get(peer)
         if pending is not None and pending.answer is not None and not pending.answer.done():
             pending.answer.set_exception(PeerLost(peer, "lost before it answered"))
 
@@ -241,18 +243,18 @@ class Reopener:
                 log.warning("rank %d: lanes with rank %d did not open again: its chunks "
                             "stay on the comm", self.comm.rank, peer)
         finally:
-            if self._pending.get(peer) is pending:
+            if self.opening.get(peer) is pending:
                 self._settle(peer)
 
     def _drop(self, peer: int, *, run: bool) -> None:
         """Give up the opening with ``peer`` under way, if any (its task cancelled)."""
-        pending = self._pending.pop(peer, None)
+        pending = self.opening.pop(peer, None)
         if pending is not None:
             self._retire(pending, run=run)
 
     def _settle(self, peer: int, *, run: bool = True) -> None:
         """The opening with ``peer`` is over: release what it held back."""
-        pending = self._pending.pop(peer, None)
+        pending = self.opening.pop(peer, None)
         if pending is not None:
             self._retire(pending, run=run, cancel=False)
 

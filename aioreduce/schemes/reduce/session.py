@@ -110,7 +110,8 @@ class ReduceSession:
         elif self._rejoined_lanes is None:  # a replacement's first step
             self._rejoined_lanes = bool(self.opts.lanes or like.nbytes >= LANES_FROM)
             self.reopener.decided()
-        await self.reopener.ready(step)  # lanes that open again from this step on
+        if self.reopener.opening:
+            await self.reopener.ready(step)  # lanes that open again from this step on
         self._touched = max(self._touched, step)
         lay = self._layout
         if lay is None or lay.length != like.size or lay.dtype != like.dtype:
@@ -216,7 +217,7 @@ class ReduceSession:
     def send_data(self, peer: int, array: np.ndarray, step: int, tag: int,
                   meta: dict[str, object] | None) -> None:
         """Send in the background (over ``peer``'s lane, if any; a verdict never is)."""
-        if self.reopener.holds(peer, step):  # lanes with it opening again: once they are
+        if self.reopener.opening and self.reopener.holds(peer, step):  # once lanes are open
             self.reopener.hold(peer, step, functools.partial(self.send_data, peer, array, step,
                                                              tag, meta))
             return

@@ -261,7 +261,8 @@ class TransposeSession:
         if self._want_lanes:
             await self._open_lanes(step)
             links = self.links
-        await self.reopener.ready(step)
+        if self.reopener.opening:  # lanes with a replacement opening again
+            await self.reopener.ready(step)
         if self._lanes_from:
             self._lanes_reopened(step)
             links = self.links

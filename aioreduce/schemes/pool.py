@@ -43,17 +43,18 @@ class BufferPool:
         # Newest first, so the match is the most recently used free array (warm in cache),
         # and the scan stops there: a step takes the same sizes every step, so it mostly
         # stops at once. Indices, not a loop over the arrays: a loop variable would be one
-        # more reference.
+        # more reference. The free ones passed on the way are noted for a miss (a step's
+        # result, which its result log keeps, misses every step: one scan, not two).
+        free: list[int] = []
         for i in range(len(arrays) - 1, -1, -1):
-            if (arrays[i].size == size and sys.getrefcount(arrays[i]) == _ONLY_POOL
-                    and arrays[i].dtype == dtype):
-                self.reused += 1
-                array = arrays.pop(i)
-                arrays.append(array)  # the newest now
-                return array
+            if sys.getrefcount(arrays[i]) == _ONLY_POOL:
+                if arrays[i].size == size and arrays[i].dtype == dtype:
+                    self.reused += 1
+                    array = arrays.pop(i)
+                    arrays.append(array)  # the newest now
+                    return array
+                free.append(i)
         # No match: new memory, so let go of the free arrays beyond ``spare`` (the oldest).
-        free = [i for i in range(len(arrays) - 1, -1, -1)
-                if sys.getrefcount(arrays[i]) == _ONLY_POOL]
         drop = set(free[self.spare:])
         kept = [arrays[i] for i in range(len(arrays)) if i not in drop] if drop else arrays
         array = np.empty(size, dtype)

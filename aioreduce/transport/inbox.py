@@ -276,8 +276,8 @@ class Inbox:
     # -- the connection's side (its Router) ----------------------------------------------------
     def choose(self, conn: FrameProtocol, header: Header) -> Destination:
         key = (header.step, header.tag)
-        posted = self._pop_posted(key)
-        if posted is not None:
+        posted = self._posted.pop(key, None)  # (_pop_posted inline: every frame with data)
+        if posted is not None and not posted.future.done():
             err = self._mismatch(header, posted.view, posted.dtype)
             if err:
                 posted.future.set_exception(VectorMismatch(err, [self.rank]))

@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from aioreduce.bench.sizes import parse_size
+
 FANOUT = 3
 WARMUP = 200
 HEAD = struct.Struct("<II")  # step, payload bytes
@@ -195,15 +197,10 @@ def _roles(cpu: list[float]) -> tuple[float, float, float, float]:
             statistics.mean(ms[r] for r in leaves), statistics.mean(ms))
 
 
-def _size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20}
-    return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nodes", type=int, default=13)
-    ap.add_argument("--size", type=_size, default=40 << 10, help="bytes (40K, 1M)")
+    ap.add_argument("--size", type=parse_size, default=parse_size("40K"), help="bytes (40K, 1M)")
     ap.add_argument("--iters", type=int, default=2000, help="timed steps of the floor")
     ap.add_argument("--bench-iters", type=int, default=300, help="timed steps of ours")
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # one floor rank

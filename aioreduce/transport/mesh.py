@@ -909,7 +909,7 @@ class Mesh:
                     await asyncio.wait_for(server.wait_closed(), 2.0)
 
     def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.world_size or rank == self.rank:
+        if rank not in self._peers:
             raise ValueError(f"rank {rank} is not a peer of rank {self.rank} "
                              f"(world size {self.world_size})")
 

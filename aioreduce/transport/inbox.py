@@ -254,7 +254,7 @@ class Inbox:
     def set_floors(inboxes: Iterable[Inbox], step: int, tag: int = 0) -> None:
         """:meth:`set_floor` on each of ``inboxes``, in one call: a mesh moves every peer's
         floor twice a step, and most inboxes then hold nothing staged or held, so only
-        their key moves (a method call each cost a 13-rank tree's leaf 12 % of its calls)."""
+        their key moves (instead of a method call per peer; docs/architecture.md)."""
         key = (step, tag)
         for inbox in inboxes:
             if key <= inbox.floor_key:

@@ -228,6 +228,21 @@ def intermediate_soak(deadline: float = 1.0, pace: float = 0.02, after: int = 20
         soak.wait_caught_up(p)
         end = soak.progress(0) + after
         soak.wait_for(lambda: min(soak.progress(r) for r in range(13)) >= end, 120)
+        # How many steps rank 3's children take to take its results again is timing (one hop
+        # more than rank 0's answer, see the test), so the soak runs on until each has had
+        # ``after // 2`` healthy steps in a row since it caught up, or for ``after`` steps more.
+        if p.caught_up is not None:
+            level = p.cont + p.caught_up
+            def settled() -> bool:
+                runs = []
+                for k in (10, 11, 12):
+                    links = [s["link"] for s in list(soak.lines[k]) if s["t0"] >= level]
+                    tail = len(links) - next((i + 1 for i in range(len(links) - 1, -1, -1)
+                                              if links[i] != "healthy"), 0)
+                    runs.append(tail)
+                return min(runs) >= after // 2
+            more = soak.progress(0) + after
+            soak.wait_for(lambda: settled() or soak.progress(0) >= more, 120)
     finally:
         soak.torn_down = time.time()
         soak.job.kill()

@@ -859,8 +859,11 @@ class Mesh:
         inbox = self._inbox[rank]
         if inbox.lost is not None and not inbox.conns and inbox.control.empty():
             raise inbox.lost
-        async with asyncio.timeout(timeout):
+        if timeout is None:  # (a barrier's case: no timeout context to enter and leave)
             msg = await inbox.control.get()
+        else:
+            async with asyncio.timeout(timeout):
+                msg = await inbox.control.get()
         if msg is None:
             raise inbox.lost or PeerLost(rank, "connection closed")
         return control.decode(msg)

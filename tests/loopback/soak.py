@@ -22,6 +22,7 @@ Run the long version as a script (figures on stdout, exit 1 on a failed check)::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -233,14 +234,15 @@ def intermediate_soak(deadline: float = 1.0, pace: float = 0.02, after: int = 20
         # ``after // 2`` healthy steps in a row since it caught up, or for ``after`` steps more.
         if p.caught_up is not None:
             level = p.cont + p.caught_up
+
+            def healthy_run(rank: int) -> int:
+                """Healthy steps in a row at the end of ``rank``'s lines since the catch-up."""
+                links = [s["link"] for s in list(soak.lines[rank]) if s["t0"] >= level]
+                return sum(1 for _ in itertools.takewhile(lambda x: x == "healthy",
+                                                          reversed(links)))
+
             def settled() -> bool:
-                runs = []
-                for k in (10, 11, 12):
-                    links = [s["link"] for s in list(soak.lines[k]) if s["t0"] >= level]
-                    tail = len(links) - next((i + 1 for i in range(len(links) - 1, -1, -1)
-                                              if links[i] != "healthy"), 0)
-                    runs.append(tail)
-                return min(runs) >= after // 2
+                return min(healthy_run(k) for k in (10, 11, 12)) >= after // 2
             more = soak.progress(0) + after
             soak.wait_for(lambda: settled() or soak.progress(0) >= more, 120)
     finally:

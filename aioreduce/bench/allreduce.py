@@ -40,7 +40,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -344,6 +344,14 @@ def _report(cfg: Config, name: str, scheme: Scheme | None, t: np.ndarray, err: f
     cpu = t[:, :, 5].mean(axis=1)
     out.update({"cpu_s": float(cpu.mean()), "cpu_max_s": float(cpu.max()),
                 "cpu_per_rank_s": [round(float(c), 7) for c in cpu]})
+    # Where a step's time goes besides the links: how long after the first rank the last one
+    # left the barrier and started (on a host with fewer cores than ranks, the time the first
+    # ones' work takes the cores from the others), and, where the ranks share this machine's
+    # cores, the least a step can take on them (every rank's CPU over the cores).
+    starts = t[:, :, 0]
+    out["start_skew_s"] = float(np.median(starts.max(axis=0) - starts.min(axis=0)))
+    if cfg.shared_cores:
+        out["cpu_floor_s"] = float(cpu.sum()) / min(float(world), cfg.shared_cores)
     if cfg.verify:
         out["max_rel_err"] = err
     # The scheme's own bound on these links (see bound.py): the link rate shaped, else the
@@ -400,6 +408,11 @@ def run_allreduce(cfg: Config, timeout: float = 3600.0, *, hosts: Hosts | None =
     # -P: the ranks import aioreduce from PYTHONPATH or site-packages as this command did, not
     # from the current directory (-m puts it first): an A/B with PYTHONPATH on a worktree,
     # started in a checkout, ran the checkout's code in every rank.
+    if hosts is None:  # every rank on this machine's cores (a CPU quota per host caps them)
+        cores = float(len(os.sched_getaffinity(0)))
+        if cfg.netns and cfg.cpus_per_host:
+            cores = min(cores, cfg.nodes * cfg.cpus_per_host)
+        cfg = replace(cfg, shared_cores=cores)
     worker = [sys.executable, "-P", "-m", "aioreduce.bench.allreduce", "--worker",
               json.dumps(asdict(cfg))]
     env = dict(os.environ)

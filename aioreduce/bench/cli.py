@@ -90,7 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--bound", action="store_true",
                     help="also print each scheme's own bound (bytes through its busiest link "
                     "direction / link rate + depth x --latency; rate: --link-mbit, else "
-                    "--model-bandwidth) and the fraction of it reached")
+                    "--model-bandwidth) and the fraction of it reached; the median spread "
+                    "of the ranks' starts (skew: the last rank out of the barrier after the "
+                    "first); and, where the ranks share this machine's cores, the CPU floor "
+                    "(every rank's CPU per step over the cores)")
     ar.add_argument("--json", action="store_true", help="JSON lines; the last is the summary")
     ar.add_argument("--options", type=json.loads, default={}, metavar="JSON",
                     help='more scheme options, e.g. \'{"slack": 1.3, "max_loss": 1}\'')
@@ -389,7 +392,8 @@ def _print_allreduce(rows: list[dict[str, Any]], *, bound: bool = False) -> None
           "largest of each rank's own p99/p50; on time: p99/p50 of the ranks not delayed on "
           "purpose at that step; CPU per rank per step: the mean rank's and the busiest "
           "rank's)")
-    extra = f" {'bound ms':>9} {'of bound':>8}" if bound else ""
+    extra = (f" {'bound ms':>9} {'of bound':>8} {'skew ms':>8} {'cpu floor':>9}" if bound
+             else "")
     print(f"{'scheme':>11} {'median ms':>10} {'p99 ms':>9} {'model ms':>9} {'vs gloo':>8} "
           f"{'max rel err':>12} {'rank p50':>9} {'rank p99':>9} {'p99/p50':>8} {'own max':>7} "
           f"{'on time':>7} {'lost':>7} "
@@ -419,9 +423,11 @@ def _print_allreduce(rows: list[dict[str, Any]], *, bound: bool = False) -> None
 def _bound_cells(row: dict[str, Any], shown: bool) -> str:
     if not shown:
         return ""
-    if "bound_s" not in row:
-        return f" {'-':>9} {'-':>8}"
-    return f" {row['bound_s'] * 1e3:9.2f} {row['of_bound']:8.2f}"
+    links = (f" {row['bound_s'] * 1e3:9.2f} {row['of_bound']:8.2f}" if "bound_s" in row
+             else f" {'-':>9} {'-':>8}")
+    skew = f" {row['start_skew_s'] * 1e3:8.2f}" if "start_skew_s" in row else f" {'-':>8}"
+    floor = f" {row['cpu_floor_s'] * 1e3:9.2f}" if "cpu_floor_s" in row else f" {'-':>9}"
+    return links + skew + floor
 
 
 def _print_p2p(results: list[dict[str, Any]]) -> None:

@@ -44,6 +44,10 @@ class Config:
     in_place: bool = False  # uncoded schemes sum in place into a fresh copy, as Gloo does
     # Python's collector after every N-th step on every rank (0: its own)
     gc_every: int = 0
+    # Cores the ranks share when they all run on this machine (local or emulated hosts; the
+    # bench sets it): a step cannot take less than their CPU over these. None: hosts of
+    # their own.
+    shared_cores: float | None = None
     seed: int = field(default=0)
     # The run's straggler draws (AIOREDUCE_STRAGGLE_SEED): the simulator replays them.
     straggle_seed: int = 0

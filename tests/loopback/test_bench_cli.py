@@ -98,6 +98,11 @@ def test_allreduce_bench_compares_schemes_and_gloo() -> None:
         assert 0 < by[name]["cpu_s"] <= by[name]["cpu_max_s"]
         assert by[name]["bound_s"] > 0
         assert by[name]["of_bound"] == pytest.approx(by[name]["bound_s"] / by[name]["median_s"])
+        # The ranks share this machine's cores: a step takes at least their CPU over them.
+        cores = min(by[name]["nodes"], len(os.sched_getaffinity(0)))
+        assert by[name]["cpu_floor_s"] == pytest.approx(
+            sum(by[name]["cpu_per_rank_s"]) / cores, rel=1e-4)
+        assert 0 <= by[name]["start_skew_s"] < by[name]["median_s"]
 
 
 def test_bound_flag_prints_the_bound_beside_the_median() -> None:
@@ -108,13 +113,14 @@ def test_bound_flag_prints_the_bound_beside_the_median() -> None:
     assert res.returncode == 0, res.stderr
     header = next(line for line in res.stdout.splitlines() if "median ms" in line)
     assert "bound ms" in header and "of bound" in header and "cpu ms" in header
+    assert header.split()[-4:] == ["skew", "ms", "cpu", "floor"]
     rows = {line.split()[0]: line.split() for line in res.stdout.splitlines()
             if line.split()[:1] in (["tree"], ["transpose"])}
     # 4 ranks, 64 KiB at 125 MB/s: the tree's root (fan-out 3) has 3 children, V each way,
     # one level up and down at 200 us; the transpose 2V x 3/4, two rounds
-    assert float(rows["tree"][-2]) == pytest.approx((3 * 65536 / 125e6 + 2 * 2e-4) * 1e3,
+    assert float(rows["tree"][-4]) == pytest.approx((3 * 65536 / 125e6 + 2 * 2e-4) * 1e3,
                                                     abs=0.01)
-    assert float(rows["transpose"][-2]) == pytest.approx(
+    assert float(rows["transpose"][-4]) == pytest.approx(
         (2 * 65536 * 3 / 4 / 125e6 + 2 * 2e-4) * 1e3, abs=0.01)
 
 

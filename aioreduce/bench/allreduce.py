@@ -405,14 +405,14 @@ def run_allreduce(cfg: Config, timeout: float = 3600.0, *, hosts: Hosts | None =
                   ) -> list[dict[str, Any]]:
     """Run ``cfg.nodes`` ranks (on ``hosts`` over SSH, else locally with aioreduce-launch, or
     one per emulated host with ``cfg.netns``); return rank 0's result objects."""
-    # -P: the ranks import aioreduce from PYTHONPATH or site-packages as this command did, not
-    # from the current directory (-m puts it first): an A/B with PYTHONPATH on a worktree,
-    # started in a checkout, ran the checkout's code in every rank.
     if hosts is None:  # every rank on this machine's cores (a CPU quota per host caps them)
         cores = float(len(os.sched_getaffinity(0)))
         if cfg.netns and cfg.cpus_per_host:
             cores = min(cores, cfg.nodes * cfg.cpus_per_host)
         cfg = replace(cfg, shared_cores=cores)
+    # -P: the ranks import aioreduce from PYTHONPATH or site-packages as this command did, not
+    # from the current directory (-m puts it first): an A/B with PYTHONPATH on a worktree,
+    # started in a checkout, ran the checkout's code in every rank.
     worker = [sys.executable, "-P", "-m", "aioreduce.bench.allreduce", "--worker",
               json.dumps(asdict(cfg))]
     env = dict(os.environ)

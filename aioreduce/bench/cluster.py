@@ -27,15 +27,13 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import TracebackType
 
+from . import congestion as congestion_list
 from . import cpushare
 
 log = logging.getLogger("aioreduce.bench")
 PREFIX = "arx"
-# The TCP congestion controls a namespace may choose (see Cluster._allow_congestion).
-ALLOWED_CONGESTION = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
 
 
 SSHD_CONFIG = """\
@@ -116,7 +114,8 @@ def remove_stale() -> list[str]:
             kill_namespace_processes(name)
             _run("ip", "netns", "del", name, check=False)
             removed.append(name)
-    return removed + cpushare.remove_stale(PREFIX)
+    return (removed + cpushare.remove_stale(PREFIX)
+            + [f"congestion hold {h}" for h in congestion_list.remove_stale()])
 
 
 @dataclass
@@ -142,9 +141,8 @@ class Cluster:
     net: int = field(default_factory=lambda: 1 + os.getpid() % 250)
     tag: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}-{os.urandom(2).hex()}")
     names: list[str] = field(default_factory=list, init=False)
-    # The machine's list of algorithms a namespace may choose, if we added ours to it
-    # (restored at teardown).
-    _allowed_before: str | None = field(default=None, init=False)
+    # This cluster's hold on ``congestion`` being allowed in namespaces (see .congestion).
+    _congestion_hold: congestion_list.Allowance | None = field(default=None, init=False)
     sshd: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict, init=False)
     shares: cpushare.CpuShares | None = field(default=None, init=False)
     _up: bool = field(default=False, init=False)
@@ -195,14 +193,12 @@ class Cluster:
         """Let the hosts choose ``congestion``: outside the machine's own namespace, Linux
         lets a namespace pick only the algorithms in ``tcp_allowed_congestion_control``
         (the machine's default and the boot one; on a machine booted with BBR, cubic is not
-        there). Added for the cluster's life; if that fails, the hosts keep the machine's."""
+        there). Held for the cluster's life, shared with any other cluster on the machine
+        (.congestion); if that fails, the hosts keep the machine's."""
         if not self.congestion:
             return
         try:
-            allowed = ALLOWED_CONGESTION.read_text().split()
-            if self.congestion not in allowed:
-                ALLOWED_CONGESTION.write_text(" ".join([*allowed, self.congestion]))
-                self._allowed_before = " ".join(allowed)
+            self._congestion_hold = congestion_list.allow(self.congestion)
         except OSError as exc:
             log.warning("the emulated hosts keep this machine's TCP congestion control: "
                         "cannot allow %s in namespaces (%s)", self.congestion, exc)
@@ -364,9 +360,9 @@ class Cluster:
             _run("ip", "netns", "del", ns, check=False)
         self.names.clear()
         self._up = False
-        if self._allowed_before is not None:  # (namespaces keep the algorithm they chose)
+        if self._congestion_hold is not None:  # (namespaces keep the algorithm they chose)
             with contextlib.suppress(OSError):
-                ALLOWED_CONGESTION.write_text(self._allowed_before)
-            self._allowed_before = None
+                congestion_list.release(self._congestion_hold)
+            self._congestion_hold = None
         with contextlib.suppress(Exception):
             atexit.unregister(self.teardown)

@@ -76,6 +76,20 @@ def test_hosts_reach_each_other_and_links_are_shaped() -> None:
     assert allowed.read_text() == before  # the machine's list as it was
 
 
+def test_overlapping_clusters_share_the_allowed_algorithm_and_the_last_one_out_restores() -> None:
+    # Two benches at once (pytest workers, two users): the first out used to put the list
+    # back while the second still set up its hosts, whose sysctl then failed.
+    allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+    before = allowed.read_text()
+    with Cluster(1) as first, Cluster(1) as second:
+        first.teardown()  # the first one out (teardown is idempotent: `with` calls it again)
+        got = subprocess.run(second.exec_argv(0, ["sysctl", "-w",
+                                                  "net.ipv4.tcp_congestion_control=cubic"]),
+                             capture_output=True, text=True)
+        assert got.returncode == 0, got.stderr  # still allowed: the second holds it
+    assert allowed.read_text() == before  # the last one out put the machine's list back
+
+
 def test_teardown_kills_what_runs_inside() -> None:
     cl = Cluster(2)
     with cl:

@@ -310,6 +310,8 @@ def main() -> int:
     p.add_argument("--root-too", action="store_true",
                    help="rank 0 (the rendezvous, the tree's root) may be killed too; the last "
                         "rank is not")
+    p.add_argument("--log", type=argparse.FileType("w"), default=None,
+                   help="write every line the launcher and the ranks wrote to stderr here")
     args = p.parse_args()
     soak = HealSoak(args.steps, args.every, args.pace, args.seed, args.scheme, args.ranks,
                     rejoin_wait=args.rejoin_wait, root_too=args.root_too, lanes=args.lanes,
@@ -319,6 +321,8 @@ def main() -> int:
     bad = check(rep)
     for line in bad:
         print("FAILED:", line)
+    if args.log is not None:
+        args.log.write("".join(soak.err))
     if bad:
         sys.stderr.write("".join(soak.err[-60:]))
     return 1 if bad else 0

@@ -211,11 +211,12 @@ def test_a_rank_that_fell_behind_the_window_heals_by_itself(ranks) -> None:
 
 
 # The short soaks' length: kills come from step 40 until 150 steps before the end (the last
-# victim's time to heal), so the first victim's replacement has about 210 steps (4.2 s at the
-# pace) to be back for the second kill. With 250 it had 60 and with 300 110, each missed once
-# (one kill, not two): in the README's fresh venv on a slow hour, and with two pytest workers
-# sharing the 2 cores, where a replacement's start-up takes several times as long.
-SHORT_STEPS = 400
+# victim's time to heal), so the first victim's replacement has about 110 steps (2.2 s at the
+# pace) to be back for the second kill. With 250 it had 60, which a replacement missed once in
+# the README's fresh venv on a slow hour (one kill, not two). With two pytest workers on 2
+# cores 300 missed too, and the ring's soak met a known gap of healing (docs/heal.md, "Not
+# yet"): the suite runs serially.
+SHORT_STEPS = 300
 
 
 @pytest.mark.parametrize("lanes", [False, True], ids=["event-loop", "lanes"])

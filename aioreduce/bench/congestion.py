@@ -65,8 +65,8 @@ def _prune(state: Path) -> tuple[list[Path], list[str]]:
     return live, dead
 
 
-def _restore_if_unheld(state: Path, allowed: Path) -> None:
-    live, _dead = _prune(state)
+def _restore_if_unheld(state: Path, allowed: Path, live: list[Path]) -> None:
+    """With no ``live`` holder left, write back the list recorded before the first one."""
     before = state / _BEFORE
     if not live and before.exists():
         allowed.write_text(before.read_text())
@@ -93,7 +93,8 @@ def release(hold: Allowance, *, state: Path = STATE, allowed: Path = ALLOWED) ->
     """Give ``hold`` back; the last one out puts the machine's list back as it was."""
     with _locked(state):
         hold.holder.unlink(missing_ok=True)
-        _restore_if_unheld(state, allowed)
+        live, _dead = _prune(state)
+        _restore_if_unheld(state, allowed, live)
 
 
 def remove_stale(*, state: Path = STATE, allowed: Path = ALLOWED) -> list[str]:
@@ -102,6 +103,6 @@ def remove_stale(*, state: Path = STATE, allowed: Path = ALLOWED) -> list[str]:
     if not state.is_dir():
         return []
     with _locked(state):
-        _live, dead = _prune(state)
-        _restore_if_unheld(state, allowed)
+        live, dead = _prune(state)
+        _restore_if_unheld(state, allowed, live)
         return dead

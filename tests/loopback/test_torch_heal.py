@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from .torch_heal_soak import WINDOW, _trace
+
 pytest.importorskip("torch")
 pytestmark = pytest.mark.loopback
 
@@ -35,7 +37,8 @@ def _run(mode: str, save: Path, *launch: str, kill: str = "", kill_in: str = "ba
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "aioreduce_launch.cli", "-n", "4", *launch, "--",
            sys.executable, str(PROG), "--mode", mode, "--save", str(save), "--model", model,
-           "--init", init, *(["--kill", kill, "--kill-in", kill_in] if kill else [])]
+           "--init", init, *(["--kill", kill, "--kill-in", kill_in] if kill else []),
+           *(["--trace"] if mode != "optimizer" else [])]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
     finals = [json.loads(x.split("FINAL ", 1)[1]) for x in out.stdout.splitlines()
@@ -44,18 +47,38 @@ def _run(mode: str, save: Path, *launch: str, kill: str = "", kill_in: str = "ba
     return finals, out.stderr
 
 
+def _near_after_the_heal(calm_err: str, err: str) -> None:
+    """DDP runs the iteration of the kill again as one vector: the ring adds in another order,
+    so the run leaves the undisturbed one by rounding, which the next iterations amplify (a
+    transformer's faster; how fast depends on the CPU's kernels: after 50 iterations the
+    final parameters were 2.5e-5 apart, relative, on an AMD EPYC, under 1e-5 on the machines
+    before). So each heal is checked where it lands, as the soak checks it: rank 0's
+    parameters (the ``--trace`` sample) in the ``WINDOW`` iterations after it within 1e-5
+    of the undisturbed run's, relative to their largest; a heal that landed a wrong state is
+    about 1e-2 off at once."""
+    want, _ = _trace(calm_err.splitlines())
+    got, heals = _trace(err.splitlines())
+    assert heals, "no iteration of a replacement in the trace"
+    diff = {it: float(np.abs(got[it] - want[it]).max() / np.abs(want[it]).max())
+            for it in got if it in want}
+    for heal in heals:
+        window = {it: diff[it] for it in range(heal, heal + WINDOW) if it in diff}
+        assert len(window) == WINDOW and max(window.values()) <= 1e-5, (heal, window)
+
+
 @pytest.fixture(scope="module")
 def undisturbed(tmp_path_factory: pytest.TempPathFactory
-                ) -> Callable[[str, str], tuple[list[dict], Path]]:
+                ) -> Callable[[str, str], tuple[list[dict], str]]:
     """The undisturbed run of (mode, model), made once for the cases that compare with it
-    (it does not depend on where the kill lands): its finals and its saved parameters."""
-    runs: dict[tuple[str, str], tuple[list[dict], Path]] = {}
+    (it does not depend on where the kill lands): its finals and its log (under DDP, a
+    sample of rank 0's parameters per iteration)."""
+    runs: dict[tuple[str, str], tuple[list[dict], str]] = {}
 
-    def get(mode: str, model: str) -> tuple[list[dict], Path]:
+    def get(mode: str, model: str) -> tuple[list[dict], str]:
         if (mode, model) not in runs:
             save = tmp_path_factory.mktemp("calm") / "calm"
-            runs[(mode, model)] = (_run(mode, save, model=model,
-                                        init="pg" if mode == "stock" else "connect")[0], save)
+            runs[(mode, model)] = _run(mode, save, model=model,
+                                       init="pg" if mode == "stock" else "connect")
         return runs[(mode, model)]
     return get
 
@@ -67,10 +90,10 @@ def undisturbed(tmp_path_factory: pytest.TempPathFactory
     ("ddp", "step", "mlp"), ("ddp", "backward", "transformer")])
 def test_a_rank_killed_inside_an_iteration_heals_to_the_undisturbed_run(
         mode: str, kill_in: str, model: str, tmp_path: Path,
-        undisturbed: Callable[[str, str], tuple[list[dict], Path]]) -> None:
+        undisturbed: Callable[[str, str], tuple[list[dict], str]]) -> None:
     # backward: a bucket summing, the next not started; step: in the optimizer's step, every
     # sum of the iteration done (the live ranks run the next iteration again).
-    calm, calm_save = undisturbed(mode, model)
+    calm, calm_err = undisturbed(mode, model)
     assert calm[0]["buckets"] >= 2  # an iteration is several sums: the kill lands between
     finals, err = _run(mode, tmp_path / "healed", "--restart", "2", kill="2:10",
                        kill_in=kill_in, model=model)
@@ -85,21 +108,20 @@ def test_a_rank_killed_inside_an_iteration_heals_to_the_undisturbed_run(
     if mode == "optimizer":  # the iteration's buckets ran again as they were: bit for bit
         assert finals[0]["params"] == calm[0]["params"]
     else:  # ran again as one vector: the ring adds in another order, and rounds otherwise
-        got, want = np.load(tmp_path / "healed.0.npy"), np.load(f"{calm_save}.0.npy")
-        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+        _near_after_the_heal(calm_err, err)
     # The model's loss at the end, on a batch no rank trained on, as the undisturbed run's.
     assert finals[0]["loss"] == pytest.approx(calm[0]["loss"], rel=0.01)
 
 
 def test_rank_0_of_a_program_under_init_process_group_comes_back_and_heals(
-        tmp_path: Path, undisturbed: Callable[[str, str], tuple[list[dict], Path]]) -> None:
+        tmp_path: Path, undisturbed: Callable[[str, str], tuple[list[dict], str]]) -> None:
     """``init_process_group(backend="aioreduce")`` with the state hooks given to
     ``aioreduce.torch.configure`` before it, DDP over the default group: rank 0 SIGKILLed in
     its backward pass and restarted. Its replacement is a client of the torch store the
     launcher serves (the store of a rank 0 would have died with it) and rejoins at the
     launcher's rendezvous address; it heals from a live rank and the run ends as the
     undisturbed one, within rounding."""
-    calm, calm_save = undisturbed("ddp", "mlp")
+    calm, calm_err = undisturbed("ddp", "mlp")
     assert calm[0]["iterations"] == 60
     finals, err = _run("ddp", tmp_path / "healed", "--restart", "2", kill="0:10",
                        init="pg")
@@ -111,12 +133,11 @@ def test_rank_0_of_a_program_under_init_process_group_comes_back_and_heals(
             in err, err[-3000:]
     assert all(f["iterations"] == 60 for f in finals)
     assert len({f["params"] for f in finals}) == 1
-    got, want = np.load(tmp_path / "healed.0.npy"), np.load(f"{calm_save}.0.npy")
-    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    _near_after_the_heal(calm_err, err)
 
 
 def test_torch_s_own_ddp_built_by_the_program_heals(
-        tmp_path: Path, undisturbed: Callable[[str, str], tuple[list[dict], Path]]) -> None:
+        tmp_path: Path, undisturbed: Callable[[str, str], tuple[list[dict], str]]) -> None:
     """``torch.nn.parallel.DistributedDataParallel(model)`` built by the program over the
     default group (``init_process_group(backend="aioreduce")``, state hooks given to
     ``configure``), a rank SIGKILLed in its backward pass and restarted: the group adopted
@@ -127,7 +148,7 @@ def test_torch_s_own_ddp_built_by_the_program_heals(
     transformer only (each case starts 4 torch processes, a replacement and an undisturbed
     run); the soak's ``--mode stock`` kills every rank."""
     victim, model = 0, "transformer"
-    calm, calm_save = undisturbed("stock", model)
+    calm, calm_err = undisturbed("stock", model)
     finals, err = _run("stock", tmp_path / "healed", "--restart", "2", kill=f"{victim}:10",
                        model=model, init="pg")
     assert f"rank {victim} on localhost killed by SIGKILL; restarting it" in err
@@ -137,8 +158,7 @@ def test_torch_s_own_ddp_built_by_the_program_heals(
             "runs again" in err, err[-3000:]
     assert all(f["iterations"] == 60 for f in finals)
     assert len({f["params"] for f in finals}) == 1
-    got, want = np.load(tmp_path / "healed.0.npy"), np.load(f"{calm_save}.0.npy")
-    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    _near_after_the_heal(calm_err, err)
     assert finals[0]["loss"] == pytest.approx(calm[0]["loss"], rel=0.01)
 
 

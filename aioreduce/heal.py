@@ -40,6 +40,7 @@ from .wire.control import HealAsk, Reform, ResultAsk
 if TYPE_CHECKING:
     from .stepper import Stepper
     from .transport import Mesh
+    from .wire.frame import Header
 
 log = logging.getLogger("aioreduce")
 
@@ -160,7 +161,13 @@ class Healer:
         the peers that asked; after ``FellBehind``, heal this rank's state too (with state
         hooks); after a step that failed because a rank was lost, wait up to
         ``rejoin_wait`` for its replacement and run it again (``into``, summed in place,
-        is restored first), as often as ranks were lost.
+        is restored first), as often as ranks were lost. A ring's step (a session that
+        :class:`Reforms`) can end on some ranks and fail on others when a rank dies after
+        its last parts reached some of them: those go on and fail the next step. So there
+        every rank keeps a copy of its last result, and where the step failed it first asks
+        the live ranks for it (as for a group's last step, below); taken (into ``into``, or
+        a new array shaped as the scheme's steps), the step counts as run here and the next
+        one fails on every rank alike.
 
         ``rerun=False``: the step is one of a group that the caller runs again as a whole
         (see :meth:`replace_lost`); it answers no heal at its boundary (a replacement must
@@ -193,18 +200,37 @@ class Healer:
                 return await self._healing(steps, run)
             known = list(self.mesh.incarnations.known)
             saved = into.copy() if into is not None else None
-            for _attempt in range(len(known)):  # a host lost takes several ranks at once
+            # A ring's step can end on some ranks and fail on others (a rank died after its
+            # last segments reached some of them): those go on to the next step. So here,
+            # as for a group's last step, every rank keeps its last result, and a rank where
+            # the step failed first asks the live ranks for it.
+            # (Not before the scheme's first step: a step not summed in place takes the
+            # result into a new array shaped as the steps before it.)
+            rolls = arrival is None and isinstance(session, Reforms) and (
+                into is not None or steps.like is not None)
+            for attempt in range(len(known)):  # a host lost takes several ranks at once
                 # Who runs this attempt: a rank replaced before it began (another rank of a
                 # lost host, back first) is in it; ``known`` stays the incarnations when the
                 # step first ran, so a late word of an old process's loss is not waited on.
                 began = list(self.mesh.incarnations.known)
+                at = steps.step
                 try:
-                    return await self._healing(steps, run)
+                    result = await self._healing(steps, run)
                 except (PeerLost, StragglerError) as exc:
                     lost = self._dead(exc, known)
+                    if rolls:
+                        self._ended(at)
                     if not lost:
                         raise
                     reforms = session if isinstance(session, Reforms) else None
+                    if rolls and attempt == 0 and reforms is not None:
+                        self._serving_at = None
+                        target = into if into is not None else np.empty_like(steps.like)
+                        taken = await self._roll_forward(at, target, lost,
+                                                         members=reforms.members)
+                        if taken is not None:
+                            self._keep(at, taken)
+                            return taken
                     # The number the step runs again as. A ring answers heals once its
                     # members are agreed: a replacement heals into the ring it will run in.
                     self._serving_at = None if reforms is not None else steps.step
@@ -221,13 +247,23 @@ class Healer:
                         await self._agree(reforms, lost, missing, steps.step, exc, began)
                         self._serving_at = steps.step
                         self.serve(steps.step)
+                else:
+                    if rolls:
+                        self._keep(at, result)
+                        self._ended(at)
+                    return result
                 back = [r for r in lost if r not in missing]
                 if back:
                     log.warning("rank %d: ranks %s were replaced; the failed step runs again "
                                 "as step %d", self.mesh.rank, back, steps.step)
                 if into is not None and saved is not None:
                     np.copyto(into, saved)
-            return await self._healing(steps, run)
+            at = steps.step
+            result = await self._healing(steps, run)
+            if rolls:
+                self._keep(at, result)
+                self._ended(at)
+            return result
         finally:
             self._serving_at = None
 
@@ -449,9 +485,19 @@ class Healer:
         return max(self.rejoin_wait, AGREE_S)
 
     def _keep(self, at: int, result: Result) -> None:
-        """Keep a copy of group step ``at``'s result for a peer where it failed."""
-        self._kept = (at, np.array(result.value, copy=True).reshape(-1), list(result.used),
-                      list(result.late))
+        """Keep a copy of step ``at``'s result (a group's last, or a ring's plain step) for a
+        peer where it failed."""
+        value = np.asarray(result.value).reshape(-1)
+        kept = self._kept
+        # Plain ring steps keep every result: the last copy's memory is reused (fresh memory
+        # costs page faults every step), unless an answer may still be sending it.
+        if (kept is not None and not self._answering and kept[1].shape == value.shape
+                and kept[1].dtype == value.dtype):
+            np.copyto(kept[1], value)
+            copy = kept[1]
+        else:
+            copy = value.copy()
+        self._kept = (at, copy, list(result.used), list(result.late))
 
     def _ended(self, step: int) -> None:
         """A group step ended here (ran or failed): answer the ranks that asked for it."""
@@ -491,18 +537,16 @@ class Healer:
             self._answer(rank)  # an ask that came meanwhile
 
     async def _roll_forward(self, at: int, into: np.ndarray, lost: list[int],
-                            arrival: Arrival | None = None) -> Result | None:
+                            arrival: Arrival | None = None, *,
+                            members: Sequence[int] | None = None) -> Result | None:
         """Group step ``at``, the group's last, failed here because ``lost`` died: the
         result from a live rank that finished it (written into ``into``), or None if none
         did (each answers once its own step ``at`` is over)."""
         mesh = self.mesh
-        peers = [r for r in self._group_ranks()
+        peers = [r for r in (self._group_ranks() if members is None else members)
                  if r != mesh.rank and r not in lost and not mesh.is_lost(r)]
-        heads = [asyncio.ensure_future(mesh.recv_into(r, EMPTY, step=at, tag=tags.ROLL,
-                                                      timeout=self._agree_wait))
-                 for r in peers]
+        heads = [asyncio.ensure_future(self._answer_of(r, at)) for r in peers]
         try:
-            await asyncio.gather(*(self._quiet_control(r, ResultAsk(at)) for r in peers))
             for done in asyncio.as_completed(heads):
                 try:
                     head = await done
@@ -529,6 +573,25 @@ class Healer:
                 pending.cancel()
         return None
 
+
+    async def _answer_of(self, rank: int, at: int) -> Header:
+        """Ask ``rank`` for its result of step ``at``: the head of its answer. ``PeerLost``
+        at once if the ask cannot reach it, or once a new process replaces it (neither can
+        answer: a rank of a lost host not yet seen dead here, dialled, refuses; one found
+        replaced never ran the step), ``TimeoutError`` after :attr:`_agree_wait`."""
+        mesh = self.mesh
+        head = asyncio.ensure_future(mesh.recv_into(rank, EMPTY, step=at, tag=tags.ROLL,
+                                                    timeout=self._agree_wait))
+        gone = mesh.replaced(rank, mesh.incarnations.known[rank])
+        try:
+            await mesh.send_control(rank, ResultAsk(at))
+            await asyncio.wait((head, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not head.done():
+                raise PeerLost(rank, f"replaced while asked for step {at}'s result")
+            return head.result()
+        finally:
+            head.cancel()
+            gone.cancel()
 
     async def replace_lost(self, steps: Stepper) -> bool:
         """After steps run with ``rerun=False`` failed because ranks died: wait up to

@@ -13,7 +13,7 @@ when another process's listener had taken a dead rank's port.
 
 With ``ROLL_PLAIN=1`` the same steps are plain ones (``Node.allreduce`` as it runs again by
 itself, ``rerun=True``), each its own group: ranks 1 and 2 finish step 5 and go on to step 6,
-rank 0 fails step 5 (see test_heal's known gap).
+rank 0 fails step 5 and takes it from one of them, as above.
 
 Prints, per rank: ``GROUP <g> <sum of each step's result>`` for every group that completed
 (its last run), and ``ROLLED <n>``: the steps this rank took from a peer.

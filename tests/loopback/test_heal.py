@@ -214,8 +214,8 @@ def test_a_rank_that_fell_behind_the_window_heals_by_itself(ranks) -> None:
 # victim's time to heal), so the first victim's replacement has about 110 steps (2.2 s at the
 # pace) to be back for the second kill. With 250 it had 60, which a replacement missed once in
 # the README's fresh venv on a slow hour (one kill, not two). With two pytest workers on 2
-# cores 300 missed too, and the ring's soak met a known gap of healing (docs/heal.md, "Not
-# yet"): the suite runs serially.
+# cores 300 missed too (the suite runs serially), and the ring's soak found a gap in healing,
+# fixed since (docs/heal.md, "A plain step that some ranks finished").
 SHORT_STEPS = 300
 
 
@@ -341,24 +341,24 @@ def test_a_groups_last_step_that_some_ranks_finished_is_taken_by_those_that_did_
 
 def test_a_plain_step_that_some_ranks_finished_is_taken_by_those_that_did_not() -> None:
     # rollprog.py with ROLL_PLAIN=1: the same death as above, in plain steps (each runs again
-    # by itself). Ranks 1 and 2 finish step 5 and fail step 6; rank 0 fails step 5; the live
-    # ranks then look for agreement at different steps and the job ends on rank 0's PeerLost
-    # (found by a short ring soak on two loaded cores, where deaths fall in this window more
-    # often). A known gap (docs/heal.md, "Not yet"): while it fails that way this test is an
-    # expected failure; a fix must give exit 0 and every step exact on every rank.
+    # by itself). Ranks 1 and 2 finish step 5 and fail step 6; rank 0 fails step 5 and takes
+    # it from one of them; every rank then runs step 6 again with the replacement. (Before,
+    # the live ranks looked for agreement at different steps and the job ended on rank 0's
+    # PeerLost: found by a short ring soak on two loaded cores, where deaths fall in this
+    # window more often.)
     prog = Path(__file__).resolve().parent / "rollprog.py"
     res = subprocess.run([sys.executable, "-m", "aioreduce_launch.cli", "-n", "4",
                           "--restart", "1", "--kill-timeout", "2", "--", sys.executable,
                           str(prog)], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, ROLL_PLAIN="1"))
     out = res.stdout + res.stderr[-3000:]
-    # The path: rank 3 died in step 5's window, ranks 1 and 2 finished that step.
-    assert "killed by SIGKILL; restarting it" in res.stderr, out
-    assert "[1] STEP 5 " in res.stdout and "[2] STEP 5 " in res.stdout, out
-    if res.returncode != 0 and "rank 0 on localhost exited with code 1" in res.stderr:
-        pytest.xfail("known gap: rank 0 did not take step 5 from rank 1 or 2")
     assert res.returncode == 0, out
-    for rank in range(4):
+    # The path: rank 3 died in step 5's window, ranks 1 and 2 finished that step, rank 0
+    # took it from one of them.
+    assert "killed by SIGKILL; restarting it" in res.stderr, out
+    assert "[0] rank 0: step 5 failed here when ranks [3] died, but rank " in res.stderr, out
+    assert "[1] rank 1: step 5 failed" not in res.stderr, out
+    for rank in range(4):  # every step exact on every rank that ran it
         for i in range(6 if rank == 3 else 0, 12):
             g, k = divmod(i, 3)
             assert f"[{rank}] STEP {i} {10.0 * (g + 1) * (k + 1) * 1000}" in res.stdout, (rank, i)

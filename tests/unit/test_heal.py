@@ -15,6 +15,8 @@ from aioreduce.wire import tags
 from aioreduce.wire.control import HealAsk
 from aioreduce.wire.incarnation import Incarnations
 
+from . import clockloop
+
 
 class FakeMesh:
     """What the healer uses of a mesh; sends block until the test lets them through."""
@@ -537,6 +539,9 @@ class RollMesh(FakeMesh):
     async def send_control(self, rank: int, event: object) -> None:
         self.controls.append((rank, event))
 
+    def replaced(self, rank: int, incarnation: int) -> asyncio.Future[None]:
+        return asyncio.get_running_loop().create_future()  # nobody is, in these tests
+
     async def recv_into(self, rank: int, out: np.ndarray, *, step: int, tag: int = 0,
                         timeout: float | None = None) -> Any:
         await asyncio.sleep(0)
@@ -676,6 +681,113 @@ def test_a_finished_last_step_is_sent_to_a_peer_that_asks_once_it_ended_here() -
             (3, 9, tags.ROLL, {"have": False})]
 
     asyncio.run(body())
+
+
+class ReachMesh(RollMesh):
+    """Five ranks; this one is 1 and rank 2 died. Rank 0 is on the dead rank's host and not
+    seen dead yet: dialled, it refuses. Rank 3's process is replaced while it is asked.
+    Neither ever answers; rank 4 answers from the table."""
+
+    def __init__(self, answers: dict[tuple[int, int, int], tuple[dict[str, Any], Any]]
+                 ) -> None:
+        super().__init__(answers)
+        self.world_size = 5
+        self.incarnations = Incarnations(1, 5)
+        self.never: asyncio.Future[None] | None = None
+
+    async def send_control(self, rank: int, event: object) -> None:
+        from aioreduce.errors import PeerLost
+
+        if rank == 0:
+            raise PeerLost(0, "cannot connect: connection refused")
+        self.controls.append((rank, event))
+
+    def replaced(self, rank: int, incarnation: int) -> asyncio.Future[None]:
+        fut = super().replaced(rank, incarnation)
+        if rank == 3:  # its replacement rejoins while the ask waits
+            asyncio.get_running_loop().call_soon(fut.set_result, None)
+        return fut
+
+    async def recv_into(self, rank: int, out: np.ndarray, *, step: int, tag: int = 0,
+                        timeout: float | None = None) -> Any:
+        if rank in (0, 3):
+            self.never = asyncio.get_running_loop().create_future()
+            await self.never  # (its timeout is a timer: the clock never moves here)
+        return await super().recv_into(rank, out, step=step, tag=tag, timeout=timeout)
+
+
+class Ring5:
+    """A ring that re-forms (:class:`~aioreduce.schemes.base.Reforms`) over five ranks."""
+
+    members = (0, 1, 2, 3, 4)
+
+    def reform(self, members: Any, *, joined: bool = False) -> None:
+        raise AssertionError("the step was taken, not run again")
+
+
+def test_a_plain_ring_step_that_failed_here_is_taken_from_a_peer_that_finished_it() -> None:
+    """Rank 1's plain ring step 5 (run again by itself) failed when rank 2 died; rank 4 had
+    finished it: rank 1 takes rank 4's result and goes on (the step is not run again, the
+    next one is step 6), and keeps it for a peer that asks in turn."""
+    from aioreduce.errors import PeerLost
+    from aioreduce.schemes import Result
+    from aioreduce.stepper import Stepper
+    from aioreduce.straggle import StraggleModel
+    from aioreduce.wire.control import ResultAsk
+
+    async def body(loop: clockloop.ClockLoop) -> None:
+        total = np.arange(6, dtype=np.float64) * 5
+        mesh = ReachMesh({(4, 5, tags.ROLL): ({"have": True, "used": [0, 1, 2, 3, 4],
+                                               "late": []}, None),
+                          (4, 5, tags.ROLL + 1): ({}, total)})
+        healer = Healer(mesh, None, 5.0, lambda: [0, 2], rejoin_wait=5.0)  # type: ignore[arg-type]
+        steps = Stepper(1, 5, StraggleModel(), None, None)
+        steps.step = 5
+        into = np.ones(6)
+        ran: list[int] = []
+
+        async def fails() -> Any:
+            ran.append(steps.take())
+            raise PeerLost(2, "connection lost")
+
+        async def runs() -> Any:
+            ran.append(steps.take())
+            return Result(into, ran[-1], [0, 1, 3, 4])
+
+        session: Any = Ring5()
+        step = asyncio.ensure_future(healer.step(steps, fails, into, session=session))
+        await clockloop.until(step.done)  # no timer needed: ranks 0 and 3 not waited for
+        res = step.result()
+        assert res.step == 5 and res.value is into and healer.rolled == 1
+        assert np.array_equal(into, total)
+        assert sorted(mesh.controls) == [(3, ResultAsk(5)), (4, ResultAsk(5))]
+        await healer.step(steps, runs, into, session=session)
+        assert ran == [5, 6]
+        into[:] = -1  # the caller reuses its vector: what was kept (step 6) is a copy
+        mesh.on_result_ask(4, ResultAsk(6))
+        await _settle(mesh)
+        assert [(r, s, t, m) for r, s, t, _b, m in mesh.sent] == [
+            (4, 6, tags.ROLL, {"have": True, "used": [0, 1, 3, 4], "late": []}),
+            (4, 6, tags.ROLL + 1, None)]
+        assert np.frombuffer(mesh.sent[1][3]).tolist() == total.tolist()
+
+    clockloop.run(body)
+
+
+def test_asking_for_a_failed_steps_result_waits_for_no_peer_that_cannot_answer() -> None:
+    """Nobody finished step 5: the ask ends once rank 4 says so, with no wait for rank 0 (the
+    ask cannot reach it) or rank 3 (replaced meanwhile). Once it waited for their answers
+    until its timeout: a lost host's second rank cost a spare-host restart a minute."""
+
+    async def body(loop: clockloop.ClockLoop) -> None:
+        mesh = ReachMesh({(4, 5, tags.ROLL): ({"have": False}, None)})
+        healer = Healer(mesh, None, 5.0, lambda: [0, 2], rejoin_wait=5.0)  # type: ignore[arg-type]
+        ask = asyncio.ensure_future(healer._roll_forward(5, np.ones(6), [2],
+                                                         members=Ring5.members))
+        await clockloop.until(ask.done)  # (the clock stands still: no timeout passed)
+        assert ask.result() is None and mesh.never is not None and mesh.never.cancelled()
+
+    clockloop.run(body)
 
 
 def test_a_step_failed_for_ranks_is_run_again_only_for_ranks_known_dead() -> None:

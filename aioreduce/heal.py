@@ -118,6 +118,7 @@ class Healer:
         # and the ranks used and late, kept until a later group step succeeds. A peer whose
         # same step failed (a rank died after this one had all it needed) takes it from us.
         self._kept: tuple[int, np.ndarray, list[int], list[int]] | None = None
+        self._spare: np.ndarray | None = None  # a step's copy of its vector, reused (_save)
         self._ended_at = -1  # the last group step that ended here, run or failed
         # rank -> the step it asked about last, not answered yet (answered once that step
         # ended here and no answer to it is on its way: one at a time, so bounded per rank)
@@ -195,11 +196,12 @@ class Healer:
         self._serving_at = steps.step
         if self._asked:  # (nearly every step: nobody asked)
             self.serve(steps.step)
+        saved: np.ndarray | None = None
         try:
             if not self.rejoin_wait:
                 return await self._healing(steps, run)
             known = list(self.mesh.incarnations.known)
-            saved = into.copy() if into is not None else None
+            saved = self._save(into) if into is not None else None
             # A ring's step can end on some ranks and fail on others (a rank died after its
             # last segments reached some of them): those go on to the next step. So here,
             # as for a group's last step, every rank keeps its last result, and a rank where
@@ -266,6 +268,18 @@ class Healer:
             return result
         finally:
             self._serving_at = None
+            if saved is not None:
+                self._spare = saved
+
+    def _save(self, into: np.ndarray) -> np.ndarray:
+        """A copy of ``into`` (to restore it before a run again), in the memory of an earlier
+        step's copy where it fits (fresh memory costs page faults every step). Taken while
+        in use, so steps that overlap each have their own."""
+        spare, self._spare = self._spare, None
+        if spare is None or spare.shape != into.shape or spare.dtype != into.dtype:
+            return into.copy()
+        np.copyto(spare, into)
+        return spare
 
     async def _agree(self, session: Reforms, lost: list[int], missing: list[int], at: int,
                      exc: PeerLost | StragglerError, known: list[int]) -> None:

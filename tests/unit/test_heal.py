@@ -814,3 +814,19 @@ def test_a_step_failed_for_ranks_is_run_again_only_for_ranks_known_dead() -> Non
         assert dead(StragglerError(5, [2]), known) == [2]  # replaced since the step began
 
     asyncio.run(body())
+
+
+def test_a_steps_copy_of_its_vector_reuses_the_last_ones_memory() -> None:
+    """With ``rejoin_wait`` a step summed in place first copies its vector (to restore it
+    before a run again): into the memory of the last step's copy where it fits, a new array
+    where it does not; one in use is not handed out twice."""
+    healer, _calls = _healer(FakeMesh())
+    a = np.arange(4.0)
+    first = healer._save(a)
+    assert first is not a and np.array_equal(first, a)
+    healer._spare = first  # (the step ended: its copy is spare)
+    again = healer._save(a * 2)
+    assert again is first and np.array_equal(again, a * 2)
+    assert healer._save(a) is not first  # taken: an overlapping step gets its own
+    healer._spare = first
+    assert healer._save(np.arange(5.0)) is not first  # another shape

@@ -553,9 +553,10 @@ class Healer:
     async def _roll_forward(self, at: int, into: np.ndarray, lost: list[int],
                             arrival: Arrival | None = None, *,
                             members: Sequence[int] | None = None) -> Result | None:
-        """Group step ``at``, the group's last, failed here because ``lost`` died: the
-        result from a live rank that finished it (written into ``into``), or None if none
-        did (each answers once its own step ``at`` is over)."""
+        """Step ``at`` (a group's last, or a plain step of a ring: of ``members``) failed
+        here because ``lost`` died: the result from a live rank that finished it (written
+        into ``into``), or None if none did (each answers once its own step ``at`` is
+        over; a peer that cannot answer is not waited for: :meth:`_answer_of`)."""
         mesh = self.mesh
         peers = [r for r in (self._group_ranks() if members is None else members)
                  if r != mesh.rank and r not in lost and not mesh.is_lost(r)]
@@ -586,7 +587,6 @@ class Healer:
             for pending in heads:
                 pending.cancel()
         return None
-
 
     async def _answer_of(self, rank: int, at: int) -> Header:
         """Ask ``rank`` for its result of step ``at``: the head of its answer. ``PeerLost``

@@ -31,6 +31,7 @@ from types import TracebackType
 
 from . import congestion as congestion_list
 from . import cpushare
+from .owner import orphaned
 
 log = logging.getLogger("aioreduce.bench")
 PREFIX = "arx"
@@ -107,10 +108,7 @@ def remove_stale() -> list[str]:
     removed = []
     for line in res.stdout.splitlines():
         name = line.split()[0] if line.split() else ""
-        if not name.startswith(PREFIX) or "-" not in name:
-            continue
-        owner = name[len(PREFIX):].split("-")[0]
-        if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+        if orphaned(name, PREFIX):
             kill_namespace_processes(name)
             _run("ip", "netns", "del", name, check=False)
             removed.append(name)

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .owner import orphaned, owner
+
 ALLOWED = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
 # Where the holders and the recorded list live: /run is cleared at boot, as the list is.
 STATE = (Path("/run") if Path("/run").is_dir() else Path(tempfile.gettempdir())) \
@@ -48,16 +50,11 @@ def _locked(state: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _alive(pid: int) -> bool:
-    return Path(f"/proc/{pid}").exists()
-
-
 def _prune(state: Path) -> tuple[list[Path], list[str]]:
     """The live holders; the dead ones' files removed (their names returned)."""
     live, dead = [], []
     for holder in state.glob("*-*"):
-        pid = holder.name.split("-", 1)[0]
-        if pid.isdigit() and _alive(int(pid)):
+        if owner(holder.name) is not None and not orphaned(holder.name):
             live.append(holder)
         else:
             holder.unlink(missing_ok=True)

@@ -22,6 +22,8 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from .owner import orphaned
+
 PERIOD_US = 10_000
 MIN_QUOTA_US = 1_000
 _V2 = Path("/sys/fs/cgroup")
@@ -135,8 +137,7 @@ def remove_stale(prefix: str) -> list[str]:
         return []
     removed = []
     for parent in root[0].glob(f"{prefix}*"):
-        owner = parent.name[len(prefix):].split("-")[0]
-        if parent.is_dir() and owner.isdigit() and not Path(f"/proc/{owner}").exists():
+        if parent.is_dir() and orphaned(parent.name, prefix):
             _remove([*(p for p in parent.iterdir() if p.is_dir()), parent])
             removed.append(str(parent))
     return removed

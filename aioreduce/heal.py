@@ -392,7 +392,7 @@ class Healer:
         with contextlib.suppress(PeerLost, TimeoutError):  # the step then finds it lost
             await asyncio.wait_for(self.mesh.connect(rank), self.timeout)
 
-    async def _quiet_control(self, rank: int, event: Reform | ResultAsk) -> None:
+    async def _quiet_control(self, rank: int, event: Reform) -> None:
         with contextlib.suppress(PeerLost):
             await self.mesh.send_control(rank, event)
 

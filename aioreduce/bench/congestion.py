@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .owner import orphaned, owner
+from .owner import alive, owner
 
 ALLOWED = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
 # Where the holders and the recorded list live: /run is cleared at boot, as the list is.
@@ -54,7 +54,8 @@ def _prune(state: Path) -> tuple[list[Path], list[str]]:
     """The live holders; the dead ones' files removed (their names returned)."""
     live, dead = [], []
     for holder in state.glob("*-*"):
-        if owner(holder.name) is not None and not orphaned(holder.name):
+        pid = owner(holder.name)
+        if pid is not None and alive(pid):
             live.append(holder)
         else:
             holder.unlink(missing_ok=True)

@@ -15,7 +15,12 @@ def owner(name: str, prefix: str = "") -> int | None:
     return int(pid) if dash and pid.isdigit() else None
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine."""
+    return Path(f"/proc/{pid}").exists()
+
+
 def orphaned(name: str, prefix: str = "") -> bool:
     """Whether ``name`` was made by a process that is gone (a name with no owner is not)."""
     pid = owner(name, prefix)
-    return pid is not None and not Path(f"/proc/{pid}").exists()
+    return pid is not None and not alive(pid)

@@ -21,10 +21,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from .torch_heal_soak import WINDOW, _trace
+from .torch_heal_soak import WINDOW, _differences
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.loopback
@@ -56,11 +55,8 @@ def _near_after_the_heal(calm_err: str, err: str) -> None:
     parameters (the ``--trace`` sample) in the ``WINDOW`` iterations after it within 1e-5
     of the undisturbed run's, relative to their largest; a heal that landed a wrong state is
     about 1e-2 off at once."""
-    want, _ = _trace(calm_err.splitlines())
-    got, heals = _trace(err.splitlines())
+    diff, heals = _differences(calm_err.splitlines(), err.splitlines())
     assert heals, "no iteration of a replacement in the trace"
-    diff = {it: float(np.abs(got[it] - want[it]).max() / np.abs(want[it]).max())
-            for it in got if it in want}
     for heal in heals:
         window = {it: diff[it] for it in range(heal, heal + WINDOW) if it in diff}
         assert len(window) == WINDOW and max(window.values()) <= 1e-5, (heal, window)

@@ -103,6 +103,17 @@ def _trace(lines: list[str]) -> tuple[dict[int, np.ndarray], list[int]]:
     return sample, heals
 
 
+def _differences(calm_lines: list[str], lines: list[str]
+                 ) -> tuple[dict[int, float], list[int]]:
+    """From the ``--trace`` lines of an undisturbed run and of one with kills: per iteration
+    both ran, how far rank 0's parameter sample is from the undisturbed one's (the largest
+    difference over the largest value); and the iterations where each heal landed."""
+    want, _ = _trace(calm_lines)
+    got, heals = _trace(lines)
+    return ({it: float(np.abs(got[it] - want[it]).max() / np.abs(want[it]).max())
+             for it in got if it in want}, heals)
+
+
 def _ddp_check(calm_err: str, err_lines: list[str]) -> bool:
     """DDP runs an iteration again as one vector: the ring adds in another order, so the
     run leaves the undisturbed one by rounding, and a ReLU that flips on a rounding
@@ -114,10 +125,7 @@ def _ddp_check(calm_err: str, err_lines: list[str]) -> bool:
     percent an iteration, with bumps of about 2x in a transformer). Printed: where the
     difference first passed 1e-5, the largest difference and the largest jump within a
     window."""
-    want, _ = _trace(calm_err.splitlines(keepends=True))
-    got, heals = _trace(err_lines)
-    diff = {it: float(np.abs(got[it] - want[it]).max() / np.abs(want[it]).max())
-            for it in got if it in want}
+    diff, heals = _differences(calm_err.splitlines(keepends=True), err_lines)
     worst = max((diff.get(it, 0.0) for h in heals for it in range(h, h + WINDOW)),
                 default=0.0)
     jumps = [max(diff.get(it, 0.0) for it in range(h, h + WINDOW))

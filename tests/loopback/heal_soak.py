@@ -69,9 +69,9 @@ class HealSoak:
     # Rank 0 among the victims too (the rendezvous, a tree's root); the job's progress is
     # then read from the last rank, which is never killed.
     root_too: bool = False
-    # The coded tree's chunks on lanes (--options '{"lanes": true}'; the transpose's are by
-    # default): every replacement and its peers open them again, checked at the end (each
-    # rank's lane peers as at its start).
+    # The coded tree's chunks on lanes (--options '{"lanes": true}'; the ring's and the
+    # transpose's are by default): every replacement and its peers open them again, checked
+    # at the end (each rank's lane peers as at its start; a ring's: its steps on lanes).
     lanes: bool = False
     dim: int = 1000  # the vector's elements (float32): larger shows what a heal costs later
     steps_of: dict[int, list[dict]] = field(default_factory=dict)
@@ -248,10 +248,21 @@ class HealSoak:
             "step_ms_last_100": _median_ms(root[-100:]),
             # ranks whose last step had lanes to the same peers as their first
             "lanes_as_at_start": sum(
-                bool(steps) and steps[0].get("lane_peers") == steps[-1].get("lane_peers")
-                and bool(steps[-1].get("lane_peers"))
-                for steps in (self.steps_of.get(r, []) for r in range(self.ranks))),
+                _lanes_as_at_start(self.steps_of.get(r, [])) for r in range(self.ranks)),
         }
+
+
+def _lanes_as_at_start(steps: list[dict]) -> bool:
+    """Whether a rank's last step ran on lanes to the same peers as its first. A ring's
+    session names no lane peers (``lane_peers`` None: every rank has lanes to its two
+    neighbours, opened again after every change), so there its steps' ``lanes`` flag says
+    it: the first and the last ran on lanes."""
+    if not steps:
+        return False
+    first, last = steps[0], steps[-1]
+    if last.get("lane_peers") is None:
+        return bool(first.get("lanes")) and bool(last.get("lanes"))
+    return first.get("lane_peers") == last.get("lane_peers") and bool(last["lane_peers"])
 
 
 def _median_ms(steps: list[dict]) -> float | None:
@@ -305,8 +316,8 @@ def main() -> int:
                         "launcher's 60); shorter than a restart: the ring re-forms")
     p.add_argument("--dim", type=int, default=1000, help="vector elements (float32)")
     p.add_argument("--lanes", action="store_true",
-                   help="the coded tree's chunks on lanes (the transpose's are anyway), "
-                        "opened again with every replacement (checked)")
+                   help="the coded tree's chunks on lanes (the ring's and the transpose's are "
+                        "anyway), opened again with every replacement (checked)")
     p.add_argument("--root-too", action="store_true",
                    help="rank 0 (the rendezvous, the tree's root) may be killed too; the last "
                         "rank is not")

@@ -416,3 +416,21 @@ async def test_a_discard_waits_for_a_streamed_payload_coming(inline) -> None:
     assert answers == [True, True]  # the path under test: both read with their heads
     lane = links._ins[PEER]
     assert lane.streaming and lane.read_expected(6, 0, memoryview(out).cast("B")) is None
+
+
+async def test_a_peer_we_cut_is_told_our_step_over_the_mesh_once_a_step() -> None:
+    """A lane is read in order: a rank steps behind us learns of our newer steps only from
+    the mesh. The transpose tells a sender it cut (see Links.tell), once a step."""
+    async for links, _peer in _wire(backlog_steps=8, notice_tag=NOTICE_TAG):
+        comm = links.comm
+        assert isinstance(comm, _Comm)
+        links.tell(PEER, 7)
+        links.tell(PEER, 7)  # (stage 1 and an earlier notice of the same step: one frame)
+        links.tell(PEER, 9)
+        await asyncio.sleep(0)  # the notices go out in the background
+        assert comm.told == [(PEER, 7, NOTICE_TAG), (PEER, 9, NOTICE_TAG)]
+        # The other side: a notice heard over the mesh says where a peer went on without us.
+        assert links.cut_at == -1
+        links._heard(Header(Kind.DATA, 12, NOTICE_TAG, PEER), memoryview(b""))
+        links._heard(Header(Kind.DATA, 14, 0, PEER), memoryview(b""))  # not a notice
+        assert links.cut_at == 12 and links.newest == 14

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -406,6 +407,55 @@ def test_a_network_that_slows_after_warm_up_raises_the_ceiling_and_a_cut_stage_d
     assert clock.advert() == {"tc": clock.proposal, "tb": pytest.approx(0.140)}
 
 
+def test_a_straggler_that_completed_raises_neither_the_floor_nor_the_ceiling() -> None:
+    """A sender late to start (it had sent nothing when the others were in) whose slices
+    still came, in warm-up or under a bound it fitted: the clock learns the others' time.
+    Counted, its lateness raised the floor to 1.5x itself for the next stages, every
+    straggler there fitted under it and raised it again, and nothing was bounded."""
+    clock = StageClock(warmup=4, slack=0.0, headroom=2.0, min_deadline=0.0, gain=1.0,
+                       deviation_gain=1.0)
+    for _ in range(3):
+        clock.observe(0.010, 1.0)
+    clock.observe(0.400, 1.0, others=0.011, late=frozenset({3}))  # a spike, in warm-up
+    assert clock.bound is not None and clock.bound < 0.03  # not 2 x 0.4
+    assert max(clock.recent) == 0.011
+    clock.observe(0.300, 1.0, others=0.012, late=frozenset({2}))  # one that fitted, later
+    assert max(clock.recent) == 0.012 and max(clock.settled) == 0.012
+    assert clock.estimate == pytest.approx(0.012)
+    assert clock.proposal is not None and clock.proposal < 0.03
+
+
+def test_a_sender_a_little_behind_the_others_counts_whole() -> None:
+    """The ranks' skew (a sender ready a few milliseconds after the others were in) is the
+    stage's own time, which stage 1 absorbs: by at most the others' time again plus
+    min_deadline, the stage counts whole."""
+    clock = StageClock(warmup=1, min_deadline=0.010)
+    clock.observe(0.015, 1.0, others=0.004, late=frozenset({1}))  # 15 <= 2 x 4 + 10
+    assert clock.samples == [0.015]
+    clock.observe(0.030, 1.0, others=0.004, late=frozenset({1}))  # 30 > 18: a straggler
+    assert clock.recent[-1] == 0.004
+
+
+def test_a_sender_late_in_half_of_the_last_stages_is_slow_not_straggling() -> None:
+    """A rank late to start stage after stage (a slower machine) is the stage's pace: the
+    bound follows it instead of cutting it every step (from the stage in which it has been
+    late in half of the last ones)."""
+    clock = StageClock(warmup=2, slack=0.0, headroom=100.0, min_deadline=0.0)
+    window = clock.late_history.maxlen
+    assert window == 8
+    for _ in range(2):
+        clock.observe(0.010, 1.0)
+    learnt = []
+    for _ in range(8):
+        clock.observe(0.100, 1.0, others=0.010, late=frozenset({3}))
+        learnt.append(clock.recent[-1])
+    assert learnt == [0.010] * 4 + [0.100] * 4  # late in 4 of the last 8 from the fifth on
+    assert clock.proposal == pytest.approx(1.5 * 0.100)
+    # Another rank late once meanwhile is still a straggler.
+    clock.observe(0.200, 1.0, others=0.010, late=frozenset({1}))
+    assert clock.recent[-1] == 0.010
+
+
 def test_the_deadline_stays_within_its_floor_and_ceiling() -> None:
     clock = StageClock(warmup=2, headroom=1.0, min_deadline=0.02)
     clock.observe(0.001, 1.0)
@@ -669,6 +719,73 @@ async def test_a_stage_knows_how_long_the_senders_that_did_send_took() -> None:
     await stage.run(0.02, idle=600.0)
     assert stage.silent() == {2}
     assert stage.others_took(stage.silent()) == pytest.approx(2 * stage.elapsed)
+
+
+async def test_a_stage_names_the_senders_late_to_start_when_the_others_were_in() -> None:
+    """Rank 2 sent nothing until rank 1's slices were all in, then its slice came: the stage
+    is complete, names rank 2 and the others' time. One whose bytes were heard before the
+    others were in is not late to start (slow data); a stage cut at its deadline has
+    ``silent`` instead."""
+    loop = asyncio.get_running_loop()
+    for bytes_heard in (False, True):
+        a, b, late = (loop.create_future() for _ in range(3))
+        stage = Stage([Slot(1, 0, 10, a), Slot(1, 1, 10, b, tail=True),
+                       Slot(2, 0, 20, late, tail=True)], 40)
+        loop.call_later(0.002, a.set_result, None)
+        loop.call_later(0.004, b.set_result, None)
+        loop.call_later(0.050, late.set_result, None)
+        heard = (lambda _src: time.perf_counter()) if bytes_heard else (lambda _src: 0.0)
+        await stage.run(1.0, idle=600.0, heard=heard)
+        assert stage.reason == "complete" and stage.fraction == 1.0
+        if bytes_heard:
+            assert stage.late_start() is None
+        else:
+            got = stage.late_start()
+            assert got is not None and got[0] == {2}
+            assert got[1] == pytest.approx(0.004, abs=1e-4)
+    cut = Stage([Slot(1, 0, 10, loop.create_future())], 10)
+    await cut.run(0.001, idle=600.0)
+    assert cut.reason == "deadline" and cut.late_start() is None
+
+
+async def test_a_sender_cut_while_silent_is_told_the_step() -> None:
+    """Over lanes a rank far behind would learn of its peers' step only once it had read its
+    way there, cut at every step meanwhile: after stage 1 the others tell it (Links.tell)."""
+    net = MemoryNetwork(3)
+    sessions = [Transpose(hadamard=False, warmup=2, max_loss=1.0).open(c) for c in net.comms]
+    told: list[tuple[int, int, int]] = []
+    def teller(rank: int) -> Callable[[int, int], None]:
+        return lambda peer, step: told.append((rank, peer, step))
+
+    for rank, s in enumerate(sessions):
+        s.links.tell = teller(rank)  # type: ignore[method-assign]
+    xs = [X0, 10 * X0, 100 * X0]
+    for step in range(2):
+        await run_step(net, sessions, step, xs)
+    assert told == []  # nobody cut
+    early = [asyncio.ensure_future(s.step(2, np.zeros(6), _ready(x)))
+             for s, x in zip(sessions[:2], xs[:2], strict=True)]
+    await asyncio.wait(early)
+    assert all(2 in t.result().stand_in for t in early)  # rank 2 was cut: the path meant
+    assert sorted(told) == [(0, 2, 2), (1, 2, 2)]
+    await sessions[2].step(2, np.zeros(6), _ready(xs[2]))
+
+
+@pytest.mark.parametrize("told", [False, True])
+async def test_a_rank_far_behind_jumps_past_the_step_its_peers_cut_it_at(told: bool) -> None:
+    """Steps behind (behind_steps), a rank jumps to its peers' newest step; to the one after,
+    where they told it they went on without it at that step (they are past it by the time
+    its vector for it is ready: jumping there, it was cut step after step, one behind)."""
+    net = MemoryNetwork(3)
+    sessions = [Transpose(hadamard=False, warmup=2, max_loss=1.0).open(c) for c in net.comms]
+    xs = [X0, 10 * X0, 100 * X0]
+    await run_step(net, sessions, 0, xs)
+    links = sessions[2].links
+    assert isinstance(links, CommLinks) and links.cut_at == -1
+    links.newest, links.cut_at = 7, (7 if told else 5)
+    with pytest.raises(FellBehind) as info:
+        await sessions[2].step(1, np.zeros(6), _ready(xs[2]))
+    assert info.value.current_step == (8 if told else 7)
 
 
 async def test_a_straggler_cut_in_a_step_does_not_raise_the_next_bounds() -> None:

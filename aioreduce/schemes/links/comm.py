@@ -27,6 +27,11 @@ class Links(Protocol):
     def newest(self) -> int:
         """The newest step any peer sent a slice of (-1: none yet)."""
 
+    @property
+    def cut_at(self) -> int:
+        """The newest step a peer told us it went on without us (see :meth:`tell`; -1:
+        none): that peer is past it."""
+
     def post(self, src: int, out: np.ndarray, step: int, tag: int, *,
              whole: bool = False) -> asyncio.Future[Header]:
         """Receive slice ``tag`` of ``step`` from ``src`` into ``out``; the future ends with
@@ -67,6 +72,12 @@ class Links(Protocol):
         """``time.perf_counter()`` when bytes last came from ``src`` (0: not known finer than
         whole slices, which the stage itself times)."""
 
+    def tell(self, peer: int, step: int) -> None:
+        """We cut ``peer`` at ``step`` (it had sent nothing): make sure it learns which step
+        we are at, so that one far behind jumps ahead (``FellBehind``) instead of being cut
+        step after step while it catches up. (Over the comm it reads every frame as it
+        comes, and learns that from our slices.)"""
+
     def end_step(self, step: int) -> None:
         """The step is over (step telemetry counts what it moved, if it bypassed the comm)."""
 
@@ -81,6 +92,7 @@ class CommLinks:
         self.comm = comm
         self.outbox = Outbox(comm, backlog_steps)
         self.newest = -1
+        self.cut_at = -1  # (nobody tells over the comm: see tell)
         self._removers: list[Callable[[], None]] = [
             comm.on_early(p, 0, self._heard) for p in range(comm.world_size) if p != comm.rank]
 
@@ -138,6 +150,9 @@ class CommLinks:
 
     def heard_at(self, src: int) -> float:
         return 0.0  # frames complete whole: the stage times them
+
+    def tell(self, peer: int, step: int) -> None:
+        pass  # the peer's inbox sees our slices' steps as they arrive
 
     def end_step(self, step: int) -> None:
         pass  # the comm's frames are counted as they pass

@@ -113,6 +113,7 @@ class LaneLinks:
         self._closed = False
         self._heard_at: dict[int, float] = {}  # peer -> perf_counter of its last bytes
         self.newest = newest
+        self.cut_at = -1  # the newest step a peer told us it skipped us at (see _heard)
         self._skipping: dict[int, list[int]] = {}  # peer -> [first, last] step skipped
         self._sent: dict[int, int] = {}  # step -> bytes queued
         self._got: dict[int, dict[int, list[int]]] = {}  # step -> src -> [bytes, messages]
@@ -383,6 +384,8 @@ class LaneLinks:
         sending.add_done_callback(lambda f: f.cancelled() or f.exception())  # lost: no matter
 
     def _heard(self, header: Header, _payload: memoryview) -> None:
+        if header.tag == self._notice_tag and header.step > self.cut_at:
+            self.cut_at = header.step  # (on the loop, as every reader of it)
         if header.step > self.newest:
             with self._cond:
                 self.newest = max(self.newest, header.step)
@@ -415,6 +418,12 @@ class LaneLinks:
 
     def heard_at(self, src: int) -> float:
         return self._heard_at.get(src, 0.0)
+
+    def tell(self, peer: int, step: int) -> None:
+        """A lane is read in order, so a peer behind us sees our newer steps only once it
+        has read the older ones: tell it over the mesh (see ``notice_tag``)."""
+        if not self.is_lost(peer):
+            self._tell(peer, step)
 
     def landed(self, src: int, step: int, tag: int) -> int:
         with self._lock:

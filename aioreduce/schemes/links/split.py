@@ -38,6 +38,10 @@ class SplitLinks:
     def newest(self) -> int:
         return max(self.lanes.newest, self.via_comm.newest)
 
+    @property
+    def cut_at(self) -> int:
+        return self.lanes.cut_at
+
     def post(self, src: int, out: np.ndarray, step: int, tag: int, *,
              whole: bool = False) -> asyncio.Future[Header]:
         return self._for(src).post(src, out, step, tag, whole=whole)
@@ -65,6 +69,9 @@ class SplitLinks:
 
     def heard_at(self, src: int) -> float:
         return self._for(src).heard_at(src)
+
+    def tell(self, peer: int, step: int) -> None:
+        self._for(peer).tell(peer, step)
 
     def end_step(self, step: int) -> None:
         self.lanes.end_step(step)

@@ -62,7 +62,11 @@ class Transpose:
     * ``resync_every``: every K steps the result says ``resync=True``: re-synchronise the
       model then (``Node.broadcast``), so replicas that used stand-ins cannot drift apart.
     * ``behind_steps``: a rank whose peers are this many steps ahead raises
-      :class:`~aioreduce.FellBehind` and jumps to their step (after a pause).
+      :class:`~aioreduce.FellBehind` and jumps to their step (after a pause, or a straggle
+      longer than several of their steps); to the one after it where they told it they went
+      on without it there (they are past it by the time it has its vector). Peers tell a
+      rank they cut while it had sent nothing, as over lanes it would learn their step only
+      once it had read its way there.
     * ``inject_loss``: for experiments, drop this fraction of slices on arrival (seeded),
       as an unreliable network would; never during warm-up.
     * ``lanes``: move the slices over a blocking lane to and from every peer, off the event

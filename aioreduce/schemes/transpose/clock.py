@@ -59,6 +59,9 @@ class StageClock:
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=32))  # complete stages
     # The complete stages among those since warm-up (whose outliers its P95 leaves out).
     settled: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    # The senders late to start in each of the last stages (see observe): one late in at
+    # least half of them is slow as a rule, and the stage's pace is its pace.
+    late_history: deque[frozenset[int]] = field(default_factory=lambda: deque(maxlen=8))
 
     @property
     def reliable(self) -> bool:
@@ -103,24 +106,43 @@ class StageClock:
                       self.min_deadline)
         return min(max(statistics.median(proposals), self.min_deadline), ceiling)
 
-    def observe(self, elapsed: float, fraction: float, others: float | None = None) -> None:
+    def observe(self, elapsed: float, fraction: float, others: float | None = None,
+                late: frozenset[int] = frozenset()) -> None:
         """Record one stage: ``elapsed`` seconds, ``fraction`` of its data received.
 
-        ``others``: for a stage cut while a sender had sent nothing in it (late to start,
-        paused), the seconds the senders that did send needed (see
-        :meth:`Stage.others_took`; None: no such sender). The estimate learns that, not
+        ``others``: for a stage with a sender that had sent nothing when it was cut, or (one
+        that completed) when every other sender was in (late to start, paused; see
+        :meth:`Stage.others_took` and :meth:`Stage.late_start`), the seconds the others
+        needed (None: no such sender); ``late``: those senders. The clock learns that, not
         ``elapsed / fraction``, which measures how long the stage waited for the straggler
         (its deadline), not how long the network needs: in the tail row each spike, cut at
         its deadline, raised the next ten or so bounds from about 16 ms to 24 (and a spike
-        among them paid that)."""
+        among them paid that).
+
+        A straggler that completed (in warm-up, or under a bound it fitted) is left out of
+        the warm-up's P95, the recent stages and the ceiling's the same way. Counted, one
+        straggler raised the floor to ``recent_margin`` x its lateness for the next
+        ``recent`` stages, every straggler in them completed under it and raised it again,
+        and with stragglers in one step of ten no step was bounded at all (figures in
+        docs/transpose.md, "Stragglers that complete"). Two kinds of late sender count whole:
+        one merely behind the others (by at most their time again plus ``min_deadline``: the
+        ranks' skew, which stage 1 absorbs), and one late to start in at least half of the
+        last stages (a slower machine, not a straggler: the bound follows it, as it follows a
+        slower network, instead of cutting it every step)."""
         if self.fixed is not None:
             return
+        usual = self._usually_late(late)
+        self.late_history.append(late)
+        if others is not None and (usual or (fraction >= 1.0
+                                             and elapsed <= 2 * others + self.min_deadline)):
+            others = None
+        took = others if others is not None and fraction >= 1.0 else elapsed
         if fraction >= 1.0:
-            self.recent.append(elapsed)
+            self.recent.append(took)
             if self.bound is not None:
-                self.settled.append(elapsed)
+                self.settled.append(took)
         if self.bound is None:
-            self.samples.append(elapsed)
+            self.samples.append(took)
             if len(self.samples) >= self.warmup:
                 mean = statistics.fmean(self.samples)
                 self.bound = self.headroom * _p95(self.samples)
@@ -131,6 +153,12 @@ class StageClock:
         scaled = others if others is not None else elapsed / max(fraction, 0.05)
         self.deviation += self.deviation_gain * (abs(scaled - self.estimate) - self.deviation)
         self.estimate += self.gain * (scaled - self.estimate)
+
+    def _usually_late(self, late: frozenset[int]) -> bool:
+        """Whether a sender of ``late`` was late to start in half of the last stages."""
+        history = self.late_history
+        return any(2 * sum(src in past for past in history) >= (history.maxlen or 1)
+                   for src in late)
 
     def heard(self, rank: int, proposal: object, bound: object) -> None:
         """A peer's piggybacked proposal and ceiling (ignored unless both are numbers > 0)."""

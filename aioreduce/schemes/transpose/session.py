@@ -253,8 +253,11 @@ class TransposeSession:
         t0 = time.perf_counter()
         links = self.links
         if self.newest >= step + opts.behind_steps:
-            links.discard_before(self.newest)
-            raise FellBehind(me, step, self.newest)
+            # Told we were cut at the newest step (Links.tell): our peers are past it by the
+            # time we have our vector for it, and would cut us there again; the next one.
+            ahead = self.newest + 1 if links.cut_at >= self.newest else self.newest
+            links.discard_before(ahead)
+            raise FellBehind(me, step, ahead)
         links.discard_before(step)
         self._heard_rotating = (self._heard_rotating[1], False)
         self._at = step
@@ -382,6 +385,12 @@ class TransposeSession:
                          "%.1f%% of its data", me, step, stage1.reason, stage1.elapsed * 1e3,
                          (d1 or 0) * 1e3, stage1.fraction * 100)
             links.discard_before(step, PHASE2_TAG)
+            if stage1.reason == "deadline":
+                # A sender cut while it had sent nothing may be steps behind (a pause, a
+                # spike longer than several of our steps): over lanes it would not learn how
+                # far until it read its way to our step, cut all along (see Links.tell).
+                for src in stage1.silent(links.heard_at):
+                    links.tell(src, step)
             self._drop_injected(step, 1, phase1)
             shard_fraction, missing = self._reduce(acc, scratch, layout, phase1, shape,
                                                    rot is not None)
@@ -683,15 +692,20 @@ class TransposeSession:
 
 def _observe_stage(clock: StageClock, stage: Stage, shift: float,
                    heard: Callable[[int], float]) -> None:
-    """Tell ``clock`` how long ``stage`` took, less ``shift`` (the rotation's time): where it
-    was cut while a sender had sent nothing, the time the others needed (a straggler's
-    lateness is not the network's; :meth:`StageClock.observe`)."""
+    """Tell ``clock`` how long ``stage`` took, less ``shift`` (the rotation's time): where a
+    sender had sent nothing when it was cut, or when the others were in, also the time the
+    others needed (a straggler's lateness is not the network's; :meth:`StageClock.observe`)."""
+    late = stage.late_start()
+    if late is not None:  # complete, one or more senders late to start
+        clock.observe(max(0.0, stage.elapsed - shift), 1.0, max(0.0, late[1] - shift),
+                      late[0])
+        return
     silent = stage.silent(heard) if stage.fraction < 1.0 else frozenset()
     others = stage.others_took(silent) if silent else None
     if silent and others is None:
         return  # nobody sent anything: nothing to learn about the network
     clock.observe(max(0.0, stage.elapsed - shift), stage.fraction,
-                  None if others is None else max(0.0, others - shift))
+                  None if others is None else max(0.0, others - shift), silent)
 
 
 def _sendable(summed: np.ndarray, copy_out: np.ndarray | None, a: int, b: int) -> np.ndarray:

@@ -69,7 +69,13 @@ class Stage:
     _idle: float = field(default=0.0)
     _idle_timer: asyncio.TimerHandle | None = None
     _heard: dict[int, float] = field(default_factory=dict)  # sender -> its last slice's time
+    _heard_at: Callable[[int], float] | None = None  # see run's ``heard``
     _open: int = 0
+    _open_by: dict[int, int] = field(default_factory=dict)  # sender -> its slots still open
+    # When the last sender that had sent anything was in while others had still sent nothing
+    # (late to start: stragglers), and those others (see late_start).
+    _others_in: float = 0.0
+    _late: frozenset[int] = frozenset()
     _tails: int = 0
     _ended: asyncio.Future[str] | None = None
 
@@ -90,6 +96,9 @@ class Stage:
         t0 = self._t0 = min(now, since) if since is not None else now
         self._ended = loop.create_future()
         self._open = len(self.slots)
+        self._heard_at = heard
+        for slot in self.slots:
+            self._open_by[slot.src] = self._open_by.get(slot.src, 0) + 1
         self._tails = sum(1 for s in self.slots if s.tail and s.src not in self.optional)
         self._idle = idle
         for slot in self.slots:
@@ -142,6 +151,15 @@ class Stage:
             src for src in {slot.src for slot in self.slots} - got
             if heard is None or heard(src) < self._t0)
 
+    def late_start(self) -> tuple[frozenset[int], float] | None:
+        """After a stage that completed: the senders that had not sent a byte when every
+        other sender's slices were in (late to start: a straggler, a pause), and the seconds
+        the others took; None if there were none. A stage cut at its deadline has
+        :meth:`silent` and :meth:`others_took` instead."""
+        if self.reason != "complete" or not self._late:
+            return None
+        return self._late, max(0.0, self._others_in - self._t0)
+
     def others_took(self, silent: frozenset[int]) -> float | None:
         """After :meth:`run`: the seconds the senders not in ``silent`` needed for their
         slices: when their last one arrived, or, if some of theirs are missing too, the
@@ -184,12 +202,24 @@ class Stage:
         elif not isinstance(exc, PeerLost):  # a mismatch or a bug: the step fails
             self._end_with(exc)
             return
+        left = self._open_by[slot.src] = self._open_by[slot.src] - 1
+        if left == 0 and self._open:
+            self._note_late_starters()
         if slot.tail and slot.src not in self.optional:
             self._tails -= 1
         if self._open == 0:
             self._end("complete")
         else:
             self._watch_idle()  # the last tail may be in now: the early close starts counting
+
+    def _note_late_starters(self) -> None:
+        """A sender's slices are all in: if every sender still owing slices has sent nothing
+        yet (not a slice, not a byte since the stage began), note them and the time."""
+        t0, heard = self._t0, self._heard_at
+        waiting = [src for src, left in self._open_by.items() if left]
+        if waiting and all(src not in self._heard and (heard is None or heard(src) < t0)
+                           for src in waiting):
+            self._others_in, self._late = time.perf_counter(), frozenset(waiting)
 
     def _watch_idle(self) -> None:
         """Once every awaited tail is in, check for quiet (early close), once."""

@@ -123,6 +123,8 @@ async def main(args: argparse.Namespace) -> None:
                 print("STEP " + json.dumps({"step": step, "error": kind,
                                             "healed": getattr(exc, "healed", False),
                                             "missing": getattr(exc, "missing", []),
+                                            # (FellBehind: the step the node jumps to)
+                                            "current": getattr(exc, "current_step", None),
                                             "message": str(exc), "t0": wall0,
                                             "t1": time.time(), "link": _link(node),
                                             "deadline": _deadline(node),

@@ -230,7 +230,7 @@ def _in_order(got: list[dict], steps: int) -> bool:
             return False
         want = s["step"] + 1
         if s.get("error") == "behind":
-            want = int(s["message"].rsplit(" ", 1)[1])  # "... the job is at step K"
+            want = s["current"]  # where the node jumped to
     return want >= steps
 
 

@@ -38,10 +38,11 @@ class _Recorder(asyncio.Protocol):
         self.on_data()
 
 
-async def _starved_past_the_deadline(block: float) -> tuple[list[str], Deadline]:
-    """A deadline that falls due while the loop is busy reading peer A (as a decoder would
-    be), with peer B's bytes arriving meanwhile. Returns the order in which the loop saw
-    them: the deadline must come after B."""
+async def _starved_past_the_deadline(block: float, seconds: float = 0.005
+                                     ) -> tuple[list[str], Deadline]:
+    """A deadline of ``seconds`` that falls due while the loop is busy for ``block`` reading
+    peer A (as a decoder would be), with peer B's bytes arriving meanwhile. Returns the order
+    in which the loop saw them: the deadline must come after B."""
     loop = asyncio.get_running_loop()
     order: list[str] = []
     pairs = [socket.socketpair() for _ in range(2)]
@@ -56,7 +57,7 @@ async def _starved_past_the_deadline(block: float) -> tuple[list[str], Deadline]
         functools.partial(_Recorder, name, order, fn), pair[0]))[0]
         for name, fn, pair in [("a", busy, pairs[0]), ("b", lambda: None, pairs[1])]]
     try:
-        deadline = Deadline(0.005)
+        deadline = Deadline(seconds)
         deadline.fired.add_done_callback(lambda _f: order.append("fired"))
         pairs[0][1].send(b"a")
         await deadline.fired
@@ -72,8 +73,10 @@ async def _starved_past_the_deadline(block: float) -> tuple[list[str], Deadline]
 def test_a_late_deadline_reads_what_arrived_before_it_fires(loop_name: str) -> None:
     def check() -> Coroutine[Any, Any, None]:
         async def main() -> None:
-            order, deadline = await _starved_past_the_deadline(LATE / 4)
-            assert deadline.paused == 0.0  # starved, not paused: no grace, only a last look
+            # Busy for a little longer than the deadline: found late by less than its own
+            # length (and than LATE), so starved, not stalled: no grace, only a last look.
+            order, deadline = await _starved_past_the_deadline(LATE / 2, seconds=LATE * 0.45)
+            assert deadline.paused == 0.0
             assert order == ["a", "b", "fired"]
         return main()
     _run(loop_name, check)
@@ -88,6 +91,50 @@ def test_a_deadline_found_far_past_due_says_we_were_paused(loop_name: str) -> No
             assert order == ["a", "b", "fired"]
         return main()
     _run(loop_name, check)
+
+
+@pytest.mark.parametrize("loop_name", sorted(LOOPS))
+def test_a_deadline_found_later_than_its_own_length_says_we_stalled(loop_name: str) -> None:
+    def check() -> Coroutine[Any, Any, None]:
+        async def main() -> None:
+            order, deadline = await _starved_past_the_deadline(LATE / 4)  # 5 ms, ~20 late
+            assert deadline.paused > 0.0  # a grace was taken (the stall's, or a pause's)
+            assert order == ["a", "b", "fired"]
+        return main()
+    _run(loop_name, check)
+
+
+def test_a_stall_longer_than_the_deadline_waits_as_long_again() -> None:
+    # Our process (or its host) did not run for longer than the whole bound: the peers had
+    # none of that time either, so the deadline waits as long again before it expires. A
+    # timer late by less than its own length (a loop busy for a moment), or by less than
+    # STALL, takes only its last look.
+    from aioreduce.schemes.deadline import STALL
+
+    from .clockloop import advance, run
+
+    async def body(loop: Any) -> None:
+        stalled = Deadline(0.020)
+        await advance(loop, 0.045)  # found 25 ms late: more than its 20 ms
+        assert not stalled.fired.done() and stalled.paused == pytest.approx(0.025)
+        await advance(loop, 0.024)
+        assert not stalled.fired.done()
+        await advance(loop, 0.002)
+        assert stalled.fired.done()
+
+        busy = Deadline(0.020)
+        await advance(loop, 0.035)  # 15 ms late: less than its length
+        assert busy.fired.done() and busy.paused == 0.0
+
+        short = Deadline(STALL / 5)
+        await advance(loop, STALL / 5 + STALL * 0.8)  # later than its length, not than STALL
+        assert short.fired.done() and short.paused == 0.0
+
+        long = Deadline(10.0)
+        await advance(loop, 10.0 + LATE * 2)  # a pause: the fixed grace, whatever the length
+        assert not long.fired.done() and long.paused == pytest.approx(LATE * 2)
+
+    run(body)
 
 
 def test_a_cancelled_deadline_never_fires_even_during_its_last_look() -> None:

@@ -144,6 +144,7 @@ async def _worker(cfg: Config) -> None:
         loads = {n: load_fraction(schemes.get(n), world) for n in names}
         warmup = warmup_iterations(cfg)
         profile = _Profile(rank)
+        buffers: dict[str, np.ndarray] = {}  # the vectors summed in place, one per scheme
         for it in range(warmup + cfg.iters):
             order = names if it % 2 == 0 else names[::-1]
             for name in order:
@@ -156,10 +157,11 @@ async def _worker(cfg: Config) -> None:
                 # Gloo sums in place: its fresh copy of the vector is made before the clock
                 # starts, as a trainer's gradients are there already (ours write a result of
                 # their own, so Gloo is not charged a copy that ours do not make).
-                tensor = torch.from_numpy(vec.copy()) if scheme is None else None
+                tensor = (torch.from_numpy(_refill(buffers, name, vec)) if scheme is None
+                          else None)
                 # --in-place: ours get the same treatment (a copy made before the clock, summed
                 # into), so the two are compared doing the same work.
-                work = vec.copy() if _in_place(cfg, scheme) else None
+                work = _refill(buffers, name, vec) if _in_place(cfg, scheme) else None
                 # The injected delay is drawn before the clock (the bench's work, not ours).
                 delay = sleep + model.extra_delay(rank, it, sleep, world)
                 await node.barrier(timeout=300)
@@ -276,6 +278,19 @@ def cpu_seconds() -> float:
     """User and system CPU of this rank's process so far, every thread (its lanes' too)."""
     use = resource.getrusage(resource.RUSAGE_SELF)
     return use.ru_utime + use.ru_stime
+
+
+def _refill(buffers: dict[str, np.ndarray], name: str, vec: np.ndarray) -> np.ndarray:
+    """``name``'s buffer, the same memory every step, holding ``vec`` again: as a trainer's
+    gradients are (a fresh copy each step took fresh pages, and the kernel's zeroing of them,
+    for some schemes and not others, by how the allocator reused memory). A scheme must let
+    the caller change its array once a step is over: this holds it to that."""
+    buf = buffers.get(name)
+    if buf is None:
+        buf = buffers[name] = vec.copy()
+    else:
+        np.copyto(buf, vec)
+    return buf
 
 
 def _in_place(cfg: Config, scheme: Scheme | None) -> bool:

@@ -17,9 +17,8 @@ A timer found later than its own length (and than :data:`STALL`) lost more time 
 whole bound it keeps: a stall of this process or of its host (a hypervisor's, or every core
 taken by something else), not a loop busy for a moment. The peers, stalled with us on a
 shared host, or their bytes waiting for our reader threads, had none of that time; so it
-waits as long again as it was late (GRACE at most) before it expires. Measured on 4 ranks
-sharing 2 cores, a 16 MiB transpose step of about 24 ms with 80 ms of both cores taken every
-0.9 s: before, 4 of 200 calm steps raised (0.16 % of the data cut); see docs/transpose.md.
+waits as long again as it was late (GRACE at most) before it expires (calm transpose steps
+cut by such stalls before: docs/transpose.md, "A stall of the whole host").
 
 Our own garbage collector is a pause too: a full collection holds the interpreter for tens of
 milliseconds, during which neither the loop nor the threads reading our lanes run, and the

@@ -69,39 +69,34 @@ async def _starved_past_the_deadline(block: float, seconds: float = 0.005
             peer.close()
 
 
+def _starved(loop_name: str, block: float, seconds: float = 0.005
+             ) -> tuple[list[str], Deadline]:
+    """:func:`_starved_past_the_deadline` run on a fresh loop of kind ``loop_name``."""
+    with asyncio.Runner(loop_factory=LOOPS[loop_name]) as runner:
+        return runner.run(_starved_past_the_deadline(block, seconds))
+
+
 @pytest.mark.parametrize("loop_name", sorted(LOOPS))
 def test_a_late_deadline_reads_what_arrived_before_it_fires(loop_name: str) -> None:
-    def check() -> Coroutine[Any, Any, None]:
-        async def main() -> None:
-            # Busy for a little longer than the deadline: found late by less than its own
-            # length (and than LATE), so starved, not stalled: no grace, only a last look.
-            order, deadline = await _starved_past_the_deadline(LATE / 2, seconds=LATE * 0.45)
-            assert deadline.paused == 0.0
-            assert order == ["a", "b", "fired"]
-        return main()
-    _run(loop_name, check)
+    # Busy for a little longer than the deadline: found late by less than its own length
+    # (and than LATE), so starved, not stalled: no grace, only a last look.
+    order, deadline = _starved(loop_name, LATE / 2, seconds=LATE * 0.45)
+    assert deadline.paused == 0.0
+    assert order == ["a", "b", "fired"]
 
 
 @pytest.mark.parametrize("loop_name", sorted(LOOPS))
 def test_a_deadline_found_far_past_due_says_we_were_paused(loop_name: str) -> None:
-    def check() -> Coroutine[Any, Any, None]:
-        async def main() -> None:
-            order, deadline = await _starved_past_the_deadline(LATE * 1.5)
-            assert deadline.paused > LATE  # the grace path was taken
-            assert order == ["a", "b", "fired"]
-        return main()
-    _run(loop_name, check)
+    order, deadline = _starved(loop_name, LATE * 1.5)
+    assert deadline.paused > LATE  # the grace path was taken
+    assert order == ["a", "b", "fired"]
 
 
 @pytest.mark.parametrize("loop_name", sorted(LOOPS))
 def test_a_deadline_found_later_than_its_own_length_says_we_stalled(loop_name: str) -> None:
-    def check() -> Coroutine[Any, Any, None]:
-        async def main() -> None:
-            order, deadline = await _starved_past_the_deadline(LATE / 4)  # 5 ms, ~20 late
-            assert deadline.paused > 0.0  # a grace was taken (the stall's, or a pause's)
-            assert order == ["a", "b", "fired"]
-        return main()
-    _run(loop_name, check)
+    order, deadline = _starved(loop_name, LATE / 4)  # a 5 ms deadline found about 20 ms late
+    assert deadline.paused > 0.0  # a grace was taken (the stall's, or a pause's)
+    assert order == ["a", "b", "fired"]
 
 
 def test_a_stall_longer_than_the_deadline_waits_as_long_again() -> None:
@@ -111,9 +106,9 @@ def test_a_stall_longer_than_the_deadline_waits_as_long_again() -> None:
     # STALL, takes only its last look.
     from aioreduce.schemes.deadline import STALL
 
-    from .clockloop import advance, run
+    from .clockloop import ClockLoop, advance, run
 
-    async def body(loop: Any) -> None:
+    async def body(loop: ClockLoop) -> None:
         stalled = Deadline(0.020)
         await advance(loop, 0.045)  # found 25 ms late: more than its 20 ms
         assert not stalled.fired.done() and stalled.paused == pytest.approx(0.025)

@@ -456,6 +456,28 @@ def test_a_sender_late_in_half_of_the_last_stages_is_slow_not_straggling() -> No
     assert clock.recent[-1] == 0.010
 
 
+def test_a_sender_only_a_little_behind_is_not_counted_late_for_the_slow_rule() -> None:
+    """Starting last by the skew alone (a millisecond in a quick stage: some sender nearly
+    every time) does not go into the history the slow-machine rule reads. Counted, it made a
+    rank paused in a few steps "slow" (the straggler soak's pause model, seed 17): its pauses
+    counted whole, the floor rose past them and no stage was cut again."""
+    clock = StageClock(warmup=2, slack=0.0, headroom=100.0, min_deadline=0.010)
+    for _ in range(2):
+        clock.observe(0.010, 1.0)
+    for _ in range(6):  # rank 3 last, within the skew: counts whole, recorded as on time
+        clock.observe(0.012, 1.0, others=0.010, late=frozenset({3}))
+        assert clock.recent[-1] == 0.012
+    assert all(not late for late in clock.late_history)
+    clock.observe(0.400, 1.0, others=0.010, late=frozenset({3}))  # a real pause: a straggler
+    assert clock.recent[-1] == 0.010
+    assert clock.proposal is not None and clock.proposal < 0.05
+    # Late past the skew in half of the last stages, it is slow: the bound follows it.
+    for _ in range(3):
+        clock.observe(0.400, 1.0, others=0.010, late=frozenset({3}))
+    clock.observe(0.400, 1.0, others=0.010, late=frozenset({3}))
+    assert clock.recent[-1] == 0.400
+
+
 def test_the_deadline_stays_within_its_floor_and_ceiling() -> None:
     clock = StageClock(warmup=2, headroom=1.0, min_deadline=0.02)
     clock.observe(0.001, 1.0)

@@ -126,15 +126,22 @@ class StageClock:
         and with stragglers in one step of ten no step was bounded at all (figures in
         docs/transpose.md, "Stragglers that complete"). Two kinds of late sender count whole:
         one merely behind the others (by at most their time again plus ``min_deadline``: the
-        ranks' skew, which stage 1 absorbs), and one late to start in at least half of the
-        last stages (a slower machine, not a straggler: the bound follows it, as it follows a
-        slower network, instead of cutting it every step)."""
+        ranks' skew, which stage 1 absorbs), and one late past that skew (or cut while
+        silent) in at least half of the last stages (a slower machine, not a straggler: the
+        bound follows it, as it follows a slower network, instead of cutting it every
+        step)."""
         if self.fixed is not None:
             return
+        skew = (others is not None and fraction >= 1.0
+                and elapsed <= 2 * others + self.min_deadline)
         usual = self._usually_late(late)
-        self.late_history.append(late)
-        if others is not None and (usual or (fraction >= 1.0
-                                             and elapsed <= 2 * others + self.min_deadline)):
+        # Only a sender late past the skew goes into the history: in quick stages one
+        # sender or another starts last by a millisecond nearly every time, and counted,
+        # such noise plus a few real pauses made a rank "slow" (4 ranks, a random one paused
+        # 0.3-0.5 s each step): its pauses counted whole, the floor rose past them, and no
+        # step was bounded again (docs/transpose.md "Stragglers that complete").
+        self.late_history.append(frozenset() if skew else late)
+        if usual or skew:
             others = None
         took = others if others is not None and fraction >= 1.0 else elapsed
         if fraction >= 1.0:

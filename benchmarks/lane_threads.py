@@ -1,0 +1,256 @@
+"""How much a rank's CPU depends on how many threads move its lanes' bytes: the transpose's
+traffic (every rank sends a 4 MiB slice to each peer and receives one from each, twice a
+step) between real processes over Unix socket pairs, moved either by a thread per lane and
+direction (our LaneLinks: 2(N-1) threads besides the rank's main one) or by one I/O thread
+that polls every lane (non-blocking sends and receives), the main thread summing what came
+as the transpose's does; and, for scale, the ring's traffic (the same bytes per rank, to one
+neighbour, in 2(N-1) slices). The three run in one invocation, alternated, and it prints
+each one's wall time and CPU (getrusage, every thread) per rank per step and the ratios.
+
+It answers one question before anyone rewrites LaneLinks: on a host whose ranks share
+cores, is the calm transpose's extra CPU against the ring (docs/transpose.md, "Where the
+rest goes": futex and Python of seven threads per rank) the threads' own doing?
+
+    python benchmarks/lane_threads.py [--ranks 4] [--mib 16] [--steps 200] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import queue
+import resource
+import select
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from aioreduce.wire import byte_view
+
+SNDBUF = 2 << 20  # as the lanes' Unix sockets (aioreduce.transport.sockopts.UNIX_SNDBUF)
+
+
+def _cpu() -> float:
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
+
+class _Threads:
+    """A sender and a reader thread per peer; a step's stage hands each sender its slice
+    and waits for each reader's (the LaneLinks way, without its bookkeeping)."""
+
+    def __init__(self, outs: dict[int, socket.socket], ins: dict[int, socket.socket],
+                 nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.sendq: dict[int, queue.SimpleQueue[memoryview | None]] = {}
+        self.done: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self.into: dict[int, queue.SimpleQueue[memoryview | None]] = {}
+        for peer, sock in outs.items():
+            q: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+            self.sendq[peer] = q
+            threading.Thread(target=self._send, args=(sock, q), daemon=True).start()
+        for peer, sock in ins.items():
+            r: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+            self.into[peer] = r
+            threading.Thread(target=self._read, args=(peer, sock, r), daemon=True).start()
+
+    @staticmethod
+    def _send(sock: socket.socket, q: queue.SimpleQueue[memoryview | None]) -> None:
+        while (view := q.get()) is not None:
+            sock.sendall(view)
+
+    def _read(self, peer: int, sock: socket.socket,
+              q: queue.SimpleQueue[memoryview | None]) -> None:
+        while (view := q.get()) is not None:
+            got = 0
+            while got < view.nbytes:  # chunk by chunk, as LaneLinks._fill (poll, then read)
+                select.select([sock], [], [])
+                got += sock.recv_into(view[got:], view.nbytes - got, socket.MSG_DONTWAIT)
+            self.done.put(peer)
+
+    def stage(self, sends: dict[int, memoryview], recvs: dict[int, memoryview],
+              on_arrival: Callable[[int], None]) -> None:
+        for peer, view in recvs.items():
+            self.into[peer].put(view)
+        for peer, view in sends.items():
+            self.sendq[peer].put(view)
+        for _ in recvs:
+            on_arrival(self.done.get())
+
+
+class _OneThread:
+    """One I/O thread polls every lane: non-blocking sends and receives of a stage's
+    slices, each arrival handed to the main thread."""
+
+    def __init__(self, outs: dict[int, socket.socket], ins: dict[int, socket.socket],
+                 nbytes: int) -> None:
+        for sock in (*outs.values(), *ins.values()):
+            sock.setblocking(False)
+        self.outs, self.ins = outs, ins
+        self.jobs: queue.SimpleQueue[tuple[dict[int, memoryview], dict[int, memoryview]]
+                                     | None] = queue.SimpleQueue()
+        self.done: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        poller = select.poll()
+        fd_peer: dict[int, tuple[str, int]] = {}
+        while (job := self.jobs.get()) is not None:
+            sends, recvs = job
+            sent = dict.fromkeys(sends, 0)
+            got = dict.fromkeys(recvs, 0)
+            for peer in sends:
+                fd = self.outs[peer].fileno()
+                poller.register(fd, select.POLLOUT)
+                fd_peer[fd] = ("out", peer)
+            for peer in recvs:
+                fd = self.ins[peer].fileno()
+                poller.register(fd, select.POLLIN)
+                fd_peer[fd] = ("in", peer)
+            left = len(sends) + len(recvs)
+            while left:
+                for fd, _ev in poller.poll():
+                    way, peer = fd_peer[fd]
+                    if way == "out":
+                        view = sends[peer]
+                        try:
+                            sent[peer] += self.outs[peer].send(view[sent[peer]:])
+                        except BlockingIOError:
+                            continue
+                        if sent[peer] == view.nbytes:
+                            poller.unregister(fd)
+                            left -= 1
+                    else:
+                        view = recvs[peer]
+                        try:
+                            got[peer] += self.ins[peer].recv_into(view[got[peer]:])
+                        except BlockingIOError:
+                            continue
+                        if got[peer] == view.nbytes:
+                            poller.unregister(fd)
+                            left -= 1
+                            self.done.put(peer)
+
+    def stage(self, sends: dict[int, memoryview], recvs: dict[int, memoryview],
+              on_arrival: Callable[[int], None]) -> None:
+        self.jobs.put((sends, recvs))
+        for _ in recvs:
+            on_arrival(self.done.get())
+
+
+def _ring_steps(rank: int, n: int, nbytes: int, steps: int, out: socket.socket,
+                into: socket.socket) -> None:
+    """The ring's traffic for comparison: 2(N-1) slices of the same size to the next rank
+    (a sender thread) and from the previous one (read by the main thread, in order, as the
+    ring's own thread reads), the first N-1 summed."""
+    sendq: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+    threading.Thread(target=_Threads._send, args=(out, sendq), daemon=True).start()
+    vec = np.ones(n * nbytes // 4, np.float32)
+    chunks = [vec[c * nbytes // 4:(c + 1) * nbytes // 4] for c in range(n)]
+    scratch = np.empty(nbytes // 4, np.float32)
+    for _ in range(steps):
+        for r in range(2 * (n - 1)):
+            send_c = (rank - r) % n
+            recv_c = (rank - r - 1) % n
+            sendq.put(byte_view(chunks[send_c]))
+            target = scratch if r < n - 1 else chunks[recv_c]
+            view = byte_view(target)
+            got = 0
+            while got < view.nbytes:
+                got += into.recv_into(view[got:], view.nbytes - got, socket.MSG_WAITALL)
+            if r < n - 1:
+                chunks[recv_c] += scratch
+        vec[:] = 1.0
+
+
+def _rank(rank: int, n: int, way: str, nbytes: int, steps: int,
+          outs: dict[int, socket.socket], ins: dict[int, socket.socket],
+          start: threading.Barrier, results: mp.Queue) -> None:  # type: ignore[type-arg]
+    if way == "ring":
+        start.wait()
+        t0, c0 = time.perf_counter(), _cpu()
+        _ring_steps(rank, n, nbytes, steps, outs[(rank + 1) % n], ins[(rank - 1) % n])
+        results.put((way, rank, (time.perf_counter() - t0) / steps, (_cpu() - c0) / steps))
+        return
+    mover = (_Threads if way == "threads" else _OneThread)(outs, ins, nbytes)
+    peers = [p for p in range(n) if p != rank]
+    vec = np.ones(n * nbytes // 4, np.float32)
+    shards = {p: byte_view(vec[p * nbytes // 4:(p + 1) * nbytes // 4]) for p in range(n)}
+    scratch = {p: np.empty(nbytes // 4, np.float32) for p in peers}
+    mine = vec[rank * nbytes // 4:(rank + 1) * nbytes // 4]
+
+    def add(src: int) -> None:
+        mine.__iadd__(scratch[src])
+
+    start.wait()
+    t0, c0 = time.perf_counter(), _cpu()
+    for _ in range(steps):
+        # Stage 1: our copy of each peer's shard to it; each peer's copy of ours, summed.
+        mover.stage({p: shards[p] for p in peers},
+                    {p: byte_view(scratch[p]) for p in peers}, add)
+        # Stage 2: our reduced shard to every peer; their reduced shards into the vector.
+        mover.stage({p: shards[rank] for p in peers}, {p: shards[p] for p in peers},
+                    lambda _src: None)
+        vec[:] = 1.0  # the next step's vector (the bench's refill)
+    results.put((way, rank, (time.perf_counter() - t0) / steps, (_cpu() - c0) / steps))
+
+
+def _run(way: str, n: int, nbytes: int, steps: int) -> tuple[float, float]:
+    """One launch of ``n`` ranks moving their lanes ``way``: (median rank's wall seconds,
+    mean CPU seconds) per step."""
+    ctx = mp.get_context("fork")
+    pairs = {(a, b): socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+             for a in range(n) for b in range(n) if a != b}  # a -> b
+    for w, _r in pairs.values():
+        w.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)
+    start = ctx.Barrier(n)  # (the type of a threading.Barrier, across processes)
+    results: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+    procs = []
+    for rank in range(n):
+        outs = {b: pairs[(rank, b)][0] for b in range(n) if b != rank}
+        ins = {a: pairs[(a, rank)][1] for a in range(n) if a != rank}
+        p = ctx.Process(target=_rank, args=(rank, n, way, nbytes, steps, outs, ins, start,
+                                            results), daemon=True)
+        p.start()
+        procs.append(p)
+    got = [results.get(timeout=600) for _ in range(n)]
+    for p in procs:
+        p.join(timeout=30)
+    for a, b in pairs.values():
+        a.close()
+        b.close()
+    return (statistics.median(g[2] for g in got), statistics.fmean(g[3] for g in got))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--mib", type=int, default=16, help="the vector, MiB")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3, help="launches of each way")
+    args = parser.parse_args()
+    nbytes = (args.mib << 20) // args.ranks
+    figures: dict[str, list[tuple[float, float]]] = {"threads": [], "one": [], "ring": []}
+    for i in range(args.rounds):
+        ways = ("threads", "one", "ring")
+        for way in (ways if i % 2 == 0 else ways[::-1]):
+            figures[way].append(_run(way, args.ranks, nbytes, args.steps))
+            wall, cpu = figures[way][-1]
+            print(f"round {i} {way:8s} {wall * 1e3:7.2f} ms/step  cpu {cpu * 1e3:6.2f} "
+                  f"ms/rank-step", flush=True)
+    for i in range(args.rounds):
+        (tw, tc), (ow, oc) = figures["threads"][i], figures["one"][i]
+        rw, rc = figures["ring"][i]
+        print(f"round {i}: one I/O thread / thread per lane: wall {ow / tw:.2f}, "
+              f"cpu {oc / tc:.2f}; thread per lane / ring: wall {tw / rw:.2f}, "
+              f"cpu {tc / rc:.2f}")
+
+
+if __name__ == "__main__":
+    main()

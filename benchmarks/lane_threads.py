@@ -145,16 +145,17 @@ class _OneThread:
 
 
 def _ring_steps(rank: int, n: int, nbytes: int, steps: int, out: socket.socket,
-                into: socket.socket) -> None:
+                into: socket.socket) -> bool:
     """The ring's traffic for comparison: 2(N-1) slices of the same size to the next rank
     (a sender thread) and from the previous one (read by the main thread, in order, as the
-    ring's own thread reads), the first N-1 summed."""
+    ring's own thread reads), the first N-1 summed; whether the last step's sum is exact."""
     sendq: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
     threading.Thread(target=_Threads._send, args=(out, sendq), daemon=True).start()
     vec = np.ones(n * nbytes // 4, np.float32)
     chunks = [vec[c * nbytes // 4:(c + 1) * nbytes // 4] for c in range(n)]
     scratch = np.empty(nbytes // 4, np.float32)
     for _ in range(steps):
+        vec[:] = 1.0  # this step's vector (the bench's refill)
         for r in range(2 * (n - 1)):
             send_c = (rank - r) % n
             recv_c = (rank - r - 1) % n
@@ -166,7 +167,7 @@ def _ring_steps(rank: int, n: int, nbytes: int, steps: int, out: socket.socket,
                 got += into.recv_into(view[got:], view.nbytes - got, socket.MSG_WAITALL)
             if r < n - 1:
                 chunks[recv_c] += scratch
-        vec[:] = 1.0
+    return bool(np.all(vec == n))
 
 
 def _rank(rank: int, n: int, way: str, nbytes: int, steps: int,
@@ -175,8 +176,9 @@ def _rank(rank: int, n: int, way: str, nbytes: int, steps: int,
     if way == "ring":
         start.wait()
         t0, c0 = time.perf_counter(), _cpu()
-        _ring_steps(rank, n, nbytes, steps, outs[(rank + 1) % n], ins[(rank - 1) % n])
-        results.put((way, rank, (time.perf_counter() - t0) / steps, (_cpu() - c0) / steps))
+        exact = _ring_steps(rank, n, nbytes, steps, outs[(rank + 1) % n], ins[(rank - 1) % n])
+        results.put((way, rank, (time.perf_counter() - t0) / max(steps, 1),
+                     (_cpu() - c0) / max(steps, 1), exact))
         return
     mover = (_Threads if way == "threads" else _OneThread)(outs, ins, nbytes)
     peers = [p for p in range(n) if p != rank]
@@ -191,19 +193,21 @@ def _rank(rank: int, n: int, way: str, nbytes: int, steps: int,
     start.wait()
     t0, c0 = time.perf_counter(), _cpu()
     for _ in range(steps):
+        vec[:] = 1.0  # this step's vector (the bench's refill)
         # Stage 1: our copy of each peer's shard to it; each peer's copy of ours, summed.
         mover.stage({p: shards[p] for p in peers},
                     {p: byte_view(scratch[p]) for p in peers}, add)
         # Stage 2: our reduced shard to every peer; their reduced shards into the vector.
         mover.stage({p: shards[rank] for p in peers}, {p: shards[p] for p in peers},
                     lambda _src: None)
-        vec[:] = 1.0  # the next step's vector (the bench's refill)
-    results.put((way, rank, (time.perf_counter() - t0) / steps, (_cpu() - c0) / steps))
+    results.put((way, rank, (time.perf_counter() - t0) / max(steps, 1),
+                 (_cpu() - c0) / max(steps, 1), bool(np.all(vec == n))))
 
 
-def _run(way: str, n: int, nbytes: int, steps: int) -> tuple[float, float]:
-    """One launch of ``n`` ranks moving their lanes ``way``: (median rank's wall seconds,
-    mean CPU seconds) per step."""
+def run(way: str, n: int, nbytes: int, steps: int) -> tuple[float, float]:
+    """One launch of ``n`` ranks moving their lanes ``way`` (``threads``, ``one`` or
+    ``ring``): (median rank's wall seconds, mean CPU seconds) per step. Raises if a rank's
+    last sum was not exact (the bytes went astray)."""
     ctx = mp.get_context("fork")
     pairs = {(a, b): socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
              for a in range(n) for b in range(n) if a != b}  # a -> b
@@ -219,12 +223,20 @@ def _run(way: str, n: int, nbytes: int, steps: int) -> tuple[float, float]:
                                             results), daemon=True)
         p.start()
         procs.append(p)
-    got = [results.get(timeout=600) for _ in range(n)]
-    for p in procs:
-        p.join(timeout=30)
-    for a, b in pairs.values():
-        a.close()
-        b.close()
+    try:
+        got = [results.get(timeout=600) for _ in range(n)]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():  # (stuck: nothing of this launch outlives it)
+                p.kill()
+                p.join()
+        for a, b in pairs.values():
+            a.close()
+            b.close()
+    wrong = sorted(g[1] for g in got if not g[4])
+    if wrong:
+        raise RuntimeError(f"{way}: ranks {wrong} ended with a wrong sum")
     return (statistics.median(g[2] for g in got), statistics.fmean(g[3] for g in got))
 
 
@@ -240,7 +252,7 @@ def main() -> None:
     for i in range(args.rounds):
         ways = ("threads", "one", "ring")
         for way in (ways if i % 2 == 0 else ways[::-1]):
-            figures[way].append(_run(way, args.ranks, nbytes, args.steps))
+            figures[way].append(run(way, args.ranks, nbytes, args.steps))
             wall, cpu = figures[way][-1]
             print(f"round {i} {way:8s} {wall * 1e3:7.2f} ms/step  cpu {cpu * 1e3:6.2f} "
                   f"ms/rank-step", flush=True)

@@ -60,8 +60,14 @@ class StageClock:
     # The complete stages among those since warm-up (whose outliers its P95 leaves out).
     settled: deque[float] = field(default_factory=lambda: deque(maxlen=32))
     # The senders late to start in each of the last stages (see observe): one late in at
-    # least half of them is slow as a rule, and the stage's pace is its pace.
+    # least ``slow_share`` of them is slow as a rule, and the stage's pace is its pace.
+    # Three quarters, not half: where a random rank pauses at every step (the straggler
+    # soak's pause model), one of 4 was late in 4 of 8 stages by chance within a few dozen
+    # steps, its pauses then counted whole and the floor rose past every pause; 6 of 8 by
+    # chance is some 25 times rarer, and a slower machine, late every time, still
+    # counts from its seventh stage.
     late_history: deque[frozenset[int]] = field(default_factory=lambda: deque(maxlen=8))
+    slow_share: float = 0.75
 
     @property
     def reliable(self) -> bool:
@@ -127,7 +133,7 @@ class StageClock:
         docs/transpose.md, "Stragglers that complete"). Two kinds of late sender count whole:
         one merely behind the others (by at most their time again plus ``min_deadline``: the
         ranks' skew, which stage 1 absorbs), and one late past that skew (or cut while
-        silent) in at least half of the last stages (a slower machine, not a straggler: the
+        silent) in ``slow_share`` of the last stages (a slower machine, not a straggler: the
         bound follows it, as it follows a slower network, instead of cutting it every
         step)."""
         if self.fixed is not None:
@@ -162,10 +168,11 @@ class StageClock:
         self.estimate += self.gain * (scaled - self.estimate)
 
     def _usually_late(self, late: frozenset[int]) -> bool:
-        """Whether a sender of ``late`` was late to start in half of the last stages."""
+        """Whether a sender of ``late`` was late to start in ``slow_share`` of the last
+        stages."""
         history = self.late_history
-        return any(2 * sum(src in past for past in history) >= (history.maxlen or 1)
-                   for src in late)
+        need = self.slow_share * (history.maxlen or 1)
+        return any(sum(src in past for past in history) >= need for src in late)
 
     def heard(self, rank: int, proposal: object, bound: object) -> None:
         """A peer's piggybacked proposal and ceiling (ignored unless both are numbers > 0)."""

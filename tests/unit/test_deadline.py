@@ -13,20 +13,23 @@ import gc
 import socket
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import uvloop
 
 from aioreduce.schemes.deadline import LATE, Deadline
 
+T = TypeVar("T")
+
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
     "asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
-def _run(loop_name: str, main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+def _run(loop_name: str, main: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """``main()`` run on a fresh event loop of kind ``loop_name``; what it returns."""
     with asyncio.Runner(loop_factory=LOOPS[loop_name]) as runner:
-        runner.run(main())
+        return runner.run(main())
 
 
 class _Recorder(asyncio.Protocol):
@@ -72,8 +75,7 @@ async def _starved_past_the_deadline(block: float, seconds: float = 0.005
 def _starved(loop_name: str, block: float, seconds: float = 0.005
              ) -> tuple[list[str], Deadline]:
     """:func:`_starved_past_the_deadline` run on a fresh loop of kind ``loop_name``."""
-    with asyncio.Runner(loop_factory=LOOPS[loop_name]) as runner:
-        return runner.run(_starved_past_the_deadline(block, seconds))
+    return _run(loop_name, lambda: _starved_past_the_deadline(block, seconds))
 
 
 @pytest.mark.parametrize("loop_name", sorted(LOOPS))

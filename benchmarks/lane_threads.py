@@ -18,51 +18,47 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import queue
-import resource
 import select
 import socket
 import statistics
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
+from aioreduce.bench.allreduce import cpu_seconds
+from aioreduce.transport.sockopts import UNIX_SNDBUF
 from aioreduce.wire import byte_view
-
-SNDBUF = 2 << 20  # as the lanes' Unix sockets (aioreduce.transport.sockopts.UNIX_SNDBUF)
-
-
-def _cpu() -> float:
-    use = resource.getrusage(resource.RUSAGE_SELF)
-    return use.ru_utime + use.ru_stime
 
 
 class _Threads:
     """A sender and a reader thread per peer; a step's stage hands each sender its slice
     and waits for each reader's (the LaneLinks way, without its bookkeeping)."""
 
-    def __init__(self, outs: dict[int, socket.socket], ins: dict[int, socket.socket],
-                 nbytes: int) -> None:
-        self.nbytes = nbytes
+    def __init__(self, outs: dict[int, socket.socket], ins: dict[int, socket.socket]) -> None:
         self.sendq: dict[int, queue.SimpleQueue[memoryview | None]] = {}
         self.done: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self.sent: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self.unsent = 0
         self.into: dict[int, queue.SimpleQueue[memoryview | None]] = {}
         for peer, sock in outs.items():
             q: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
             self.sendq[peer] = q
-            threading.Thread(target=self._send, args=(sock, q), daemon=True).start()
+            threading.Thread(target=self._send, args=(sock, q, self.sent), daemon=True).start()
         for peer, sock in ins.items():
             r: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
             self.into[peer] = r
             threading.Thread(target=self._read, args=(peer, sock, r), daemon=True).start()
 
     @staticmethod
-    def _send(sock: socket.socket, q: queue.SimpleQueue[memoryview | None]) -> None:
+    def _send(sock: socket.socket, q: queue.SimpleQueue[memoryview | None],
+              sent: queue.SimpleQueue[None]) -> None:
         while (view := q.get()) is not None:
             sock.sendall(view)
+            sent.put(None)
 
     def _read(self, peer: int, sock: socket.socket,
               q: queue.SimpleQueue[memoryview | None]) -> None:
@@ -79,78 +75,93 @@ class _Threads:
             self.into[peer].put(view)
         for peer, view in sends.items():
             self.sendq[peer].put(view)
+        self.unsent += len(sends)
         for _ in recvs:
             on_arrival(self.done.get())
+
+    def flush(self) -> None:
+        """Wait until every slice handed to the senders is sent (its buffer may change)."""
+        for _ in range(self.unsent):
+            self.sent.get()
+        self.unsent = 0
+
+
+@dataclass
+class _Move:
+    """One slice a stage moves over one lane: ``op`` (the socket's send or recv_into) until
+    ``view`` is through; an arrival (``peer`` set) is handed to the main thread then."""
+
+    op: Callable[[memoryview], int]
+    view: memoryview
+    peer: int | None
+    done: int = 0
 
 
 class _OneThread:
     """One I/O thread polls every lane: non-blocking sends and receives of a stage's
     slices, each arrival handed to the main thread."""
 
-    def __init__(self, outs: dict[int, socket.socket], ins: dict[int, socket.socket],
-                 nbytes: int) -> None:
+    def __init__(self, outs: dict[int, socket.socket], ins: dict[int, socket.socket]) -> None:
         for sock in (*outs.values(), *ins.values()):
             sock.setblocking(False)
         self.outs, self.ins = outs, ins
         self.jobs: queue.SimpleQueue[tuple[dict[int, memoryview], dict[int, memoryview]]
                                      | None] = queue.SimpleQueue()
         self.done: queue.SimpleQueue[int] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
+        self.finished: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self.unfinished = 0
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
         poller = select.poll()
-        fd_peer: dict[int, tuple[str, int]] = {}
         while (job := self.jobs.get()) is not None:
             sends, recvs = job
-            sent = dict.fromkeys(sends, 0)
-            got = dict.fromkeys(recvs, 0)
-            for peer in sends:
-                fd = self.outs[peer].fileno()
-                poller.register(fd, select.POLLOUT)
-                fd_peer[fd] = ("out", peer)
-            for peer in recvs:
-                fd = self.ins[peer].fileno()
-                poller.register(fd, select.POLLIN)
-                fd_peer[fd] = ("in", peer)
-            left = len(sends) + len(recvs)
-            while left:
+            moves: dict[int, _Move] = {}
+            for peer, view in sends.items():
+                sock = self.outs[peer]
+                moves[sock.fileno()] = _Move(sock.send, view, None)
+                poller.register(sock, select.POLLOUT)
+            for peer, view in recvs.items():
+                sock = self.ins[peer]
+                moves[sock.fileno()] = _Move(sock.recv_into, view, peer)
+                poller.register(sock, select.POLLIN)
+            while moves:
                 for fd, _ev in poller.poll():
-                    way, peer = fd_peer[fd]
-                    if way == "out":
-                        view = sends[peer]
-                        try:
-                            sent[peer] += self.outs[peer].send(view[sent[peer]:])
-                        except BlockingIOError:
-                            continue
-                        if sent[peer] == view.nbytes:
-                            poller.unregister(fd)
-                            left -= 1
-                    else:
-                        view = recvs[peer]
-                        try:
-                            got[peer] += self.ins[peer].recv_into(view[got[peer]:])
-                        except BlockingIOError:
-                            continue
-                        if got[peer] == view.nbytes:
-                            poller.unregister(fd)
-                            left -= 1
-                            self.done.put(peer)
+                    move = moves[fd]
+                    try:
+                        move.done += move.op(move.view[move.done:])
+                    except BlockingIOError:
+                        continue
+                    if move.done == move.view.nbytes:
+                        poller.unregister(fd)
+                        del moves[fd]
+                        if move.peer is not None:
+                            self.done.put(move.peer)
+            self.finished.put(None)
 
     def stage(self, sends: dict[int, memoryview], recvs: dict[int, memoryview],
               on_arrival: Callable[[int], None]) -> None:
         self.jobs.put((sends, recvs))
+        self.unfinished += 1
         for _ in recvs:
             on_arrival(self.done.get())
+
+    def flush(self) -> None:
+        """Wait until every stage's slices are sent (their buffers may change)."""
+        for _ in range(self.unfinished):
+            self.finished.get()
+        self.unfinished = 0
 
 
 def _ring_steps(rank: int, n: int, nbytes: int, steps: int, out: socket.socket,
                 into: socket.socket) -> bool:
     """The ring's traffic for comparison: 2(N-1) slices of the same size to the next rank
-    (a sender thread) and from the previous one (read by the main thread, in order, as the
-    ring's own thread reads), the first N-1 summed; whether the last step's sum is exact."""
+    (a sender thread, waited for at the step's end) and from the previous one (read by the
+    main thread, in order, as the ring's own thread reads), the first N-1 summed; whether
+    the last step's sum is exact."""
     sendq: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
-    threading.Thread(target=_Threads._send, args=(out, sendq), daemon=True).start()
+    sent: queue.SimpleQueue[None] = queue.SimpleQueue()
+    threading.Thread(target=_Threads._send, args=(out, sendq, sent), daemon=True).start()
     vec = np.ones(n * nbytes // 4, np.float32)
     chunks = [vec[c * nbytes // 4:(c + 1) * nbytes // 4] for c in range(n)]
     scratch = np.empty(nbytes // 4, np.float32)
@@ -167,20 +178,15 @@ def _ring_steps(rank: int, n: int, nbytes: int, steps: int, out: socket.socket,
                 got += into.recv_into(view[got:], view.nbytes - got, socket.MSG_WAITALL)
             if r < n - 1:
                 chunks[recv_c] += scratch
+        for _ in range(2 * (n - 1)):  # every slice sent before the vector changes
+            sent.get()
     return bool(np.all(vec == n))
 
 
-def _rank(rank: int, n: int, way: str, nbytes: int, steps: int,
-          outs: dict[int, socket.socket], ins: dict[int, socket.socket],
-          start: threading.Barrier, results: mp.Queue) -> None:  # type: ignore[type-arg]
-    if way == "ring":
-        start.wait()
-        t0, c0 = time.perf_counter(), _cpu()
-        exact = _ring_steps(rank, n, nbytes, steps, outs[(rank + 1) % n], ins[(rank - 1) % n])
-        results.put((way, rank, (time.perf_counter() - t0) / max(steps, 1),
-                     (_cpu() - c0) / max(steps, 1), exact))
-        return
-    mover = (_Threads if way == "threads" else _OneThread)(outs, ins, nbytes)
+def _transpose_steps(rank: int, n: int, way: str, nbytes: int, steps: int,
+                     outs: dict[int, socket.socket], ins: dict[int, socket.socket]) -> bool:
+    """The transpose's traffic, moved ``way``; whether the last step's sum is exact."""
+    mover = (_Threads if way == "threads" else _OneThread)(outs, ins)
     peers = [p for p in range(n) if p != rank]
     vec = np.ones(n * nbytes // 4, np.float32)
     shards = {p: byte_view(vec[p * nbytes // 4:(p + 1) * nbytes // 4]) for p in range(n)}
@@ -190,8 +196,6 @@ def _rank(rank: int, n: int, way: str, nbytes: int, steps: int,
     def add(src: int) -> None:
         mine.__iadd__(scratch[src])
 
-    start.wait()
-    t0, c0 = time.perf_counter(), _cpu()
     for _ in range(steps):
         vec[:] = 1.0  # this step's vector (the bench's refill)
         # Stage 1: our copy of each peer's shard to it; each peer's copy of ours, summed.
@@ -200,8 +204,23 @@ def _rank(rank: int, n: int, way: str, nbytes: int, steps: int,
         # Stage 2: our reduced shard to every peer; their reduced shards into the vector.
         mover.stage({p: shards[rank] for p in peers}, {p: shards[p] for p in peers},
                     lambda _src: None)
+        # Our reduced shard may still be going to a slow peer: sent before it changes (the
+        # transpose copies it out instead; a refill written over it could spoil the sums).
+        mover.flush()
+    return bool(np.all(vec == n))
+
+
+def _rank(rank: int, n: int, way: str, nbytes: int, steps: int,
+          outs: dict[int, socket.socket], ins: dict[int, socket.socket],
+          start: threading.Barrier, results: mp.Queue) -> None:  # type: ignore[type-arg]
+    start.wait()
+    t0, c0 = time.perf_counter(), cpu_seconds()
+    if way == "ring":
+        exact = _ring_steps(rank, n, nbytes, steps, outs[(rank + 1) % n], ins[(rank - 1) % n])
+    else:
+        exact = _transpose_steps(rank, n, way, nbytes, steps, outs, ins)
     results.put((way, rank, (time.perf_counter() - t0) / max(steps, 1),
-                 (_cpu() - c0) / max(steps, 1), bool(np.all(vec == n))))
+                 (cpu_seconds() - c0) / max(steps, 1), exact))
 
 
 def run(way: str, n: int, nbytes: int, steps: int) -> tuple[float, float]:
@@ -212,7 +231,7 @@ def run(way: str, n: int, nbytes: int, steps: int) -> tuple[float, float]:
     pairs = {(a, b): socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
              for a in range(n) for b in range(n) if a != b}  # a -> b
     for w, _r in pairs.values():
-        w.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)
+        w.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SNDBUF)  # as the lanes
     start = ctx.Barrier(n)  # (the type of a threading.Barrier, across processes)
     results: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
     procs = []

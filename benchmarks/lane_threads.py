@@ -17,6 +17,7 @@ rest goes": futex and Python of seven threads per rank) the threads' own doing?
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import multiprocessing as mp
 import queue
 import select
@@ -24,7 +25,7 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +33,8 @@ import numpy as np
 from aioreduce.bench.allreduce import cpu_seconds
 from aioreduce.transport.sockopts import UNIX_SNDBUF
 from aioreduce.wire import byte_view
+
+RANK_LIMIT_S = 540.0  # within run()'s 600 s wait for the reports
 
 
 class _Threads:
@@ -213,6 +216,9 @@ def _transpose_steps(rank: int, n: int, way: str, nbytes: int, steps: int,
 def _rank(rank: int, n: int, way: str, nbytes: int, steps: int,
           outs: dict[int, socket.socket], ins: dict[int, socket.socket],
           start: threading.Barrier, results: mp.Queue) -> None:  # type: ignore[type-arg]
+    # A rank stuck this long prints every thread's stack on its stderr and exits (then the
+    # launch names it): one launch of stop 87 hung with nothing to show why.
+    faulthandler.dump_traceback_later(RANK_LIMIT_S, exit=True)
     start.wait()
     t0, c0 = time.perf_counter(), cpu_seconds()
     if way == "ring":
@@ -221,6 +227,7 @@ def _rank(rank: int, n: int, way: str, nbytes: int, steps: int,
         exact = _transpose_steps(rank, n, way, nbytes, steps, outs, ins)
     results.put((way, rank, (time.perf_counter() - t0) / max(steps, 1),
                  (cpu_seconds() - c0) / max(steps, 1), exact))
+    faulthandler.cancel_dump_traceback_later()
 
 
 def run(way: str, n: int, nbytes: int, steps: int) -> tuple[float, float]:
@@ -243,7 +250,7 @@ def run(way: str, n: int, nbytes: int, steps: int) -> tuple[float, float]:
         p.start()
         procs.append(p)
     try:
-        got = [results.get(timeout=600) for _ in range(n)]
+        got = _collect(results, procs, way, timeout=600)
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -257,6 +264,32 @@ def run(way: str, n: int, nbytes: int, steps: int) -> tuple[float, float]:
     if wrong:
         raise RuntimeError(f"{way}: ranks {wrong} ended with a wrong sum")
     return (statistics.median(g[2] for g in got), statistics.fmean(g[3] for g in got))
+
+
+def _collect(results: mp.Queue, procs: Sequence[mp.process.BaseProcess],  # type: ignore[type-arg]
+             way: str, timeout: float) -> list[tuple[str, int, float, float, bool]]:
+    """Every rank's report; a rank that died first (an exception in it, printed on its
+    stderr, or a signal) is named at once instead of being waited for until ``timeout``."""
+    got: list[tuple[str, int, float, float, bool]] = []
+    until = time.monotonic() + timeout
+    suspects: set[int] = set()
+    while len(got) < len(procs):
+        try:
+            got.append(results.get(timeout=1.0))
+            continue
+        except queue.Empty:
+            pass
+        reported = {g[1] for g in got}
+        dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                if r not in reported and p.exitcode is not None]
+        # (a rank reports, then exits: one more quiet second before its silence is believed)
+        if dead and {r for r, _ in dead} <= suspects:
+            raise RuntimeError(f"{way}: ranks (rank, exit code) {dead} died without a report")
+        suspects = {r for r, _ in dead}
+        if time.monotonic() > until:
+            raise RuntimeError(f"{way}: ranks {sorted(set(range(len(procs))) - reported)} "
+                               f"did not report within {timeout:.0f} s")
+    return got
 
 
 def main() -> None:

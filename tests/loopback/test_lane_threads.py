@@ -3,6 +3,9 @@ byte where it belongs (its figures are the benchmark's business, not checked her
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+
 import pytest
 
 from ..unit.scripts import load
@@ -20,3 +23,18 @@ def test_a_wrong_sum_is_named() -> None:
     bench = load("lane_threads")
     with pytest.raises(RuntimeError, match="wrong sum"):
         bench.run("threads", 3, 64 << 10, 0)  # no step: the vector was never summed
+
+
+
+def test_a_rank_that_dies_is_named_at_once() -> None:
+    """A rank that dies without reporting fails the launch with its exit code at once,
+    instead of a wait for the launch's whole limit (stop 87 saw one launch end in
+    `queue.Empty` after 600 s)."""
+    bench = load("lane_threads")
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    quiet = ctx.Process(target=os._exit, args=(3,))
+    quiet.start()
+    quiet.join()
+    with pytest.raises(RuntimeError, match=r"\[\(0, 3\)\] died without a report"):
+        bench._collect(results, [quiet], "threads", timeout=600)

@@ -54,6 +54,12 @@ class Inputs:
         self.rank = rank
         self._tensor_out: Any = None  # (device, dtype) of what the compute function returns
 
+    def check_op(self, op: str) -> None:
+        """A clear error for a reduction this runtime's steps do not do."""
+        if op not in ("sum", "mean"):
+            raise ValueError(f"rank {self.rank}: op must be 'sum' or 'mean', not {op!r} (min, "
+                             "max and product: gather with Node.allgather)")
+
     def numpy(self, vector: Any) -> tuple[np.ndarray | Callable[[], np.ndarray], Any]:
         """``vector`` as an array or a function returning one, and, for a tensor, what a
         result like it needs (else None)."""

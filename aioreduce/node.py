@@ -27,7 +27,7 @@ from .env import NodeEnv, discover
 from .heal import Healer, StateHooks
 from .inputs import Inputs, ReduceOp, Reducible
 from .peers import Peers
-from .schemes import CodedScheme, Result, Scheme, Session
+from .schemes import Result, Scheme, Session
 from .schemes.base import Arrival, Comm, SumsInPlace
 from .schemes.p2p import PointToPoint
 from .sessions import Sessions, preconnect
@@ -195,9 +195,7 @@ class Node(Peers):
     def placement(self, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, weights) this rank computes its coded gradient on, for a data set of
         ``num_samples`` samples, under the node's coded scheme."""
-        scheme = self._sessions.require(self.rank, coded=True)
-        assert isinstance(scheme, CodedScheme)
-        return scheme.placement(self.rank, num_samples)
+        return self._sessions.placement(self.rank, num_samples)
 
     async def aggregate(self, vector: Reducible, *, op: ReduceOp = "sum") -> Result:
         """One step of a coded scheme: the exact sum of everyone's data, same on every rank.
@@ -282,9 +280,7 @@ class Node(Peers):
                       arrival: Arrival | None = None, rerun: bool = True,
                       last: bool = False) -> Result:
         """One step of the session, tensors to arrays and back."""
-        if op not in ("sum", "mean"):
-            raise ValueError(f"rank {self.rank}: op must be 'sum' or 'mean', not {op!r} (min, "
-                             "max and product: gather with Node.allgather)")
+        self._inputs.check_op(op)
         if any_shape:
             self._steps.like = None
         array: np.ndarray | Callable[[], np.ndarray]

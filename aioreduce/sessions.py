@@ -11,6 +11,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+import numpy as np
+
 from .schemes import CodedScheme, Scheme, Session
 from .schemes.base import Comm, Reforms, Rejoins
 from .schemes.dormant import GatedComm
@@ -74,6 +76,13 @@ class Sessions:
             raise TypeError(f"rank {rank}: {type(self.scheme).__name__} is used through "
                             f"{what}")
         return self.scheme
+
+    def placement(self, rank: int, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+        """(sample ids, weights) ``rank`` computes its coded gradient on (see
+        ``Node.placement``); a clear error if the running scheme is not coded."""
+        scheme = self.require(rank, coded=True)
+        assert isinstance(scheme, CodedScheme)
+        return scheme.placement(rank, num_samples)
 
     def rejoined(self, step: int, members: tuple[int, ...] | None = None, *,
                  taken_back: bool = False) -> None:

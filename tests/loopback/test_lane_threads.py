@@ -25,7 +25,6 @@ def test_a_wrong_sum_is_named() -> None:
         bench.run("threads", 3, 64 << 10, 0)  # no step: the vector was never summed
 
 
-
 def test_a_rank_that_dies_is_named_at_once() -> None:
     """A rank that dies without reporting fails the launch with its exit code at once,
     instead of a wait for the launch's whole limit (stop 87 saw one launch end in
@@ -36,5 +35,8 @@ def test_a_rank_that_dies_is_named_at_once() -> None:
     quiet = ctx.Process(target=os._exit, args=(3,))
     quiet.start()
     quiet.join()
-    with pytest.raises(RuntimeError, match=r"\[\(0, 3\)\] died without a report"):
-        bench._collect(results, [quiet], "threads", timeout=600)
+    try:
+        with pytest.raises(RuntimeError, match=r"\[\(0, 3\)\] died without a report"):
+            bench._collect(results, [quiet], "threads", timeout=600)
+    finally:
+        results.close()

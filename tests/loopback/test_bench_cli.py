@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -103,8 +104,8 @@ def test_allreduce_bench_compares_schemes_and_gloo() -> None:
         assert by[name]["cpu_floor_s"] == pytest.approx(
             sum(by[name]["cpu_per_rank_s"]) / cores, rel=1e-4)
         # How late the last rank started against the first: measured, never compared with a
-        # step's time (a loaded host makes it longer than a fast step; CI saw 1.1 ms > 0.87 ms).
-        assert 0 <= by[name]["start_skew_s"] < float("inf")
+        # step's time (on a loaded host it can be longer than a fast step).
+        assert by[name]["start_skew_s"] >= 0 and math.isfinite(by[name]["start_skew_s"])
 
 
 def test_bound_flag_prints_the_bound_beside_the_median() -> None:

@@ -13,9 +13,10 @@ namespace, so only a rank on the same host (and namespace) finds it, and elsewhe
 is refused at once and the dialer uses TCP. The name is predictable, so another local process
 could take it first: the handshake still needs the secret, and a dialer whose handshake over
 the Unix socket fails before the peer proved the secret falls back to TCP (a rank of the job
-that proved it and then refused us means it: this rank was started twice). Why: the trees
-and gradient coding send through these connections, and a Unix stream costs the kernel less
-per byte than loopback TCP (see ``MeshOptions.local_unix``).
+that proved it and then refused us means it: this rank was started twice). A peer that closes
+during the handshake without a refusal is gone, not refusing: the dialer reports it lost.
+Why Unix sockets: the trees and gradient coding send through these connections, and a Unix
+stream costs the kernel less per byte than loopback TCP (see ``MeshOptions.local_unix``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ..wire.handshake import (
     Proved,
     Refused,
     WrongJob,
+    refusal,
 )
 from ..wire.incarnation import JOINING, Incarnations, Newer, Unregistered
 from .inbox import NO_FLOOR, Inbox, PeerBudget
@@ -280,6 +282,7 @@ class Mesh:
                     self._progress[conn] += 1
                 out, event = hs.receive(frame)
                 if isinstance(event, Refused):
+                    await self._tell_refused(conn, out)
                     raise AuthError(event.reason)
                 if isinstance(event, WrongJob):
                     for header in out:  # tell it which job this is, then drop it
@@ -287,9 +290,13 @@ class Mesh:
                     self._wrong_job(event)
                     raise AuthError(f"rank {event.rank} was started for job {event.job!r}")
                 if isinstance(event, Accepted):
-                    self._refuse_stale(event.rank, event.incarnation, conn.peername)
-                    self._refuse_duplicate(conn, event.rank)
-                    joining = self._judge(event.rank, event.incarnation, conn.peername)
+                    try:
+                        self._refuse_stale(event.rank, event.incarnation, conn.peername)
+                        self._refuse_duplicate(conn, event.rank)
+                        joining = self._judge(event.rank, event.incarnation, conn.peername)
+                    except AuthError as exc:  # a rank of the job: tell it why
+                        await self._tell_refused(conn, [refusal(self.rank, str(exc))])
+                        raise
                     self._attach(conn, event.rank)  # before WELCOME: data may follow it
                     self._note_dialed(event.rank, conn)
                 for header in out:
@@ -309,6 +316,14 @@ class Mesh:
             conn.abort("handshake failed")
         finally:
             self._forget_unauthenticated(conn)
+
+    async def _tell_refused(self, conn: FrameProtocol, out: list[Header]) -> None:
+        """Send the refusal before the connection is dropped, so that the dialer can tell a
+        refusal from a death (see :mod:`aioreduce.wire.handshake`); a peer already gone
+        is no matter."""
+        with contextlib.suppress(PeerLost, ConnectionError):
+            for header in out:
+                await conn.send(encode_frame(header))
 
     async def _next_handshake(self, conn: FrameProtocol) -> Header:
         """The next handshake frame, within the handshake timeout."""
@@ -337,7 +352,8 @@ class Mesh:
             log.error("rank %d: %s", self.rank, text)
             if len(self.addresses) == self.world_size:  # the job runs: tell every rank
                 self.spawn(self._notify_all(text))
-            raise AuthError(f"rank {rank} is already connected from {where[0]}")
+            raise AuthError(f"rank {rank} was started twice: it is already connected from "
+                            f"{where[0]}")
 
     def _judge(self, rank: int, claimed: int, where: str, *, dialed: bool = False) -> bool:
         """Apply :class:`Incarnations`' judgement of a handshake in which ``rank`` claims
@@ -574,7 +590,8 @@ class Mesh:
         """Connector side of the handshake on a fresh connection to ``rank``. Fails with
         :class:`AuthError` when refused; with its subclass ``_Unproven`` if the peer never
         proved the secret (not a rank of this job: a squatter on a Unix name, or a wrong
-        secret); with :class:`PeerLost` if it answered nothing in time."""
+        secret); with :class:`PeerLost` if it answered nothing in time or closed without a
+        refusal (a process that dies during the handshake)."""
         hs = ConnectorHandshake(self._secret, self.job, self.rank, rank, self.incarnations.mine)
         proved, claimed = False, JOINING
         try:
@@ -595,8 +612,11 @@ class Mesh:
                 if isinstance(event, Accepted):
                     break
         except PeerLost:
-            failure = (f"{where} refused our handshake (wrong secret or job id, or is rank "
-                       f"{self.rank} started twice?)")
+            # Closed with no refusal said: the process is gone (killed mid-handshake, or its
+            # host went away), not a refusal. As an unreachable peer, like a refused connect.
+            conn.abort("closed during the handshake")
+            raise PeerLost(rank, f"{where} closed the connection during the handshake without "
+                           "refusing it (the process is gone)") from None
         except TimeoutError as exc:
             # Silence proves nothing, unlike a refusal: a stopped process, or a listener that
             # is not a rank of this job (a dead rank's old port, taken by anyone since). As

@@ -201,9 +201,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
                     if kind is Kind.WELCOME and self._armed is not None:
                         self.authenticated(*self._armed)
                     self.handshake.put_nowait(frame.header)
-                elif kind is Kind.CONTROL and self._armed is not None:
-                    # The listener proved the secret (we are armed): its answer instead of
-                    # WELCOME (e.g. "you were started for another job") is for the handshake.
+                elif kind is Kind.CONTROL:
+                    # A refusal, or the answer instead of WELCOME of a listener that proved the
+                    # secret ("you were started for another job"): for the handshake, which
+                    # knows whether to believe it (anything else there fails it).
                     self.handshake.put_nowait(frame.header)
                 else:
                     raise ProtocolError(f"{kind.name} frame before authentication")

@@ -13,6 +13,13 @@ that replaced a dead one. A process that starts without one (-1, "joining") gets
 at the rendezvous; the mesh refuses a connection from an older incarnation than it knows (see
 :mod:`aioreduce.transport.mesh`).
 
+A side that refuses the handshake says so before it closes: a REFUSED control frame with the
+reason (:func:`refusal`). So a connection that just closes, with no refusal, means the peer is
+gone (killed, or its host went away), not that it refused us: the dialer reports a lost peer,
+which a job that tolerates deaths goes on without, rather than a fatal misconfiguration. A
+connector believes a refusal's reason only from a listener that proved the secret; before that
+it is a stranger's word, reported as such.
+
 A connector that names another job id is taken through the handshake under *its* job id: if
 it proves the secret, it is one of ours started with the wrong id (a launch mistake, not an
 attacker), so instead of WELCOME it is told which job this is, and the listener reports
@@ -97,6 +104,20 @@ class _Fail(Exception):
 
 Step = tuple[list[Header], Event]
 
+MAX_REASON = 256  # characters of a refusal's reason sent or believed
+
+
+def refusal(rank: int, reason: str) -> Header:
+    """The frame a side sends, before it closes, to say it refuses the handshake and why."""
+    return Header(Kind.CONTROL, src=rank, meta={"op": "refused", "reason": reason[:MAX_REASON]})
+
+
+def _refused_by(header: Header) -> str | None:
+    """The reason, if ``header`` is the peer's :func:`refusal`."""
+    if header.kind is not Kind.CONTROL or header.meta.get("op") != "refused":
+        return None
+    return str(header.meta.get("reason"))[:MAX_REASON]
+
 
 class _State(enum.Enum):
     START = 0
@@ -133,7 +154,7 @@ class ListenerHandshake:
             raise _Fail(f"unexpected {header.kind.name} frame")
         except _Fail as exc:
             self._state = _State.FAILED
-            return [], Refused(str(exc))
+            return [refusal(self._rank, str(exc))], Refused(str(exc))
 
     def _hello(self, hello: Header) -> Step:
         job, rank, nonce_c = (hello.meta.get(k) for k in ("job", "rank", "nonce"))
@@ -192,6 +213,12 @@ class ConnectorHandshake:
 
     def receive(self, header: Header) -> Step:
         try:
+            reason = _refused_by(header)
+            if reason is not None and self._state is _State.SENT_HELLO:
+                # Not proved yet: anyone could have said it (the caller may try elsewhere).
+                raise _Fail(f"refused before proving the secret: {reason}")
+            if reason is not None and self._state is _State.SENT_AUTH:
+                raise _Fail(reason)  # a rank of this job (it proved the secret) refused us
             if self._state is _State.SENT_HELLO:
                 return self._challenge(_expect(header, Kind.CHALLENGE))
             if self._state is _State.SENT_AUTH:

@@ -100,7 +100,9 @@ def test_wrong_secret_is_refused_while_the_job_proceeds(ranks) -> None:
                 rest += chunk
         except ConnectionResetError:
             pass
-        assert not dec.receive_data(rest)  # closed without a WELCOME
+        told = dec.receive_data(rest)  # closed without a WELCOME, saying why
+        assert [f.header.meta for f in told] == [{"op": "refused",
+                                                  "reason": "wrong proof of the job secret"}]
     job.start(1, "exchange")
     job.start(2, "exchange")
     done = job.wait(120)

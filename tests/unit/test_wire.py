@@ -32,6 +32,7 @@ from aioreduce.wire.handshake import (
     check,
     new_nonce,
     proof,
+    refusal,
 )
 
 DTYPES = ["<f4", "<f8", "<i8", "|u1", "<c16", "<f2", "|b1"]
@@ -295,14 +296,14 @@ def test_handshake_refuses_with_the_reason(case: str, reason: str) -> None:
                       job="other" if case == "job" else "j")
     out, ev = lis.receive(conn.start())
     if isinstance(ev, Refused):
-        assert reason in ev.reason and out == []
+        assert reason in ev.reason and _told(out) == ev.reason
         return
     auth, ev = conn.receive(out[0])
     if isinstance(ev, Refused):
         assert reason in ev.reason and auth == []
         return
     out, ev = lis.receive(auth[0])
-    assert isinstance(ev, Refused) and reason in ev.reason and out == []
+    assert isinstance(ev, Refused) and reason in ev.reason and _told(out) == ev.reason
 
 
 def test_a_wrong_job_id_with_the_secret_is_told_which_job_this_is() -> None:
@@ -325,10 +326,11 @@ def test_a_wrong_job_id_without_the_secret_learns_nothing() -> None:
     assert isinstance(ev, Refused) and out == []
     forged = Header(Kind.AUTH, meta={"proof": b"\0" * 32})
     out, ev = lis.receive(forged)
-    assert isinstance(ev, Refused) and out == [] and "wrong proof" in ev.reason
+    assert isinstance(ev, Refused) and "wrong proof" in ev.reason
+    assert _told(out) == ev.reason  # what it did wrong, nothing of the job
     conn2, lis2 = _pair(job="x" * 200)  # an oversized job id: refused before any HMAC
     out, ev = lis2.receive(conn2.start())
-    assert isinstance(ev, Refused) and out == []
+    assert isinstance(ev, Refused) and _told(out) == "no valid job id"
 
 
 def test_handshake_listener_refuses_a_forged_auth() -> None:
@@ -336,7 +338,7 @@ def test_handshake_listener_refuses_a_forged_auth() -> None:
     lis.receive(conn.start())
     out, ev = lis.receive(Header(Kind.AUTH, meta={"proof": b"\0" * 32}))
     assert isinstance(ev, Refused) and "wrong proof of the job secret" in ev.reason
-    assert out == []
+    assert _told(out) == ev.reason
 
 
 def test_handshake_refuses_frames_out_of_order_and_bad_fields() -> None:
@@ -351,6 +353,28 @@ def test_handshake_refuses_frames_out_of_order_and_bad_fields() -> None:
     conn, _l = _pair()
     conn.start()
     assert isinstance(conn.receive(Header(Kind.WELCOME))[1], Refused)  # WELCOME before proof
+
+
+def _told(out: list[Header]) -> str:
+    """The reason in the one refusal frame a refusing side sends before it closes."""
+    assert len(out) == 1 and out[0].kind is Kind.CONTROL and out[0].meta["op"] == "refused"
+    return str(out[0].meta["reason"])
+
+
+def test_a_connector_believes_a_refusal_only_from_a_listener_that_proved_the_secret() -> None:
+    # Refused after the proof: a rank of this job means it (e.g. this rank started twice).
+    conn, lis = _pair()
+    _auth, ev = conn.receive(lis.receive(conn.start())[0][0])
+    assert ev == Proved(0)
+    out, ev = conn.receive(refusal(0, "rank 2 is already connected from 10.0.0.9:4000"))
+    assert out == [] and ev == Refused("rank 2 is already connected from 10.0.0.9:4000")
+    # Refused before it: anyone could say so, and the reason says that it was not proved.
+    conn, _l = _pair()
+    conn.start()
+    out, ev = conn.receive(refusal(0, "x" * 10_000))
+    assert out == [] and isinstance(ev, Refused)
+    assert ev.reason.startswith("refused before proving the secret: xxx")
+    assert len(ev.reason) < 400  # a stranger's reason is bounded
 
 
 # --- bounded work before authentication (issue 11) -----------------------------------------

@@ -13,12 +13,12 @@ that replaced a dead one. A process that starts without one (-1, "joining") gets
 at the rendezvous; the mesh refuses a connection from an older incarnation than it knows (see
 :mod:`aioreduce.transport.mesh`).
 
-A side that refuses the handshake says so before it closes: a REFUSED control frame with the
-reason (:func:`refusal`). So a connection that just closes, with no refusal, means the peer is
-gone (killed, or its host went away), not that it refused us: the dialer reports a lost peer,
-which a job that tolerates deaths goes on without, rather than a fatal misconfiguration. A
-connector believes a refusal's reason only from a listener that proved the secret; before that
-it is a stranger's word, reported as such.
+A side that refuses the handshake says so before it closes: a control frame whose op is
+"refused", with the reason (:func:`refusal`). So a connection that just closes, with no
+refusal, means the peer is gone (killed, or its host went away), not that it refused us: the
+dialer reports a lost peer, which a job that tolerates deaths goes on without, rather than a
+fatal misconfiguration. A connector believes a refusal's reason only from a listener that
+proved the secret; before that it is a stranger's word, reported as such.
 
 A connector that names another job id is taken through the handshake under *its* job id: if
 it proves the secret, it is one of ours started with the wrong id (a launch mistake, not an

@@ -305,10 +305,18 @@ class Mesh:
                     if joining and self.on_joining is not None:
                         self.on_joining(event.rank)
                     return
-        except (AuthError, TimeoutError, PeerLost, ConnectionError) as exc:
+        except (AuthError, TimeoutError) as exc:
             self.refused += 1
             self._refusals.warn("refused connection from %s: %s", conn.peername,
                                 exc if str(exc) else type(exc).__name__)
+            conn.abort("handshake failed")
+        except (PeerLost, ConnectionError) as exc:
+            # Not refused: the dialer went away (a process killed or ended mid-handshake, a
+            # port scan's connect and close), which a log must not call a refusal.
+            self.refused += 1
+            self._refusals.warn("connection from %s ended during the handshake (%s)",
+                                conn.peername, "closed by the dialer"
+                                if isinstance(exc, PeerLost) else exc or type(exc).__name__)
             conn.abort("handshake failed")
         except Exception:  # defensive: log, drop the connection, keep serving
             self.refused += 1

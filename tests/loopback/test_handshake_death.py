@@ -124,3 +124,47 @@ async def test_a_refusal_after_the_proof_is_still_named_as_one(unix: bool) -> No
     assert proc.returncode == 0 and out.split("\n")[-2].startswith("got AUTH"), out
     assert isinstance(exc, AuthError), repr(exc)  # fatal: no second try over TCP
     assert "rank 1 was started twice" in str(exc), str(exc)
+
+
+# A dialer of the job that SIGKILLs itself once it has the listener's CHALLENGE (it sent
+# HELLO; it will never send AUTH): the listener's side of a rank killed mid-handshake.
+DIALER = r"""
+import os, signal, socket, sys
+from aioreduce.wire import encode_frame
+from aioreduce.wire.decoder import FrameDecoder
+from aioreduce.wire.handshake import ConnectorHandshake
+
+secret, job, port = sys.argv[1].encode(), sys.argv[2], int(sys.argv[3])
+conn = socket.create_connection(("127.0.0.1", port))
+hs = ConnectorHandshake(secret, job, 1, 0)
+conn.sendall(b"".join(bytes(b) for b in encode_frame(hs.start())))
+dec = FrameDecoder(lambda h: None, 0)
+frames = []
+while not frames:
+    data = conn.recv(65536)
+    if not data:
+        sys.exit("the listener closed first")
+    frames = dec.receive_data(data)
+print("got", frames[0].header.kind.name, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+async def test_a_dialer_killed_during_the_handshake_is_not_logged_as_refused(
+        caplog: pytest.LogCaptureFixture) -> None:
+    mesh = Mesh(0, 2, SECRET, JOB, MeshOptions(local_unix=False))
+    _host, port = await mesh.listen("127.0.0.1")
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", DIALER, SECRET.decode(), JOB, str(port),
+            stdout=subprocess.PIPE)
+        out, _ = await proc.communicate()
+        assert proc.returncode == -9 and out.decode() == "got CHALLENGE\n", (proc.returncode, out)
+        # It answered HELLO, so the connection is half-way through its handshake until the
+        # listener's loop sees the close: wait for that, not for a time.
+        await mesh.handshakes_settled(30)
+        assert mesh.refused == 1
+    finally:
+        await mesh.close()
+    assert "ended during the handshake" in caplog.text, caplog.text
+    assert "refused connection" not in caplog.text, caplog.text

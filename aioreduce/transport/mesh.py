@@ -61,6 +61,12 @@ LANE_TAG = tags.LANE_OFFER  # lane offers (see open_lanes)
 _NOTHING = np.empty(0, np.uint8)
 
 
+async def _send_all(conn: FrameProtocol, out: list[Header]) -> None:
+    """Send a handshake step's frames, in order."""
+    for header in out:
+        await conn.send(encode_frame(header))
+
+
 @dataclass(frozen=True)
 class MeshOptions:
     """Limits and timeouts of a mesh. Defaults suit a cloud cluster."""
@@ -285,8 +291,7 @@ class Mesh:
                     await self._tell_refused(conn, out)
                     raise AuthError(event.reason)
                 if isinstance(event, WrongJob):
-                    for header in out:  # tell it which job this is, then drop it
-                        await conn.send(encode_frame(header))
+                    await _send_all(conn, out)  # tell it which job this is, then drop it
                     self._wrong_job(event)
                     raise AuthError(f"rank {event.rank} was started for job {event.job!r}")
                 if isinstance(event, Accepted):
@@ -299,24 +304,22 @@ class Mesh:
                         raise
                     self._attach(conn, event.rank)  # before WELCOME: data may follow it
                     self._note_dialed(event.rank, conn)
-                for header in out:
-                    await conn.send(encode_frame(header))
+                await _send_all(conn, out)
                 if event is not None:
                     if joining and self.on_joining is not None:
                         self.on_joining(event.rank)
                     return
-        except (AuthError, TimeoutError) as exc:
+        except (AuthError, TimeoutError, PeerLost, ConnectionError) as exc:
             self.refused += 1
-            self._refusals.warn("refused connection from %s: %s", conn.peername,
-                                exc if str(exc) else type(exc).__name__)
-            conn.abort("handshake failed")
-        except (PeerLost, ConnectionError) as exc:
-            # Not refused: the dialer went away (a process killed or ended mid-handshake, a
-            # port scan's connect and close), which a log must not call a refusal.
-            self.refused += 1
-            self._refusals.warn("connection from %s ended during the handshake (%s)",
-                                conn.peername, "closed by the dialer"
-                                if isinstance(exc, PeerLost) else exc or type(exc).__name__)
+            why = exc if str(exc) else type(exc).__name__
+            if isinstance(exc, PeerLost | ConnectionError):
+                # Not refused: the dialer went away (a process killed or ended mid-handshake,
+                # a port scan's connect and close), which a log must not call a refusal.
+                self._refusals.warn("connection from %s ended during the handshake (%s)",
+                                    conn.peername, "closed by the dialer"
+                                    if isinstance(exc, PeerLost) else why)
+            else:
+                self._refusals.warn("refused connection from %s: %s", conn.peername, why)
             conn.abort("handshake failed")
         except Exception:  # defensive: log, drop the connection, keep serving
             self.refused += 1
@@ -330,8 +333,7 @@ class Mesh:
         refusal from a death (see :mod:`aioreduce.wire.handshake`); a peer already gone
         is no matter."""
         with contextlib.suppress(PeerLost, ConnectionError):
-            for header in out:
-                await conn.send(encode_frame(header))
+            await _send_all(conn, out)
 
     async def _next_handshake(self, conn: FrameProtocol) -> Header:
         """The next handshake frame, within the handshake timeout."""
@@ -615,8 +617,7 @@ class Mesh:
                     proved, claimed = True, event.incarnation
                     self._judge(rank, event.incarnation, where, dialed=True)
                     conn.arm(rank, self._inbox[rank])  # WELCOME may carry data behind it
-                for header in out:
-                    await conn.send(encode_frame(header))
+                await _send_all(conn, out)
                 if isinstance(event, Accepted):
                     break
         except PeerLost:

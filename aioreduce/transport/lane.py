@@ -231,7 +231,7 @@ class Lane:
         return: while the peer takes its bytes, that is until they are in (a batch, at most
         :data:`SEND_BATCH_BYTES`); once the peer stops reading, :data:`SEND_TIMEOUT_S` at
         most. Nothing to do once what was lent is in the kernel."""
-        with self._idle:
+        with self._idle_lock:  # (the condition's lock: a Condition's with is Python)
             if not self._lent:
                 return
             self._releasing += 1

@@ -342,6 +342,13 @@ async def test_lanes_added_for_a_replaced_peer_deliver_and_the_old_lane_never_do
     assert links.send(PEER, np.array([4.0]), 8, 0, {})  # and the new lane carries ours
     got = out_new.recv(1024)
     assert got.endswith(np.array([4.0]).tobytes())
+    # The new lane's reader, ahead of our receives, waits for its post and is woken by it
+    # (a post notifies only the readers counted as waiting: the old one left that count).
+    new_peer.sendall(_message(8, 0, np.array([5.0, 6, 7]), {}))
+    await _until(lambda: links.newest == 8 and links._waiting.get(PEER) == 1)
+    later = np.zeros(3)
+    await asyncio.wait_for(links.post(PEER, later, 8, 0), 10)
+    assert later.tolist() == [5, 6, 7] and not links._waiting
     new_peer.close()
     out_new.close()
 

@@ -107,7 +107,9 @@ class LaneLinks:
         # One lock; on its conditions wait the session for a withdrawn chunk's copy
         # (_cond) and each peer's reader for a post (_posted[src]): see "Waking" above.
         lock = threading.RLock()
-        self._lock = lock  # (taken directly where nobody waits: a Condition's with is Python)
+        # Taken directly, also around a condition's wait or notify (the same lock): a
+        # Condition's ``with`` is two Python calls more, several times a step.
+        self._lock = lock
         self._cond = threading.Condition(lock)
         self._book = PostBook()  # what each incoming slice fills (see .posts)
         self._closed = False
@@ -133,6 +135,10 @@ class LaneLinks:
         self._outs: dict[int, BulkLink] = {}
         self._ins: dict[int, BulkLink] = {}
         self._posted: dict[int, threading.Condition] = {}
+        # How many readers of each peer wait for a post now (two, briefly, while a
+        # replaced lane's reader leaves): only those peers' are notified (a Condition's
+        # notify is Python even with nobody waiting, several times a step).
+        self._waiting: dict[int, int] = {}
         self._queued: dict[int, deque[int]] = {}
         self._forgotten: dict[int, int] = {}
         self._skip_left: dict[int, int] = {}
@@ -156,7 +162,7 @@ class LaneLinks:
         peer's), so nothing the dead process sent lands in a receive meant for its
         replacement."""
         old: list[BulkLink] = []
-        with self._cond:
+        with self._lock:
             for peer, lane in outs.items():
                 if peer in self._outs:
                     old.append(self._outs[peer])
@@ -191,7 +197,7 @@ class LaneLinks:
              whole: bool = False) -> asyncio.Future[Header]:
         fut: asyncio.Future[Header] = self._loop.create_future()
         key = (src, step, tag)
-        with self._cond:
+        with self._lock:
             staged = self._staged.pop(key, None)
             if staged is not None:  # it came early: copy it in (on the loop, as the inbox)
                 header, payload = staged
@@ -210,9 +216,8 @@ class LaneLinks:
                 return fut
             self._book.post(Post(key, byte_view(out), fut,
                                  unit=out.dtype.itemsize if whole else 1))
-            waiting = self._posted.get(src)
-            if waiting is not None:
-                waiting.notify()
+            if src in self._waiting:
+                self._posted[src].notify()
         return fut
 
     def recv(self, src: int, out: np.ndarray, step: int, tag: int) -> None:
@@ -387,12 +392,12 @@ class LaneLinks:
         if header.tag == self._notice_tag and header.step > self.cut_at:
             self.cut_at = header.step  # (on the loop, as every reader of it)
         if header.step > self.newest:
-            with self._cond:
+            with self._lock:
                 self.newest = max(self.newest, header.step)
 
     def discard_before(self, step: int, tag: int = 0) -> None:
         self.comm.discard_before(step, tag)
-        with self._cond:
+        with self._lock:
             for key in [k for k in self._staged if (k[1], k[2]) < (step, tag)]:
                 self._staging -= self._staged.pop(key)[1].nbytes
             writing = self._book.discard_before(step, tag)
@@ -407,8 +412,8 @@ class LaneLinks:
                     self._cond.wait()
             finally:
                 self._discarding -= 1
-            for waiting in self._posted.values():  # a message it waits with may be over now
-                waiting.notify()
+            for src in self._waiting:  # a message it waits with may be over now
+                self._posted[src].notify()
         if self._inline:  # a thread waiting in recv: let it see its receive is over
             for lane in self._ins.values():
                 lane.wake()
@@ -447,7 +452,7 @@ class LaneLinks:
         for remove in self._removers:
             remove()
         self._removers.clear()
-        with self._cond:
+        with self._lock:
             self._closed = True
             self._cond.notify_all()
             for waiting in self._posted.values():
@@ -521,7 +526,7 @@ class LaneLinks:
                ) -> Post | None:
         """The post this message fills, once there is one (or a staging buffer, for an early
         message the scheme wants at once); None: drop it (below the floor)."""
-        with self._cond:
+        with self._lock:
             self.newest = max(self.newest, step)
             while True:
                 if self._closed:
@@ -538,12 +543,18 @@ class LaneLinks:
                         and self._staging + nbytes <= self._stage_bytes):
                     self._staging += nbytes
                     return Post(key, memoryview(bytearray(nbytes)), None)
-                self._posted[src].wait()
+                self._waiting[src] = self._waiting.get(src, 0) + 1
+                try:
+                    self._posted[src].wait()
+                finally:
+                    left = self._waiting[src] = self._waiting[src] - 1
+                    if not left:
+                        del self._waiting[src]
 
     def _staged_in(self, post: Post, header: Header, latency: float) -> None:
         """An early message is in its buffer: fill the receive posted for it meanwhile, or
         keep it for the one posted later and show it to the scheme's early handler."""
-        with self._cond:
+        with self._lock:
             key = post.key
             waiting = self._book.posts.get(key)
             if (key[1], key[2]) < self._book.floor or self._closed:
@@ -597,7 +608,7 @@ class LaneLinks:
         if got < nbytes:
             lane.skip(nbytes - got)
             return False
-        with self._cond:
+        with self._lock:
             self._book.complete(post)
         return True
 
@@ -658,7 +669,7 @@ class LaneLinks:
     def _lost(self, peer: int, exc: PeerLost, lane: BulkLink | None = None) -> None:
         """``peer``'s lane ended: its posts fail now and later ones at once (not if that was
         ``lane``, a lane that :meth:`add` replaced since)."""
-        with self._cond:
+        with self._lock:
             if self._closed or (lane is not None and lane is not self._ins.get(peer)
                                 and lane is not self._outs.get(peer)):
                 return

@@ -23,6 +23,7 @@ A step, on rank ``r`` of ``N``:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -279,7 +280,7 @@ class TransposeSession:
                  else None)
         rot = shape if shape is not None and self._rotates(step) else None
         length = shape.padded if shape is not None else like.size
-        layout = Layout(length, n, max(1, self._slice_bytes // like.dtype.itemsize))
+        layout = _layout(length, n, max(1, self._slice_bytes // like.dtype.itemsize))
         lo, hi = layout.shards[me]
         # Row j: sender j's copy of our shard.
         scratch = self.pool.take(n * (hi - lo), like.dtype).reshape(n, hi - lo)
@@ -334,6 +335,9 @@ class TransposeSession:
             # Shard by shard, each sent to its owner as soon as it is ready (ours last, it
             # is needed only once the others' copies are in), the event loop turning between
             # shards: the links start working after 1/N of the rotation, not all of it.
+            # (Not without the rotation over lanes: their threads send at once, and a turn
+            # of the loop costs a resumption of every coroutine above this one.)
+            turn = rot is not None or not isinstance(links, SplitLinks)
             for i in range(1, n + 1):
                 k = (me + i) % n
                 a, b = layout.shards[k]
@@ -348,7 +352,8 @@ class TransposeSession:
                     _copy_part(mine, y, a, b)
                 if k != me:
                     self._send_shard(step, layout, y, k, meta, send_from)
-                    await asyncio.sleep(0)
+                    if turn:
+                        await asyncio.sleep(0)
             # Reduced slices may land in the caller's vector: posted only now that it is read.
             phase2 = [s for k in range(n) if k != me
                       for s in self._post(step, layout, k, [k], PHASE2_TAG,
@@ -602,7 +607,7 @@ class TransposeSession:
         """Reduced slice ``index`` of our shard to every rank (phase 2)."""
         me = self.comm.rank
         for k in range(self.comm.world_size):
-            if k != me and not self.links.is_lost(k):
+            if k != me:  # (to a lost rank: nothing is sent)
                 self.links.send(k, values, step, PHASE2_TAG + index, meta)
 
     # -- accounting -------------------------------------------------------------------------
@@ -688,6 +693,13 @@ class TransposeSession:
 
     def _need(self) -> float:
         return 1.0 - self.opts.max_loss if self.opts.on_excess_loss == "wait" else 0.0
+
+
+@functools.lru_cache(maxsize=8)
+def _layout(length: int, world: int, slice_elems: int) -> Layout:
+    """The layout of a step (the same, its shards and slices computed once, every step of
+    a run)."""
+    return Layout(length, world, slice_elems)
 
 
 def _observe_stage(clock: StageClock, stage: Stage, shift: float,

@@ -78,6 +78,9 @@ class Stage:
     _late: frozenset[int] = frozenset()
     _tails: int = 0
     _ended: asyncio.Future[str] | None = None
+    # What run awaits: woken by the end (_end) or its timer, whichever comes first (one
+    # future, not asyncio.wait over two: that costs a dozen Python calls a wait).
+    _wake: asyncio.Future[None] | None = None
 
     @property
     def fraction(self) -> float:
@@ -105,20 +108,22 @@ class Stage:
             slot.future.add_done_callback(functools.partial(self._done, slot))
         if not self._open:
             self._end("complete")
-        timer = Deadline((deadline if deadline is not None else cap) - (now - t0))
+        timer = Deadline((deadline if deadline is not None else cap) - (now - t0),
+                         self._wake_up)
         excused = 0.0  # seconds the timers were moved by for our own garbage collections
         self._watch_idle()  # now if no tail is awaited; else _done, when the last one lands
         try:
             while True:
-                waits: set[asyncio.Future[object]] = {self._ended, timer.fired}  # type: ignore
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if not self._ended.done():
+                    self._wake = loop.create_future()
+                    await self._wake
                 if self._ended.done():
                     self.reason = self._ended.result()
                     break
                 if self.fraction < need and deadline is not None and self._open:
                     # The safety valve says wait: keep waiting as a reliable stage would.
                     timer.cancel()
-                    timer = Deadline(cap)
+                    timer = Deadline(cap, self._wake_up)
                     deadline = None
                     continue
                 now = time.perf_counter()
@@ -129,7 +134,7 @@ class Stage:
                 if until is not None and until > now:
                     self.extended = True
                     timer.cancel()
-                    timer = Deadline(until - now)
+                    timer = Deadline(until - now, self._wake_up)
                     continue
                 self.reason = "deadline"
                 break
@@ -216,10 +221,12 @@ class Stage:
         """A sender's slices are all in: if every sender still owing slices has sent nothing
         yet (not a slice, not a byte since the stage began), note them and the time."""
         t0, heard = self._t0, self._heard_at
-        waiting = [src for src, left in self._open_by.items() if left]
-        if waiting and all(src not in self._heard and (heard is None or heard(src) < t0)
-                           for src in waiting):
-            self._others_in, self._late = time.perf_counter(), frozenset(waiting)
+        for src, left in self._open_by.items():  # (a loop: this runs for most senders)
+            if left and (src in self._heard or (heard is not None and heard(src) >= t0)):
+                return  # this one has started
+        waiting = frozenset(src for src, left in self._open_by.items() if left)
+        if waiting:
+            self._others_in, self._late = time.perf_counter(), waiting
 
     def _watch_idle(self) -> None:
         """Once every awaited tail is in, check for quiet (early close), once."""
@@ -239,7 +246,13 @@ class Stage:
     def _end(self, reason: str) -> None:
         if self._ended is not None and not self._ended.done():
             self._ended.set_result(reason)
+            self._wake_up()
 
     def _end_with(self, exc: BaseException) -> None:
         if self._ended is not None and not self._ended.done():
             self._ended.set_exception(exc)
+            self._wake_up()
+
+    def _wake_up(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from ...errors import PeerLost
 from ...wire import Header
 from ..deadline import Deadline
+from ..waiting import first_done
 
 
 @dataclass(eq=False)
@@ -78,9 +79,6 @@ class Stage:
     _late: frozenset[int] = frozenset()
     _tails: int = 0
     _ended: asyncio.Future[str] | None = None
-    # What run awaits: woken by the end (_end) or its timer, whichever comes first (one
-    # future, not asyncio.wait over two: that costs a dozen Python calls a wait).
-    _wake: asyncio.Future[None] | None = None
 
     @property
     def fraction(self) -> float:
@@ -108,22 +106,19 @@ class Stage:
             slot.future.add_done_callback(functools.partial(self._done, slot))
         if not self._open:
             self._end("complete")
-        timer = Deadline((deadline if deadline is not None else cap) - (now - t0),
-                         self._wake_up)
+        timer = Deadline((deadline if deadline is not None else cap) - (now - t0))
         excused = 0.0  # seconds the timers were moved by for our own garbage collections
         self._watch_idle()  # now if no tail is awaited; else _done, when the last one lands
         try:
             while True:
-                if not self._ended.done():
-                    self._wake = loop.create_future()
-                    await self._wake
+                await first_done((self._ended, timer.fired))
                 if self._ended.done():
                     self.reason = self._ended.result()
                     break
                 if self.fraction < need and deadline is not None and self._open:
                     # The safety valve says wait: keep waiting as a reliable stage would.
                     timer.cancel()
-                    timer = Deadline(cap, self._wake_up)
+                    timer = Deadline(cap)
                     deadline = None
                     continue
                 now = time.perf_counter()
@@ -134,7 +129,7 @@ class Stage:
                 if until is not None and until > now:
                     self.extended = True
                     timer.cancel()
-                    timer = Deadline(until - now, self._wake_up)
+                    timer = Deadline(until - now)
                     continue
                 self.reason = "deadline"
                 break
@@ -246,13 +241,7 @@ class Stage:
     def _end(self, reason: str) -> None:
         if self._ended is not None and not self._ended.done():
             self._ended.set_result(reason)
-            self._wake_up()
 
     def _end_with(self, exc: BaseException) -> None:
         if self._ended is not None and not self._ended.done():
             self._ended.set_exception(exc)
-            self._wake_up()
-
-    def _wake_up(self) -> None:
-        if self._wake is not None and not self._wake.done():
-            self._wake.set_result(None)

@@ -60,6 +60,7 @@ from ..schemes.base import chunk_step
 from ..straggle import StraggleModel, parse_seeded, parse_straggle
 from ..transport.loop import run
 from .bound import bound
+from .flows import Bursts
 
 SCHEMES = tuple(names())  # every registered scheme
 
@@ -442,7 +443,9 @@ def run_allreduce(cfg: Config, timeout: float = 3600.0, *, hosts: Hosts | None =
             # (its own host looks like a core per rank) would take a waiting rank's core.
             env.setdefault("AIOREDUCE_LANE_SPIN", "0")
         out = run_on_cluster(cfg.nodes, cfg.link_mbit, cfg.background, worker, env, timeout,
-                             cpus_per_host=cfg.cpus_per_host)
+                             cpus_per_host=cfg.cpus_per_host,
+                             bursts=Bursts(*cfg.background_burst) if cfg.background_burst
+                             else None)
         tag = "RESULT "
     else:  # the launcher: cfg.nodes ranks on this machine, or on the hostfile's slots
         where = [] if hosts is None else [hosts.hostfile, *hosts.launch_args]
@@ -458,10 +461,11 @@ def run_allreduce(cfg: Config, timeout: float = 3600.0, *, hosts: Hosts | None =
 
 def run_on_cluster(nodes: int, link_mbit: float | None, background: int, worker: list[str],
                    env: dict[str, str], timeout: float, *,
-                   cpus_per_host: float | None = None) -> str:
+                   cpus_per_host: float | None = None, bursts: Bursts | None = None) -> str:
     """``worker`` as ``nodes`` ranks, every one in its own network namespace (an emulated
-    host), links shaped to ``link_mbit``, ``background`` bulk flows between the hosts, each
-    host held to ``cpus_per_host`` CPUs if given; returns rank 0's stdout.
+    host), links shaped to ``link_mbit``, ``background`` bulk flows between the hosts (steady,
+    or in ``bursts``), each host held to ``cpus_per_host`` CPUs if given; returns rank 0's
+    stdout.
 
     The first rank to fail ends the run: the others are killed and the error names it (a
     rank that died leaves the rest waiting for it, so waiting for rank 0 would hang)."""
@@ -469,7 +473,7 @@ def run_on_cluster(nodes: int, link_mbit: float | None, background: int, worker:
     from .cluster import Cluster
 
     with Cluster(nodes, rate_mbit=link_mbit, cpus_per_host=cpus_per_host) as cluster:
-        cluster.background(background)
+        cluster.background(background, bursts=bursts)
         job = JobConfig(master_addr=cluster.addr(0), master_port=29500, rendezvous_port=29501)
         hosts = [HostSlots(cluster.ns(i), 1, addr=cluster.addr(i)) for i in range(nodes)]
         # Gloo picks its address from the hostname, which resolves to 127.0.0.1 inside a

@@ -9,11 +9,19 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .flows import Bursts
 from .sizes import fmt_size, parse_size
 
 
 def _sizes(text: str) -> list[int]:
     return [parse_size(s) for s in text.split(",") if s]
+
+
+def _bursts(text: str) -> Bursts:
+    try:
+        return Bursts.parse(text)
+    except ValueError as e:  # argparse words it as "invalid value" and drops the reason
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(AIOREDUCE_LATENCY; not applied to Gloo)")
     ar.add_argument("--background", type=int, default=0, metavar="FLOWS",
                     help="with --netns: bulk TCP flows between hosts, as other tenants")
+    ar.add_argument("--background-burst", type=_bursts, default=None, metavar="ON,OFF",
+                    help="with --background: each flow sends in bursts of ON seconds, then "
+                         "pauses OFF (exponential about those means, seeded); default steady")
     ar.add_argument("--cpus-per-host", type=float, default=None, metavar="CPUS",
                     help="with --netns: hold each emulated host to CPUS CPUs (a cgroup "
                          "quota), equal shares whatever the number of hosts")
@@ -363,7 +374,10 @@ def _allreduce(opts: argparse.Namespace) -> list[dict[str, Any]]:
                  model_bandwidth=(opts.link_mbit * 1e6 / 8 if opts.link_mbit
                                   else opts.model_bandwidth),
                  netns=opts.netns, link_mbit=opts.link_mbit, options=opts.options,
-                 background=opts.background, latency=opts.latency, in_place=opts.in_place,
+                 background=opts.background,
+                 background_burst=([opts.background_burst.on, opts.background_burst.off]
+                                   if opts.background_burst else None),
+                 latency=opts.latency, in_place=opts.in_place,
                  gc_every=opts.gc_every, cpus_per_host=opts.cpus_per_host)
     results = run_allreduce(cfg)
     where = os.environ.get("AIOREDUCE_BENCH_PROFILE")

@@ -31,6 +31,7 @@ from types import TracebackType
 
 from . import congestion as congestion_list
 from . import cpushare
+from .flows import Bursts
 from .owner import orphaned
 
 log = logging.getLogger("aioreduce.bench")
@@ -263,30 +264,28 @@ class Cluster:
              "rate", f"{self.rate_mbit}mbit", "burst", str(burst), "latency", "100ms")
 
     # -- background traffic ------------------------------------------------------------------
-    def background(self, flows: int, port: int = 5201) -> list[subprocess.Popen[bytes]]:
+    def background(self, flows: int, port: int = 5201,
+                   bursts: Bursts | None = None) -> list[subprocess.Popen[bytes]]:
         """Start ``flows`` bulk TCP transfers between hosts (flow ``k``: host ``k mod n`` to
-        host ``k+1 mod n``), as other tenants' traffic on the same links. They run until
-        the cluster is torn down (or the caller kills them)."""
+        host ``k+1 mod n``), as other tenants' traffic on the same links: steady, or in
+        ``bursts`` (flow ``k`` seeded with ``k``: :mod:`aioreduce.bench.flows`). They run
+        until the cluster is torn down (or the caller kills them)."""
+        bursts = bursts or Bursts()
         procs: list[subprocess.Popen[bytes]] = []
         n = self.hosts
+        flow = [sys.executable, "-P", "-m", "aioreduce.bench.flows"]  # (-P: see the bench's worker)
         for k in range(flows):
             src, dst = k % n, (k + 1) % n
             if src == dst:
                 break
-            sink = ("import socket,sys\ns=socket.create_server((sys.argv[1],int(sys.argv[2])))\n"
-                    "print('ready',flush=True)\nc,_=s.accept()\nb=bytearray(1<<20)\n"
-                    "try:\n while c.recv_into(b):pass\nexcept OSError:pass")
-            source = ("import socket,sys\nc=socket.create_connection((sys.argv[1],"
-                      "int(sys.argv[2])))\nb=bytes(1<<20)\n"
-                      # torn down with the cluster: a reset then is the end, not an error
-                      "try:\n while True:c.sendall(b)\nexcept OSError:pass")
             addr, p = self.addr(dst), str(port + k)
-            listener = subprocess.Popen(self.exec_argv(dst, [sys.executable, "-c", sink, addr,
-                                                              p]), stdout=subprocess.PIPE)
+            listener = subprocess.Popen(self.exec_argv(dst, [*flow, "sink", addr, p]),
+                                        stdout=subprocess.PIPE)
             assert listener.stdout is not None
             listener.stdout.readline()  # wait until it listens
-            procs += [listener, subprocess.Popen(self.exec_argv(src, [sys.executable, "-c",
-                                                                     source, addr, p]))]
+            procs += [listener, subprocess.Popen(self.exec_argv(src, [
+                *flow, "source", addr, p, "--on", repr(bursts.on), "--off", repr(bursts.off),
+                "--seed", str(k)]), stdout=subprocess.DEVNULL)]
         return procs
 
     # -- real SSH hosts ----------------------------------------------------------------------

@@ -38,6 +38,8 @@ class Config:
     netns: bool = False  # every rank on its own emulated host (network namespace)
     link_mbit: float | None = None  # shape each host's link, both directions
     background: int = 0  # bulk TCP flows between hosts (emulated cluster only)
+    # Mean seconds of those flows' bursts and pauses ([on, off]); None: steady flows
+    background_burst: list[float] | None = None
     cpus_per_host: float | None = None  # each emulated host's CPU quota (cgroup); None: none
     latency: float = 0.0  # emulated one-way latency per frame, s (our transport only:
     # Gloo's sockets are its own, so it runs without it)

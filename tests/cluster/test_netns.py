@@ -14,6 +14,7 @@ import pytest
 
 from aioreduce.bench import cpushare
 from aioreduce.bench.cluster import Cluster, available
+from aioreduce.bench.flows import Bursts
 
 pytestmark = [pytest.mark.cluster,
               pytest.mark.skipif(available() is not None,
@@ -97,6 +98,30 @@ def test_teardown_kills_what_runs_inside() -> None:
         time.sleep(0.2)
     assert sleeper.wait(timeout=10) != 0
     assert not set(cl.names) & _namespaces()
+
+
+def test_background_flows_in_bursts_start_as_asked_and_go_at_teardown() -> None:
+    with Cluster(2, rate_mbit=100) as cl:
+        procs = cl.background(1, bursts=Bursts(0.01, 0.01))
+        sink, source = procs
+        assert "source" in source.args and "--on" in source.args, source.args
+        on = list(source.args)
+        assert (on[on.index("--on") + 1], on[on.index("--off") + 1]) == ("0.01", "0.01")
+        assert source.poll() is None and sink.poll() is None  # sending, not failed
+    assert source.wait(timeout=10) is not None and sink.wait(timeout=10) is not None
+    assert not set(cl.names) & _namespaces()
+
+
+def test_a_run_with_bursty_background_flows_is_exact() -> None:
+    res = subprocess.run([sys.executable, "-m", "aioreduce.bench.cli", "allreduce", "--scheme",
+                          "transpose,ring", "--nodes", "3", "--size", "256K", "--iters", "5",
+                          "--verify", "--netns", "--link-mbit", "1000", "--background", "2",
+                          "--background-burst", "0.01,0.02", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(x) for x in res.stdout.splitlines()][:-1]
+    assert {r["scheme"] for r in rows} == {"transpose", "ring"}
+    assert all(r["max_rel_err"] < 1e-6 for r in rows)
 
 
 def test_ring_and_coded_tree_are_exact_across_emulated_hosts() -> None:

@@ -365,7 +365,15 @@ def _report(cfg: Config, name: str, scheme: Scheme | None, t: np.ndarray, err: f
     # ones' work takes the cores from the others), and, where the ranks share this machine's
     # cores, the least a step can take on them (every rank's CPU over the cores).
     starts = t[:, :, 0]
-    out["start_skew_s"] = float(np.median(starts.max(axis=0) - starts.min(axis=0)))
+    skew = starts.max(axis=0) - starts.min(axis=0)
+    out["start_skew_s"] = float(np.median(skew))
+    # The tail of that skew, and each rank's time from its own start (pooled): where the
+    # pooled completion's P99 is a late start (a barrier message stuck in a queue that other
+    # traffic fills) rather than a long step.
+    spans_own = (t[:, :, 1] - starts).ravel()
+    out.update({"start_skew_p99_s": float(np.quantile(skew, 0.99)),
+                "own_span_p50_s": float(np.median(spans_own)),
+                "own_span_p99_s": float(np.quantile(spans_own, 0.99))})
     if cfg.shared_cores:
         out["cpu_floor_s"] = float(cpu.sum()) / min(float(world), cfg.shared_cores)
     if cfg.verify:

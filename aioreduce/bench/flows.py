@@ -79,6 +79,8 @@ def source(addr: str, port: int, bursts: Bursts, seed: int = 0,
         for on, off in bursts.schedule(seed):
             if limit is not None and len(sent) >= limit:
                 break
+            # Timed as handed to the kernel: on the wire a burst goes on until the socket's
+            # buffer has drained into the link, and its pause is that much shorter.
             until, n = time.monotonic() + on, 0
             while True:  # at least one chunk a burst, however short it was drawn
                 conn.sendall(payload)
